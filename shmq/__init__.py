@@ -1,0 +1,20 @@
+"""shmq: a host-local, multi-process shared-memory message spool and queue.
+
+See docs/guide.md.  This module only re-exports the public names.
+"""
+
+from ._format import FORMAT_VERSION
+from .errors import (
+    Empty, FrameLost, Full, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+)
+from .reader import GroupReader, NamedReader, Reader
+from .spool import Frame, Spool
+from .stats import ReaderStats, SpoolStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Spool", "Frame", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
+    "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
+    "ReaderBusy", "FORMAT_VERSION",
+]

@@ -1,0 +1,302 @@
+"""On-disk format of a spool file: layouts, constants and pure (de)serializers.
+
+Everything here is a pure function of bytes; no I/O happens in this module.
+The same layout is described in prose in ``docs/format.md``; keep both in
+step.  All integers are little-endian; shared counters are aligned 8-byte
+words, published with single stores through a ``'Q'`` memoryview (see
+``docs/format.md`` "Commit point": ``struct.pack_into`` is not atomic).
+
+File layout::
+
+    [0, 4096)                      header page: immutable geometry (128 B),
+                                   control words, rate series, lock bytes
+    [SLOT_OFFSET, +slots*256)      named reader / group table
+    [lease_offset, +leases*64)     lease table (reserved for the work queue)
+    [ring_offset, +ring_bytes)     the data ring (4 KiB aligned)
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+
+from .errors import SpoolFormatError
+
+MAGIC = b"SHMQSPL\x00"
+FORMAT_VERSION = 1
+
+# --- header page ----------------------------------------------------------
+
+HEADER_BYTES = 4096
+#: Immutable geometry at the start of the header page (bytes 0..128).
+GEOMETRY = struct.Struct("<8sIIQQQQIIQIIBBHI16sQ20sI")
+assert GEOMETRY.size == 128
+GEOMETRY_CRC_SPAN = 124  # CRC covers bytes [0, 124); the CRC sits at 124
+
+# Control words: u64 indexes into the header page viewed as 'Q'.
+W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
+W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
+W_FIRST_SEQ = 18  # oldest frame still in the ring
+W_FIRST_POS = 19  # its byte position (stored before FIRST_SEQ)
+W_PEND_SEQ = 20  # commit journal: the NEXT_SEQ a writer is about to publish
+W_PEND_POS = 21  # ... and the NEXT_POS that goes with it
+W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
+W_LOCK_TOKEN = 24  # fencing token, bumped whenever a dead holder's lock is broken
+W_PUT_BYTES = 26  # (puts need no counter: every put takes the next seq)
+W_LAST_PUT_NS = 27
+W_EVICTED = 28  # frames pushed out of the ring to make room
+W_HIGH_FRAMES = 29  # most frames resident, recorded before evicting
+W_HIGH_BYTES = 30  # most ring bytes in use, recorded before evicting
+W_SLOT_HWM = 31  # 1 + highest slot index ever used (bounds table scans)
+W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
+# 33..63 reserved (48..63 for the work queue)
+W_RATE = 64  # per-second series: RATE_SECONDS x (second, puts, gets)
+RATE_SECONDS = 60
+RATE_WORDS = 3
+CTL_WORDS = HEADER_BYTES // 8
+
+DOORBELL_BYTE = 4000  # pwrite target: mmap stores raise no inotify event
+RECOVERY_LOCK_BYTE = 4064  # fcntl region lock: one process recovers the writer lock
+TABLE_LOCK_BYTE = 4065  # fcntl region lock: reader table allocation
+
+# --- reader / group table ------------------------------------------------
+
+SLOT_OFFSET = HEADER_BYTES
+SLOT_BYTES = 256
+SLOT_WORDS = SLOT_BYTES // 8
+DEFAULT_SLOTS = 64
+MAX_SLOTS = 4096
+NAME_OFFSET = 192  # name bytes within a slot
+NAME_MAX_BYTES = SLOT_BYTES - NAME_OFFSET - 1
+
+SLOT_FREE, SLOT_READER, SLOT_GROUP = 0, 1, 2
+S_STATE = 0
+S_SEQ = 1  # committed cursor (stored after S_POS)
+S_POS = 2
+S_PID = 3  # last attaching process
+S_LOST = 5
+S_GETS = 6
+S_GET_BYTES = 7
+S_LAST_GET_NS = 8
+S_DELAY_SUM_NS = 9
+S_DELAY_MAX_NS = 10
+S_LAG_HIGH = 11
+S_LAG_LOW = 12
+S_LOCK_HOLDER = 13  # group lock holder (same encoding as W_LOCK_HOLDER)
+S_LOCK_TOKEN = 15
+S_CREATED_NS = 16
+S_NAME_LEN = 17
+# liveness lock on the slot's first byte, group-lock recovery on its second
+SLOT_LIVE_BYTE = 0
+SLOT_RECOVERY_BYTE = 1
+
+# --- lease table (reserved for the work queue) ---------------------------
+
+LEASE_BYTES = 64
+DEFAULT_LEASES = 1024
+
+# --- frames --------------------------------------------------------------
+
+#: seq, stored_len, length, timestamp_ns, crc32, flags, codec, ext_words
+FRAME = struct.Struct("<QIIQIHBB")
+FRAME_BYTES = FRAME.size
+assert FRAME_BYTES == 32
+ALIGN = 8
+MAX_FRAME_PAYLOAD = 0xFFFFFFFF - FRAME_BYTES - ALIGN
+
+FLAG_PAD = 0x1  # filler to the ring's end; seq is that of the frame after it
+FLAG_SUPERSEDED = 0x2  # reserved for the work queue (dedup by key)
+FLAG_CRC = 0x4  # crc32 field is valid
+FLAG_EXT = 0x8  # reserved: extension header (key hash, not-before, attempts)
+
+CODEC_RAW = 0
+CODEC_PICKLE = 1
+CODEC_JSON = 2
+CODEC_NUMPY = 3
+CODEC_ARROW = 4
+CODEC_UTF8 = 5
+CODEC_NAMES = {
+    CODEC_RAW: "raw",
+    CODEC_PICKLE: "pickle",
+    CODEC_JSON: "json",
+    CODEC_NUMPY: "numpy",
+    CODEC_ARROW: "arrow",
+    CODEC_UTF8: "utf8",
+}
+
+POLICIES = ("overwrite", "block", "error")
+
+MIN_RING_BYTES = 4096
+PAGE = 4096
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+
+
+def parse_size(value) -> int:
+    """Return a byte count from an int or a string such as ``"64MiB"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and bare K/M/G/T) and decimal units
+    (KB, MB, GB, TB) are accepted, case-insensitively.
+
+    :raises TypeError: not an int or str.
+    :raises ValueError: unparsable or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"capacity must be an int or a string like '64MiB', not {type(value).__name__}")
+    if isinstance(value, int):
+        size = value
+    else:
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(f"cannot parse size {value!r}: use e.g. 65536, '64KiB', '64MiB', '1GiB'")
+        size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def frame_stored_bytes(length: int) -> int:
+    """Bytes a frame of ``length`` payload bytes occupies in the ring."""
+    return FRAME_BYTES + align(length)
+
+
+def ring_geometry(capacity: int, slots: int, leases: int):
+    """Return ``(slot_offset, lease_offset, ring_offset, ring_bytes, file_bytes)``."""
+    ring_bytes = max(align(capacity, PAGE), MIN_RING_BYTES)
+    lease_offset = SLOT_OFFSET + slots * SLOT_BYTES
+    ring_offset = align(lease_offset + leases * LEASE_BYTES, PAGE)
+    return SLOT_OFFSET, lease_offset, ring_offset, ring_bytes, ring_offset + ring_bytes
+
+
+def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
+    body = GEOMETRY.pack(
+        MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
+        slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
+        POLICIES.index(policy), int(bool(checksum)), 0, 0,
+        sem_prefix.encode("ascii"), created_ns, b"", 0,
+    )
+    crc = zlib.crc32(body[:GEOMETRY_CRC_SPAN])
+    return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", crc)
+
+
+def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
+    """Validate and decode the geometry block of a spool file.
+
+    Every offset is checked against ``file_size`` so a corrupt header can
+    never make later code read outside the mapping.
+
+    :raises SpoolFormatError: with a message saying what is wrong and what to do.
+    """
+    if len(raw) < GEOMETRY.size or file_size < HEADER_BYTES:
+        if raw[:len(MAGIC)] == MAGIC[:len(raw)] and raw:
+            raise SpoolFormatError(
+                f"{where}: truncated spool ({file_size} bytes, header alone needs {HEADER_BYTES}); "
+                "it cannot be repaired: destroy it and create it again")
+        raise SpoolFormatError(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
+    (magic, version, header_bytes, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
+     slot_bytes, lease_offset, lease_count, lease_bytes, policy, checksum, _r0, flags,
+     sem_prefix, created_ns, _r1, crc) = GEOMETRY.unpack_from(raw)
+    if magic != MAGIC:
+        raise SpoolFormatError(
+            f"{where}: not a shmq spool (bad magic {magic!r}); refusing to touch a foreign file")
+    if version > FORMAT_VERSION:
+        raise SpoolFormatError(
+            f"{where}: spool format version {version} is newer than this shmq supports "
+            f"({FORMAT_VERSION}); upgrade shmq, or export with the newer version and import here")
+    if version < 1:
+        raise SpoolFormatError(f"{where}: invalid spool format version {version}")
+    if zlib.crc32(raw[:GEOMETRY_CRC_SPAN]) != crc:
+        raise SpoolFormatError(
+            f"{where}: spool header is corrupt (checksum mismatch); run 'shmq fsck' or "
+            "recreate the spool")
+    problems = []
+    if header_bytes != HEADER_BYTES:
+        problems.append(f"header size {header_bytes}")
+    if slot_bytes != SLOT_BYTES or lease_bytes != LEASE_BYTES:
+        problems.append("slot/lease record size")
+    if slot_offset != SLOT_OFFSET or not (0 < slot_count <= MAX_SLOTS):
+        problems.append(f"reader table ({slot_count} slots at {slot_offset})")
+    if lease_offset != slot_offset + slot_count * slot_bytes:
+        problems.append(f"lease table offset {lease_offset}")
+    if ring_offset < lease_offset + lease_count * lease_bytes or ring_offset % PAGE:
+        problems.append(f"ring offset {ring_offset}")
+    if ring_bytes < MIN_RING_BYTES or ring_bytes % PAGE:
+        problems.append(f"ring size {ring_bytes}")
+    if file_bytes != ring_offset + ring_bytes:
+        problems.append(f"file size field {file_bytes}")
+    if policy >= len(POLICIES):
+        problems.append(f"on_full policy code {policy}")
+    try:
+        prefix = sem_prefix.rstrip(b"\x00").decode("ascii")
+    except UnicodeDecodeError:
+        prefix = ""
+    if not re.fullmatch(r"[0-9a-f]{12}", prefix):
+        problems.append("semaphore name")
+    if problems:
+        raise SpoolFormatError(f"{where}: spool header is inconsistent ({', '.join(problems)}); "
+                               "recreate the spool")
+    if file_size < file_bytes:
+        raise SpoolFormatError(
+            f"{where}: truncated spool: the file has {file_size} bytes, its header says "
+            f"{file_bytes}; destroy it and create it again")
+    return {
+        "version": version, "file_bytes": file_bytes, "ring_offset": ring_offset,
+        "ring_bytes": ring_bytes, "slot_offset": slot_offset, "slot_count": slot_count,
+        "lease_offset": lease_offset, "lease_count": lease_count,
+        "policy": POLICIES[policy], "checksum": bool(checksum), "flags": flags,
+        "sem_prefix": prefix, "created_ns": created_ns,
+    }
+
+
+def frame_crc(data) -> int:
+    return zlib.crc32(data)
+
+
+def valid_frame_header(stored: int, length: int, offset: int, ring_bytes: int) -> bool:
+    """True when a decoded frame header's lengths keep it inside the ring."""
+    return (stored >= FRAME_BYTES + length and stored % ALIGN == 0
+            and offset + stored <= ring_bytes)
+
+
+def pack_name(name: str) -> bytes:
+    raw = name.encode("utf-8")
+    return bytes([len(raw)]) + raw
+
+
+def unpack_name(raw: bytes) -> str | None:
+    n = raw[0]
+    if n == 0 or n > NAME_MAX_BYTES:
+        return None
+    try:
+        return raw[1:1 + n].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+# struct flock for fcntl(F_OFD_SETLK): short type, short whence, off_t start,
+# off_t len, pid_t pid (must be 0 for OFD locks), padded to 32 bytes on LP64.
+FLOCK = struct.Struct("hhqqi4x")
+
+
+def pack_flock(kind: int, start: int, length: int = 1) -> bytes:
+    return FLOCK.pack(kind, 0, start, length, 0)
+
+
+def unpack_flock(raw: bytes):
+    """Return ``(type, start, length, pid)``."""
+    kind, _whence, start, length, pid = FLOCK.unpack(raw)
+    return kind, start, length, pid

@@ -1,0 +1,60 @@
+"""The shmq error set.
+
+Every error subclasses :class:`ShmqError`; the two that have stdlib twins also
+subclass them, so code written for :mod:`queue` / :mod:`multiprocessing`
+catches them unchanged.  All errors survive pickling (they are raised in
+worker processes and re-raised in parents).
+"""
+
+import queue
+
+__all__ = [
+    "ShmqError",
+    "Empty",
+    "Full",
+    "Timeout",
+    "FrameLost",
+    "SpoolFormatError",
+    "TooLarge",
+    "ReaderBusy",
+]
+
+
+class ShmqError(Exception):
+    """Base class of every error shmq raises on purpose."""
+
+    def __reduce__(self):
+        # Exceptions with extra attributes or keyword-only constructors do
+        # not round-trip through pickle by default; rebuild from args.
+        return (type(self), self.args)
+
+
+class Empty(ShmqError, queue.Empty):
+    """Nothing to read (non-blocking get, or a blocking get that timed out)."""
+
+
+class Full(ShmqError, queue.Full):
+    """No room for the frame (``on_full="error"``, or a blocking put timed out)."""
+
+
+class Timeout(ShmqError, TimeoutError):
+    """A lock could not be acquired in time (its holder is alive but busy)."""
+
+
+class FrameLost(ShmqError, LookupError):
+    """The requested frame was overwritten (or never existed)."""
+
+
+class SpoolFormatError(ShmqError, ValueError):
+    """The file is not a usable spool: wrong magic, newer version, corrupt or truncated.
+
+    The message says what is wrong and what to do about it.
+    """
+
+
+class TooLarge(ShmqError, ValueError):
+    """A frame (or atomic batch) that can never fit in the spool's ring."""
+
+
+class ReaderBusy(ShmqError):
+    """A named reader is already attached by another live handle."""

@@ -1,0 +1,960 @@
+"""The spool: a shared-memory ring of frames with many writers and many readers.
+
+Writers serialize on one recoverable semaphore lock, append frames and
+publish them with a single aligned store of ``NEXT_SEQ`` (the commit point).
+Readers never take the writer lock: they read ``NEXT_SEQ``, read the frame at
+their cursor, check its seq, copy it, and re-check ``FIRST_SEQ`` to detect an
+overwrite that raced with the copy (seqlock style).  See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+
+from . import _format as F
+from ._format import (
+    FLAG_CRC, FLAG_PAD, FRAME, FRAME_BYTES, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES,
+    W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PEND_POS, W_PEND_SEQ, W_PUT_BYTES,
+    W_RATE, RATE_SECONDS, RATE_WORDS,
+)
+from ._lock import RecoverableLock, LOCK_RECOVERY_TIMEOUT_S, holder_pid, ofd_lock, ofd_locked_by_other, ofd_unlock
+from ._mapping import (
+    SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
+    read_geometry, resolve_path, sem_name, unlink_semaphores,
+)
+from ._notify import Doorbell
+from .errors import Empty, FrameLost, Full, ShmqError, SpoolFormatError, Timeout, TooLarge
+from .stats import ReaderStats, SpoolStats
+
+log = logging.getLogger("shmq")
+
+__all__ = ["Spool", "Frame"]
+
+_unpack_frame = FRAME.unpack_from
+_pack_frame = FRAME.pack_into
+_time_ns = time.time_ns
+_crc = F.frame_crc
+
+_open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
+
+
+class _NoRoom(Exception):
+    """Internal: the fast path found the ring full; retry on the general path."""
+
+
+class Frame(tuple):
+    """One message: ``(seq, timestamp_ns, data)``; ``data`` is ``bytes``.
+
+    A plain tuple subclass (cheaper to build than a namedtuple) with named
+    accessors; ``codec`` is available as an attribute for decoders.
+    """
+
+    __slots__ = ()
+    seq = property(lambda self: self[0], doc="Sequence number (strictly increasing).")
+    timestamp_ns = property(lambda self: self[1], doc="Wall-clock ns when it was put.")
+    data = property(lambda self: self[2], doc="The payload bytes.")
+
+    def __repr__(self):
+        return f"Frame(seq={self[0]}, timestamp_ns={self[1]}, data={self[2]!r:.60})"
+
+
+_new_frame = tuple.__new__
+
+
+def _check_block_timeout(block, timeout):
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number or None, not {type(timeout).__name__}")
+        if timeout != timeout:
+            raise ValueError("timeout must not be NaN")
+        if timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+    return timeout if block else 0
+
+
+def _as_view(data):
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    if isinstance(data, str):
+        raise TypeError("frames are bytes-like objects, not str: encode it first (e.g. s.encode())")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"frames are bytes-like objects, not {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("frame buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class Spool:
+    """A fixed-capacity, memory-mapped message ring shared by processes.
+
+    Create with :meth:`create`, attach with :meth:`open`.  Handles are
+    cheap, pickle to their path (``pickle.loads`` reattaches), and are safe
+    across ``fork`` (the child gets its own file description).  One handle
+    should not be used by several threads at once.
+    """
+
+    def __init__(self, path, *, sync=False, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S):
+        """Attach to an existing spool: prefer :meth:`open`."""
+        path = resolve_path(path)
+        self._map = Mapping(path)
+        try:
+            self._setup(sync, recovery_timeout)
+        except BaseException:
+            self._map.close()
+            raise
+        _open_spools.add(self)
+
+    def _setup(self, sync, recovery_timeout):
+        m = self._map
+        geo = m.geo
+        self.path = m.path
+        self._geo = geo
+        self._sync = bool(sync)
+        self._recovery_timeout = recovery_timeout
+        self._mm = m.mm
+        self._ctl = m.ctl
+        self._slots = m.slots
+        self._ring = geo["ring_bytes"]
+        self._base = geo["ring_offset"]
+        self._policy = geo["policy"]
+        self._overwrite = self._policy == "overwrite"
+        self._checksum = geo["checksum"]
+        self._crc_flag = FLAG_CRC if self._checksum else 0
+        self._max_payload = min(self._ring - FRAME_BYTES, F.MAX_FRAME_PAYLOAD)
+        prefix = geo["sem_prefix"]
+        self._sem_prefix = prefix
+        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1)
+        self._wlock = RecoverableLock(
+            self._writer_sem, self._ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
+            F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout,
+            on_recover=self._recover_writer)
+        self._data_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
+            sem_name(prefix, SEM_READ_WAITERS), 0))
+        self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
+            sem_name(prefix, SEM_SPACE_WAITERS), 0))
+        self._readers = weakref.WeakSet()
+        self._slot_refs = {}  # slot -> readers of this handle attached to it
+        self._locate_hint = None
+        self._full_marker = None
+        self._rate_until = 0  # end of the second self._rate_word counts
+        self._rate_word = W_RATE + 1
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, path, capacity="64MiB", on_full="overwrite", mode=0o600, *, readers=F.DEFAULT_SLOTS,
+               leases=F.DEFAULT_LEASES, checksum=True, exist_ok=False, sync=False,
+               recovery_timeout=LOCK_RECOVERY_TIMEOUT_S) -> "Spool":
+        """Create a spool file and return a handle to it.
+
+        ``capacity`` is the data ring's size in bytes (int or "64MiB"; rounded
+        up to 4 KiB); the file also holds a 4 KiB header, a table of
+        ``readers`` named reader/group slots and ``leases`` lease slots.  The
+        file is pre-allocated (never sparse), created with ``mode`` exactly
+        (not masked by the umask), without following symlinks, and appears
+        at ``path`` only once complete.  ``checksum`` stores a CRC-32 of each
+        payload (verified by ``fsck`` and by readers with ``verify=True``).
+
+        :raises FileExistsError: ``path`` exists and ``exist_ok`` is false.
+        :raises ValueError: bad capacity, policy, or slot counts.
+        """
+        if on_full not in F.POLICIES:
+            raise ValueError(f"on_full must be one of {F.POLICIES}, not {on_full!r}")
+        ring = F.parse_size(capacity)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise ValueError(f"mode must be a permission int like 0o600, not {mode!r}")
+        if isinstance(readers, bool) or not isinstance(readers, int) or not 1 <= readers <= F.MAX_SLOTS:
+            raise ValueError(f"readers must be an int in 1..{F.MAX_SLOTS}")
+        if isinstance(leases, bool) or not isinstance(leases, int) or not 0 <= leases <= 1 << 20:
+            raise ValueError("leases must be an int in 0..1048576")
+        resolved = resolve_path(path)
+        try:
+            create_file(resolved, ring_bytes=ring, policy=on_full, mode=mode, slots=readers,
+                        leases=leases, checksum=checksum)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+        return cls(resolved, sync=sync, recovery_timeout=recovery_timeout)
+
+    @classmethod
+    def open(cls, path, *, sync=False, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S) -> "Spool":
+        """Attach to an existing spool.
+
+        ``sync=True`` makes every put ``msync`` the pages it wrote (for spools
+        on a disk path: durable across a machine crash, at a large cost).
+
+        :raises FileNotFoundError: nothing at ``path``.
+        :raises shmq.SpoolFormatError: not a spool, corrupt, truncated, or a newer format.
+        """
+        return cls(path, sync=sync, recovery_timeout=recovery_timeout)
+
+    @staticmethod
+    def destroy(path) -> None:
+        """Remove a spool file and its semaphores.
+
+        Processes that still have it open keep working on the unlinked
+        file until they close it.  A file that is not a spool is left alone.
+
+        :raises FileNotFoundError: nothing at ``path``.
+        :raises shmq.SpoolFormatError: the file is not a spool (it is not removed).
+        """
+        path = resolve_path(path)
+        geo = read_geometry(path)
+        unlink_semaphores(geo["sem_prefix"], geo["slot_count"])
+        os.unlink(path)
+
+    def close(self) -> None:
+        """Detach: close this handle's readers, release their slots, unmap. Idempotent."""
+        if getattr(self, "_map", None) is None or self._map.mm is None:
+            return
+        for r in list(self._readers):
+            r.close()
+        self._data_bell.close()
+        self._space_bell.close()
+        for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
+            sem.close()
+        self._ctl = self._slots = self._mm = None
+        self._map.close()
+        _open_spools.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return (_reopen, (self.path, self._sync, self._recovery_timeout))
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"seq {self.first_seq}..{self.next_seq}"
+        return f"<shmq.Spool {self.path!r} {self._policy} {self._ring} B {state}>"
+
+    def _after_fork_in_child(self):
+        # The inherited descriptor shares the parent's OFD locks and inotify
+        # instance; take private ones so liveness and wake-ups stay per process.
+        self._map.reopen_fd()
+        self._data_bell.close()
+        self._space_bell.close()
+        self._pid = os.getpid()
+        for r in list(self._readers):
+            r._after_fork_in_child()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def capacity(self) -> int:
+        """Size of the data ring in bytes."""
+        return self._ring
+
+    @property
+    def on_full(self) -> str:
+        return self._policy
+
+    @property
+    def first_seq(self) -> int:
+        """Seq of the oldest frame still in the ring."""
+        return self._ctl[W_FIRST_SEQ]
+
+    @property
+    def next_seq(self) -> int:
+        """Seq the next committed frame will get (all below it are readable)."""
+        return self._ctl[W_NEXT_SEQ]
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Largest payload one frame can carry in this spool."""
+        return self._max_payload
+
+    def _check_open(self):
+        if self._mm is None:
+            raise ValueError("spool handle is closed")
+
+    # ------------------------------------------------------------ writing
+
+    def put(self, data, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
+        """Append one frame; return its seq.
+
+        Atomic: readers see the whole frame or nothing, also if this process
+        is killed at any point.  Blocks only to take the writer lock and, for
+        ``on_full="block"``, until the slowest named reader/group frees room
+        (``block=False`` or ``timeout`` bound the wait).
+
+        :raises TypeError: ``data`` is not bytes-like.
+        :raises shmq.TooLarge: the frame can never fit in this ring.
+        :raises shmq.Full: no room (policy "error", or block policy timed out).
+        :raises shmq.Timeout: the writer lock's (live) holder did not release in time.
+        """
+        if type(data) is bytes:
+            n = len(data)
+        else:
+            data = _as_view(data)
+            n = len(data) if type(data) is not memoryview else data.nbytes
+        ctl = self._ctl
+        if (timeout is not None or not block or ctl is None or n > self._max_payload
+                or self._sync):
+            return self._append((data,), _check_block_timeout(block, timeout), codec)
+        # Fast path: one frame that fits before the ring's end without
+        # evicting anything; everything else takes the general path.
+        need = FRAME_BYTES + ((n + 7) & ~7)
+        crc = _crc(data) if self._checksum else 0
+        lock = self._wlock
+        lock.acquire()
+        try:
+            seq = ctl[W_NEXT_SEQ]
+            pos = ctl[W_NEXT_POS]
+            ring = self._ring
+            off = pos % ring
+            end = pos + need
+            if ring - off < need or end - ctl[W_FIRST_POS] > ring:
+                seq = self._write_locked((data,), ((n, need),), need, crc and [crc],
+                                         self._crc_flag, codec)
+                if seq is None:
+                    raise _NoRoom
+            else:
+                ts = _time_ns()
+                o = self._base + off
+                mm = self._mm
+                _pack_frame(mm, o, seq, need, n, ts, crc, self._crc_flag, codec, 0)
+                mm[o + FRAME_BYTES:o + FRAME_BYTES + n] = data
+                nxt = seq + 1
+                ctl[W_PEND_SEQ] = nxt
+                ctl[W_PEND_POS] = end
+                ctl[W_NEXT_SEQ] = nxt  # <- the commit point
+                ctl[W_NEXT_POS] = end
+                self._account_put(ctl, 1, n, ts, nxt, end)
+        except _NoRoom:
+            lock.release()
+            return self._append((data,), None, codec)
+        except BaseException:
+            lock.release()
+            raise
+        lock.release()  # sem_post: also the fence before reading the waiter count
+        if self._data_bell.sem.value:
+            self._data_bell.ring()
+        return seq
+
+    def put_many(self, items, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
+        """Append several frames as one atomic, contiguous batch; return the first seq.
+
+        Readers see all of the batch or none of it, with consecutive seqs and
+        no other writer's frame in between.
+
+        :raises shmq.TooLarge: the batch can never fit in this ring.
+        """
+        views = tuple(_as_view(d) for d in items)
+        if not views:
+            raise ValueError("put_many() needs at least one item")
+        return self._append(views, _check_block_timeout(block, timeout), codec)
+
+    def _append(self, views, timeout, codec):
+        if self._mm is None:
+            self._check_open()
+        ring = self._ring
+        needs = []
+        total = 0
+        for v in views:
+            n = len(v) if type(v) is not memoryview else v.nbytes
+            if n > self._max_payload:
+                raise TooLarge(f"frame of {n} bytes can never fit: this spool's largest "
+                               f"frame is {self._max_payload} bytes (capacity {ring})")
+            need = FRAME_BYTES + ((n + 7) & ~7)
+            needs.append((n, need))
+            total += need
+        if total > ring:
+            raise TooLarge(f"batch of {len(views)} frames needs {total} bytes, more than the "
+                           f"ring's {ring}; split it")
+        # Checksums are computed before taking the lock (slow work outside locks).
+        crcs = [_crc(v) for v in views] if self._checksum else None
+        flags = self._crc_flag
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lock_wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self._wlock.acquire(lock_wait)
+            except Timeout:
+                if timeout == 0:
+                    raise Full("writer lock busy") from None
+                raise
+            try:
+                seq = self._write_locked(views, needs, total, crcs, flags, codec)
+            finally:
+                self._wlock.release()  # sem_post: also the fence before reading waiters
+            if seq is not None:
+                if self._data_bell.has_waiters():
+                    self._data_bell.ring()
+                return seq
+            if self._policy == "error":
+                raise Full(f"spool {self.path} is full (on_full='error')")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Full(f"spool {self.path} is still full after {timeout} s")
+            marker = self._full_marker  # taken under the lock: no change is missed
+            self._space_bell.wait(lambda: self._room_marker() != marker, left)
+
+    def _write_locked(self, views, needs, total, crcs, flags, codec):
+        """Place, write and publish a batch; None if there is no room (not block-able here)."""
+        ctl = self._ctl
+        mm = self._mm
+        ring = self._ring
+        base = self._base
+        seq0 = seq = ctl[W_NEXT_SEQ]
+        pos = ctl[W_NEXT_POS]
+        # Placement: a frame that does not fit before the ring's end is
+        # preceded by padding to the end (a PAD header if 32+ bytes remain).
+        placed = []
+        pads = []  # (ring offset, bytes, index of the frame that follows)
+        for k, (n, need) in enumerate(needs):
+            off = pos % ring
+            if ring - off < need:
+                if ring - off >= FRAME_BYTES:
+                    pads.append((off, ring - off, k))
+                pos += ring - off
+            placed.append(pos)
+            pos += need
+        end = pos
+        if end - placed[0] > ring:
+            # The batch would wrap onto itself: start it at the ring's start.
+            pos = ctl[W_NEXT_POS]
+            off = pos % ring
+            pads = [(off, ring - off, 0)] if off and ring - off >= FRAME_BYTES else []
+            pos += (ring - off) if off else 0
+            placed = []
+            for n, need in needs:
+                placed.append(pos)
+                pos += need
+            end = pos
+        first_pos = ctl[W_FIRST_POS]
+        if end - first_pos > ring:
+            if not self._make_room(end - ring, seq0, placed[0]):
+                return None
+            first_pos = ctl[W_FIRST_POS]
+        ts = _time_ns()
+        for off, gap, k in pads:
+            _pack_frame(mm, base + off, seq0 + k, gap, 0, ts, 0, FLAG_PAD, 0, 0)
+        nbytes = 0
+        for i, v in enumerate(views):
+            n, need = needs[i]
+            o = base + placed[i] % ring
+            _pack_frame(mm, o, seq, need, n, ts, crcs[i] if crcs else 0, flags, codec, 0)
+            mm[o + FRAME_BYTES:o + FRAME_BYTES + n] = v
+            seq += 1
+            nbytes += n
+        if self._sync:
+            self._msync(placed[0], end)
+        # Commit: journal first so a lock breaker can finish a half-done commit.
+        ctl[W_PEND_SEQ] = seq
+        ctl[W_PEND_POS] = end
+        ctl[W_NEXT_SEQ] = seq  # <- the commit point
+        ctl[W_NEXT_POS] = end
+        self._account_put(ctl, seq - seq0, nbytes, ts, seq, end)
+        return seq0
+
+    def _account_put(self, ctl, count, nbytes, ts, next_seq, end):
+        """Writer statistics (exact: called under the writer lock).
+
+        Kept to three shared stores: puts are ``next_seq`` itself, and the
+        high-water marks are recorded just before evicting (_make_room) and
+        completed with the current fill when stats are read.
+        """
+        ctl[W_PUT_BYTES] += nbytes
+        ctl[W_LAST_PUT_NS] = ts
+        if ts >= self._rate_until:
+            sec = ts // 1_000_000_000
+            self._rate_word = b = W_RATE + (sec % RATE_SECONDS) * RATE_WORDS + 1
+            self._rate_until = (sec + 1) * 1_000_000_000
+            if ctl[b - 1] != sec:
+                ctl[b - 1] = sec
+                ctl[b] = 0
+                ctl[b + 1] = 0
+        ctl[self._rate_word] += count
+
+    def _msync(self, start, end):
+        ring, base = self._ring, self._base
+        a, b = start % ring, end % ring or ring
+        spans = [(a, b)] if a < b else [(a, ring), (0, b)]
+        for lo, hi in spans:
+            lo_page = (base + lo) // F.PAGE * F.PAGE
+            self._mm.flush(lo_page, base + hi - lo_page)
+        self._mm.flush(0, F.HEADER_BYTES)
+
+    def _floor_pos(self):
+        """Oldest committed position any named reader or group still needs (None: no slots)."""
+        slots = self._slots
+        floor = None
+        for i in range(self._ctl[F.W_SLOT_HWM]):
+            w = i * F.SLOT_WORDS
+            if slots[w + F.S_STATE] != F.SLOT_FREE:
+                p = slots[w + F.S_POS]
+                if floor is None or p < floor:
+                    floor = p
+        return floor
+
+    def _room_marker(self):
+        """What must change before a writer blocked on a full spool retries."""
+        floor = self._floor_pos()
+        return self._ctl[W_FIRST_POS] if floor is None else floor
+
+    def _record_high_water(self):
+        """Fold the current fill into the high-water marks (fill only shrinks by eviction)."""
+        ctl = self._ctl
+        frames = ctl[W_NEXT_SEQ] - ctl[W_FIRST_SEQ]
+        used = ctl[W_NEXT_POS] - ctl[W_FIRST_POS]
+        if frames > ctl[W_HIGH_FRAMES]:
+            ctl[W_HIGH_FRAMES] = frames
+        if used > ctl[W_HIGH_BYTES]:
+            ctl[W_HIGH_BYTES] = used
+
+    def _make_room(self, limit, next_seq, batch_pos):
+        """Evict frames below byte position ``limit`` (writer lock held).
+
+        In block/error mode nothing a named reader or group has not
+        consumed is evicted; returns False if that leaves too little room.
+        """
+        ctl = self._ctl
+        if not self._overwrite:
+            floor = self._floor_pos()
+            if floor is None:
+                floor = ctl[W_FIRST_POS]  # no consumers registered: keep everything
+            if floor < limit and floor < ctl[W_NEXT_POS]:
+                self._full_marker = floor
+                return False  # unconsumed frames in the way (all consumed: evict all)
+        mm, ring, base = self._mm, self._ring, self._base
+        seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+        start_seq = seq
+        self._record_high_water()
+        while pos < limit and seq < next_seq:
+            off = pos % ring
+            if ring - off < FRAME_BYTES:
+                pos += ring - off
+                continue
+            hseq, stored, length, _ts, _crc32, flags, _c, _x = _unpack_frame(mm, base + off)
+            if hseq != seq or not F.valid_frame_header(stored, length, off, ring):
+                raise SpoolFormatError(
+                    f"{self.path}: ring is corrupt at seq {seq} (offset {off}: header says seq "
+                    f"{hseq}, {stored} bytes); run 'shmq fsck --repair'")
+            pos += stored
+            if not flags & FLAG_PAD:
+                seq += 1
+        if seq >= next_seq:
+            pos = batch_pos  # everything evicted: the ring restarts at this batch
+        ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
+        ctl[W_FIRST_SEQ] = seq
+        ctl[W_EVICTED] += seq - start_seq
+        return True
+
+    def _recover_writer(self, dead_pid):
+        """Repair the control words after breaking a dead writer's lock (lock held)."""
+        ctl = self._ctl
+        log.warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
+                    self.path, dead_pid, ctl[F.W_LOCK_TOKEN])
+        if ctl[W_PEND_SEQ] == ctl[W_NEXT_SEQ] and ctl[W_PEND_POS] != ctl[W_NEXT_POS]:
+            ctl[W_NEXT_POS] = ctl[W_PEND_POS]  # it died between commit and NEXT_POS
+        next_seq, next_pos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+        if ctl[W_FIRST_SEQ] >= next_seq or ctl[W_FIRST_POS] >= next_pos:
+            ctl[W_FIRST_POS] = next_pos
+            ctl[W_FIRST_SEQ] = next_seq
+            return
+        hit = self._header_at(ctl[W_FIRST_POS])
+        if hit is not None and ctl[W_FIRST_SEQ] <= hit[0] < next_seq:
+            ctl[W_FIRST_SEQ] = hit[0]  # it died between FIRST_POS and FIRST_SEQ
+        else:
+            log.error("shmq: %s: oldest frame unreadable after writer death; dropping the "
+                      "ring's contents (readers will count them lost)", self.path)
+            ctl[W_FIRST_POS] = next_pos
+            ctl[W_FIRST_SEQ] = next_seq
+
+    # ------------------------------------------------------------ reading
+
+    def _header_at(self, pos):
+        """``(seq, pos, stored, length, ts, crc, flags, codec)`` of a valid header at/after ``pos``.
+
+        Follows the short-tail skip; returns None if the header's lengths are
+        out of bounds.  Never reads outside the ring.
+        """
+        ring = self._ring
+        off = pos % ring
+        if ring - off < FRAME_BYTES:
+            pos += ring - off
+            off = 0
+        hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(self._mm, self._base + off)
+        if not F.valid_frame_header(stored, length, off, ring):
+            return None
+        return hseq, pos, stored, length, ts, crc, flags, codec
+
+    def _first_cursor(self):
+        """A consistent ``(seq, pos)`` of the oldest frame, read lock-free."""
+        ctl = self._ctl
+        for _ in range(10000):
+            seq = ctl[W_FIRST_SEQ]  # seq before pos: the writer stores pos first
+            pos = ctl[W_FIRST_POS]
+            nxt = ctl[W_NEXT_SEQ]
+            if seq >= nxt:
+                return seq, pos
+            hit = self._header_at(pos)
+            if hit is not None and seq <= hit[0] < nxt and ctl[W_FIRST_POS] == pos:
+                return hit[0], pos
+        raise SpoolFormatError(f"{self.path}: cannot find the oldest frame (ring corrupt?); "
+                               "run 'shmq fsck --repair'")
+
+    def _latest_cursor(self):
+        """``(NEXT_SEQ, NEXT_POS)`` as a consistent pair (takes the writer lock briefly)."""
+        self._wlock.acquire()
+        try:
+            return self._ctl[W_NEXT_SEQ], self._ctl[W_NEXT_POS]
+        finally:
+            self._wlock.release()
+
+    def _read(self, seq, pos, verify=False):
+        """Read the frame at cursor ``(seq, pos)``; return ``(frame, seq', pos', lost)``.
+
+        ``frame`` is None when the cursor caught up (after counting a loss).
+        Lock-free, seqlock style: writers advance ``FIRST_POS`` before they
+        overwrite anything, so a frame is intact iff ``FIRST_POS <= pos``
+        still holds after the copy; otherwise it is counted as lost.
+        """
+        ctl, mm, ring, base = self._ctl, self._mm, self._ring, self._base
+        lost = 0
+        while True:
+            if seq >= ctl[W_NEXT_SEQ]:
+                return None, seq, pos, lost
+            off = pos % ring
+            if ring - off < FRAME_BYTES:
+                pos += ring - off
+                off = 0
+            o = base + off
+            hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(mm, o)
+            if hseq != seq or off + stored > ring or stored < FRAME_BYTES + length:
+                seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
+                lost += skipped
+                continue
+            if flags & FLAG_PAD:
+                if ctl[W_FIRST_POS] > pos:  # the pad itself was overwritten
+                    seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
+                    lost += skipped
+                else:
+                    pos += stored
+                continue
+            data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
+            if ctl[W_FIRST_POS] > pos:  # overwritten while we copied
+                continue  # the next pass sees the mismatch and counts the loss
+            if verify and flags & FLAG_CRC and _crc(data) != crc:
+                raise SpoolFormatError(f"{self.path}: frame {seq} fails its CRC check "
+                                       "(memory corruption?); run 'shmq fsck'")
+            return _new_frame(Frame, (seq, ts, data)), seq + 1, pos + stored, lost
+
+    def _resync(self, seq, pos, hseq, off, stored, length):
+        """The header at the cursor is not frame ``seq`` (or was evicted): find out why."""
+        ctl = self._ctl
+        if seq < ctl[W_FIRST_SEQ] or pos < ctl[W_FIRST_POS]:
+            s, p = self._first_cursor()
+            if s < seq:
+                # Our cursor was not evicted after all (FIRST_* moved under
+                # us); it must be on the first frame itself.
+                raise SpoolFormatError(f"{self.path}: reader cursor seq {seq} is ahead of the "
+                                       f"oldest frame {s} yet unreadable; run 'shmq fsck'")
+            return s, p, s - seq  # overwritten: jump to the oldest frame, count exactly
+        if (seq < hseq < ctl[W_NEXT_SEQ] and stored >= FRAME_BYTES + length
+                and off + stored <= self._ring and stored % 8 == 0):
+            # A cursor committed with its position but not its seq (process
+            # killed between the two stores): the frames in between were read.
+            return hseq, pos, 0
+        raise SpoolFormatError(
+            f"{self.path}: corrupt frame header at seq {seq} (ring offset {off}: header says "
+            f"seq {hseq}, {stored} bytes stored, {length} bytes long); run 'shmq fsck'")
+
+    def _locate(self, seq):
+        """Byte position of frame ``seq`` (walks from the oldest frame or a hint)."""
+        ctl = self._ctl
+        if seq >= ctl[W_NEXT_SEQ]:
+            raise FrameLost(f"seq {seq} has not been written yet (next is {ctl[W_NEXT_SEQ]})")
+        for _attempt in range(100):
+            s, p = self._first_cursor()
+            if seq < s:
+                raise FrameLost(f"seq {seq} was overwritten (oldest is {s})")
+            hint = self._locate_hint
+            if hint is not None and s <= hint[0] <= seq:
+                s, p = hint
+            while True:
+                hit = self._header_at(p)
+                if ctl[W_FIRST_POS] > p:
+                    break  # the walk was overtaken by the writer: start again
+                if hit is None or hit[0] != s:
+                    raise SpoolFormatError(f"{self.path}: ring is corrupt near seq {s}; run 'shmq fsck'")
+                if hit[6] & FLAG_PAD:
+                    p = hit[1] + hit[2]
+                    continue
+                if s == seq:
+                    self._locate_hint = (s, hit[1])
+                    return hit[1]
+                s, p = s + 1, hit[1] + hit[2]
+        raise FrameLost(f"seq {seq} could not be located while the ring was being rewritten")
+
+    def read_at(self, seq, *, verify=False) -> Frame:
+        """Read frame ``seq`` without a lock and without moving any cursor.
+
+        Cost grows with the distance from the oldest frame (or from the
+        previous ``read_at``), as frames are variable-sized.
+
+        :raises shmq.FrameLost: ``seq`` was overwritten or is not written yet.
+        """
+        self._check_open()
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise TypeError(f"seq must be a non-negative int, not {seq!r}")
+        pos = self._locate(seq)
+        frame, _s, _p, lost = self._read(seq, pos, verify)
+        if frame is None or lost or frame[0] != seq:
+            raise FrameLost(f"seq {seq} was overwritten while being read")
+        return frame
+
+    # ------------------------------------------------------------ readers
+
+    def reader(self, name=None, *, group=False, start="earliest", auto_commit=True, verify=False):
+        """Return a reader: anonymous (``name=None``), named and durable, or a group member.
+
+        * anonymous: a private cursor, never holds writers back, forgotten on close;
+        * named: its committed position lives in the spool and survives
+          restarts; one live attachment at a time (fcntl lock on its slot);
+        * ``group=True``: a member of the named group; each frame goes to
+          exactly one member.
+
+        ``start`` ("earliest", "latest" or a seq) applies to an anonymous
+        reader and to a name seen for the first time; an existing named
+        reader resumes from its committed position.
+
+        :raises shmq.ReaderBusy: the named reader is attached elsewhere.
+        :raises shmq.ShmqError: the reader table is full, or the name is a
+            group/reader of the other kind.
+        """
+        from .reader import GroupReader, NamedReader, Reader
+
+        self._check_open()
+        if name is None:
+            if group:
+                raise ValueError("a group needs a name")
+            return Reader(self, start=start, verify=verify)
+        if group:
+            return GroupReader(self, name, start=start, verify=verify)
+        return NamedReader(self, name, start=start, auto_commit=auto_commit, verify=verify)
+
+    def _cursor_for(self, start):
+        if start == "earliest":
+            return self._first_cursor()
+        if start == "latest":
+            return self._latest_cursor()
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"start must be 'earliest', 'latest' or a seq, not {start!r}")
+        if start < 0:
+            raise ValueError(f"seq must be non-negative, not {start}")
+        nxt = self._ctl[W_NEXT_SEQ]
+        if start >= nxt:
+            if start > nxt:
+                raise ValueError(f"seq {start} is beyond the next seq {nxt}")
+            return self._latest_cursor()
+        return start, self._locate(start)
+
+    def _find_slot(self, name):
+        slots = self._slots
+        for i in range(self._ctl[F.W_SLOT_HWM]):
+            if slots[i * F.SLOT_WORDS + F.S_STATE] != F.SLOT_FREE and self._slot_name(i) == name:
+                return i
+        return None
+
+    def _slot_name(self, i):
+        off = self._geo["slot_offset"] + i * F.SLOT_BYTES + F.NAME_OFFSET
+        return F.unpack_name(self._mm[off:off + F.NAME_MAX_BYTES + 1])
+
+    def _slot_byte(self, i, which):
+        return self._geo["slot_offset"] + i * F.SLOT_BYTES + which
+
+    def _attach_slot(self, name, kind, start):
+        """Find or create the slot for ``name``; return its index (table lock held briefly)."""
+        if not isinstance(name, str):
+            raise TypeError(f"reader name must be a str, not {type(name).__name__}")
+        raw = name.encode("utf-8")
+        if not raw or len(raw) > F.NAME_MAX_BYTES or "\x00" in name:
+            raise ValueError(f"reader name must be 1..{F.NAME_MAX_BYTES} UTF-8 bytes without NUL: {name!r}")
+        fd = self._map.fd
+        ofd_lock(fd, F.TABLE_LOCK_BYTE, wait=True)
+        try:
+            i = self._find_slot(name)
+            if i is not None:
+                have = self._slots[i * F.SLOT_WORDS + F.S_STATE]
+                if have != kind:
+                    what = {F.SLOT_READER: "a named reader", F.SLOT_GROUP: "a group"}
+                    raise ShmqError(f"{name!r} is {what.get(have, 'in use')} in {self.path}, "
+                                    f"not {what[kind]}")
+                return i
+            seq, pos = self._cursor_for(start)
+            slots = self._slots
+            for i in range(self._geo["slot_count"]):
+                w = i * F.SLOT_WORDS
+                if slots[w + F.S_STATE] == F.SLOT_FREE:
+                    break
+            else:
+                raise ShmqError(f"{self.path}: reader table is full ({self._geo['slot_count']} "
+                                "slots); remove unused readers or create the spool with more")
+            for k in range(1, F.SLOT_WORDS):
+                if k < F.NAME_OFFSET // 8:
+                    slots[w + k] = 0
+            off = self._geo["slot_offset"] + i * F.SLOT_BYTES + F.NAME_OFFSET
+            packed = F.pack_name(name)
+            self._mm[off:off + F.NAME_MAX_BYTES + 1] = packed.ljust(F.NAME_MAX_BYTES + 1, b"\0")
+            slots[w + F.S_POS] = pos
+            slots[w + F.S_SEQ] = seq
+            slots[w + F.S_LAG_LOW] = (1 << 64) - 1
+            slots[w + F.S_CREATED_NS] = time.time_ns()
+            slots[w + F.S_STATE] = kind  # published last: the slot is complete
+            if i + 1 > self._ctl[F.W_SLOT_HWM]:
+                self._ctl[F.W_SLOT_HWM] = i + 1
+            return i
+        finally:
+            ofd_unlock(fd, F.TABLE_LOCK_BYTE)
+
+    def _slot_alive(self, i):
+        if self._slot_refs.get(i):
+            return True
+        return ofd_locked_by_other(self._map.fd, self._slot_byte(i, F.SLOT_LIVE_BYTE))
+
+    def remove_reader(self, name) -> None:
+        """Forget a named reader or group (its cursor stops holding writers back).
+
+        :raises KeyError: no such reader.
+        :raises shmq.ReaderBusy: it is attached by a live process.
+        """
+        from .errors import ReaderBusy
+
+        self._check_open()
+        fd = self._map.fd
+        ofd_lock(fd, F.TABLE_LOCK_BYTE, wait=True)
+        try:
+            i = self._find_slot(name)
+            if i is None:
+                raise KeyError(f"no reader or group named {name!r} in {self.path}")
+            w = i * F.SLOT_WORDS
+            if self._slot_alive(i):
+                raise ReaderBusy(f"reader {name!r} is attached (pid {self._slots[w + F.S_PID]}); "
+                                 "close it first")
+            self._slots[w + F.S_STATE] = F.SLOT_FREE
+            off = self._geo["slot_offset"] + i * F.SLOT_BYTES + F.NAME_OFFSET
+            self._mm[off] = 0
+        finally:
+            ofd_unlock(fd, F.TABLE_LOCK_BYTE)
+        self._notify_space()
+
+    # ------------------------------------------------------------ stats
+
+    def _notify_space(self):
+        """Wake writers blocked on a full spool (called after a consumer advances)."""
+        if self._space_bell.has_waiters():
+            self._space_bell.ring()
+
+    def _count_read_rate(self, n, now_ns):
+        # Unlocked read-modify-write: concurrent readers may lose an update
+        # (documented as approximate); the per-reader counters are exact.
+        ctl = self._ctl
+        sec = now_ns // 1_000_000_000
+        b = W_RATE + (sec % RATE_SECONDS) * RATE_WORDS
+        if ctl[b] != sec:
+            ctl[b] = sec
+            ctl[b + 1] = 0
+            ctl[b + 2] = 0
+        ctl[b + 2] += n
+
+    def readers(self) -> list[ReaderStats]:
+        """Named readers and groups with their position, lag, loss and liveness."""
+        self._check_open()
+        ctl, slots = self._ctl, self._slots
+        nxt, next_pos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+        out = []
+        for i in range(ctl[F.W_SLOT_HWM]):
+            w = i * F.SLOT_WORDS
+            state = slots[w + F.S_STATE]
+            if state == F.SLOT_FREE:
+                continue
+            name = self._slot_name(i)
+            if name is None:
+                continue
+            seq, pos, gets = slots[w + F.S_SEQ], slots[w + F.S_POS], slots[w + F.S_GETS]
+            low = slots[w + F.S_LAG_LOW]
+            out.append(ReaderStats(
+                name=name, kind="group" if state == F.SLOT_GROUP else "reader",
+                position=seq, lag=max(0, nxt - seq), lag_bytes=max(0, next_pos - pos),
+                lost=slots[w + F.S_LOST], gets=gets, get_bytes=slots[w + F.S_GET_BYTES],
+                last_get_ns=slots[w + F.S_LAST_GET_NS],
+                avg_delay_ns=slots[w + F.S_DELAY_SUM_NS] // gets if gets else 0,
+                max_delay_ns=slots[w + F.S_DELAY_MAX_NS], high_water=slots[w + F.S_LAG_HIGH],
+                low_water=0 if low == (1 << 64) - 1 else low, pid=slots[w + F.S_PID],
+                alive=self._slot_alive(i), slot=i))
+        return out
+
+    def stats(self) -> SpoolStats:
+        """A snapshot of the control block's statistics (see :class:`shmq.SpoolStats`)."""
+        self._check_open()
+        for r in list(self._readers):
+            r._flush_stats()
+        ctl = self._ctl
+        readers = self.readers()
+        first, nxt = ctl[W_FIRST_SEQ], ctl[W_NEXT_SEQ]
+        used = max(0, ctl[W_NEXT_POS] - ctl[W_FIRST_POS])
+        gets = sum(r.gets for r in readers)
+        delay_sum = sum(r.avg_delay_ns * r.gets for r in readers)
+        now = time.time() // 1
+        series = []
+        for k in range(RATE_SECONDS):
+            b = W_RATE + k * RATE_WORDS
+            if ctl[b] and now - ctl[b] < RATE_SECONDS:
+                series.append((ctl[b], ctl[b + 1], ctl[b + 2]))
+        series.sort()
+        return SpoolStats(
+            path=self.path, capacity=self._ring, on_full=self._policy, checksum=self._checksum,
+            first_seq=first, next_seq=nxt, frames=max(0, nxt - first), used_bytes=used,
+            fill=used / self._ring, puts=nxt, put_bytes=ctl[W_PUT_BYTES],
+            last_put_ns=ctl[W_LAST_PUT_NS], gets=gets, get_bytes=sum(r.get_bytes for r in readers),
+            last_get_ns=max((r.last_get_ns for r in readers), default=0),
+            avg_delay_ns=delay_sum // gets if gets else 0,
+            max_delay_ns=max((r.max_delay_ns for r in readers), default=0),
+            lost=sum(r.lost for r in readers), evicted=ctl[W_EVICTED],
+            high_water=max((r.high_water for r in readers), default=0),
+            low_water=min((r.low_water for r in readers if r.gets), default=0),
+            high_water_frames=max(ctl[W_HIGH_FRAMES], nxt - first),
+            high_water_bytes=max(ctl[W_HIGH_BYTES], used),
+            lock_pid=holder_pid(ctl[F.W_LOCK_HOLDER]), lock_token=ctl[F.W_LOCK_TOKEN],
+            lock_breaks=ctl[F.W_LOCK_BREAKS],
+            write_rate=tuple((s, p) for s, p, _g in series),
+            read_rate=tuple((s, g) for s, _p, g in series), readers=tuple(readers))
+
+    def sync(self) -> None:
+        """``msync`` the whole file: on a disk path, durable once this returns.
+
+        On ``/dev/shm`` (tmpfs) it is a no-op in effect: such a spool
+        survives process crashes but not a reboot.
+        """
+        self._check_open()
+        self._mm.flush()
+
+
+def _reopen(path, sync, recovery_timeout):
+    return Spool(path, sync=sync, recovery_timeout=recovery_timeout)
+
+
+def _after_fork_in_child():
+    for sp in list(_open_spools):
+        if not sp.closed:
+            try:
+                sp._after_fork_in_child()
+            except Exception:  # a fork hook must never raise
+                log.exception("shmq: could not re-open %s after fork", sp.path)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

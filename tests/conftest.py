@@ -1,0 +1,79 @@
+"""Shared fixtures: a private spool directory on /dev/shm, start methods, leak checks."""
+
+import multiprocessing as mp
+import os
+import shutil
+import uuid
+
+import pytest
+
+import shmq
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def _our_semaphores():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.shmq.")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_semaphores():
+    """Fail the session if the suite leaves shmq semaphores behind in /dev/shm."""
+    before = _our_semaphores()
+    yield
+    leaked = _our_semaphores() - before
+    assert not leaked, f"tests leaked named semaphores: {sorted(leaked)[:10]}"
+
+
+@pytest.fixture
+def spool_dir():
+    """A fresh directory under /dev/shm, removed (with any spool in it) afterwards."""
+    d = f"/dev/shm/shmq-test-{uuid.uuid4().hex[:12]}"
+    os.mkdir(d, 0o700)
+    yield d
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        try:
+            shmq.Spool.destroy(p)
+        except Exception:
+            pass
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def spool_path(spool_dir):
+    return os.path.join(spool_dir, "spool")
+
+
+@pytest.fixture
+def make_spool(spool_dir):
+    """Factory: ``make_spool(capacity=..., on_full=..., name=...)``; closed and destroyed after."""
+    made = []
+
+    def make(capacity="1MiB", on_full="overwrite", name=None, **kw):
+        path = os.path.join(spool_dir, name or f"s{len(made)}")
+        sp = shmq.Spool.create(path, capacity=capacity, on_full=on_full, **kw)
+        made.append(sp)
+        return sp
+
+    yield make
+    for sp in made:
+        sp.close()
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request):
+    """A multiprocessing context for each start method."""
+    return mp.get_context(request.param)
+
+
+def join_all(procs, timeout=60):
+    """Join processes with a bound; kill and fail on a hang."""
+    for p in procs:
+        p.join(timeout)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(5)
+    assert not hung, f"{len(hung)} process(es) hung"
+    return [p.exitcode for p in procs]

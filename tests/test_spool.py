@@ -1,0 +1,490 @@
+"""Single-process behaviour of the spool: writing, reading, policies, readers, stats."""
+
+import asyncio
+import os
+import pickle
+import stat
+
+import numpy as np
+import pytest
+
+import shmq
+from shmq import _format as F
+
+
+def payloads(n, size=100):
+    return [i.to_bytes(4, "little") * (size // 4) for i in range(n)]
+
+
+def test_put_get_roundtrip(make_spool):
+    sp = make_spool()
+    seqs = [sp.put(p) for p in payloads(10)]
+    assert seqs == list(range(10))
+    r = sp.reader()
+    got = [r.get(timeout=1) for _ in range(10)]
+    assert [f.data for f in got] == payloads(10)
+    assert [f.seq for f in got] == seqs
+    assert all(isinstance(f, shmq.Frame) and f.timestamp_ns > 0 for f in got)
+    with pytest.raises(shmq.Empty):
+        r.get(block=False)
+
+
+def test_put_accepts_bytes_like(make_spool):
+    sp = make_spool()
+    sp.put(bytearray(b"abc"))
+    sp.put(memoryview(b"defg"))
+    sp.put(np.arange(3, dtype=np.int32))
+    sp.put(b"")
+    r = sp.reader()
+    assert [f.data for f in r.get_many(10)] == [
+        b"abc", b"defg", np.arange(3, dtype=np.int32).tobytes(), b""]
+
+
+@pytest.mark.parametrize("bad", ["text", 12, None, 1.5, [b"a"]])
+def test_put_rejects_non_bytes(make_spool, bad):
+    sp = make_spool()
+    with pytest.raises(TypeError):
+        sp.put(bad)
+    assert sp.next_seq == 0  # nothing written
+
+
+def test_put_rejects_non_contiguous(make_spool):
+    sp = make_spool()
+    with pytest.raises(ValueError, match="contiguous"):
+        sp.put(np.arange(10)[::2])
+
+
+def test_too_large_raised_at_once(make_spool):
+    sp = make_spool(capacity=8192, on_full="block")
+    with pytest.raises(shmq.TooLarge):
+        sp.put(b"x" * 8192)
+    with pytest.raises(shmq.TooLarge):
+        sp.put_many([b"x" * 3000] * 3)
+    sp.put(b"x" * sp.max_frame_bytes)  # the largest frame does fit
+    assert sp.next_seq == 1
+
+
+def test_put_many_is_contiguous_and_returns_first_seq(make_spool):
+    sp = make_spool()
+    sp.put(b"before")
+    first = sp.put_many([b"a", b"b", b"c"])
+    assert first == 1
+    r = sp.reader()
+    assert [f.data for f in r.get_many(10)] == [b"before", b"a", b"b", b"c"]
+    with pytest.raises(ValueError):
+        sp.put_many([])
+
+
+def test_wraparound_keeps_every_frame_intact(make_spool):
+    sp = make_spool(capacity=4096)
+    r = sp.reader("r")
+    sizes = [1, 7, 8, 100, 333, 500, 1000, 24, 0, 3000, 17]
+    expect = []
+    for rnd in range(60):
+        for k, n in enumerate(sizes):
+            data = bytes([(rnd + k) % 256]) * n
+            sp.put(data)
+            expect.append(data)
+            f = r.get(timeout=1)
+            assert f.data == data
+    assert r.lost == 0
+    assert sp.stats().evicted > 0  # it really wrapped many times
+
+
+def test_overwrite_loss_counted_exactly(make_spool):
+    sp = make_spool(capacity=4096)
+    named = sp.reader("slow")
+    anon = sp.reader()
+    n = 500
+    for i in range(n):
+        sp.put(i.to_bytes(4, "little") * 10)
+    got_named = [int.from_bytes(f.data[:4], "little") for f in named.get_many(n)]
+    got_anon = [int.from_bytes(f.data[:4], "little") for f in anon.get_many(n)]
+    for got, r in ((got_named, named), (got_anon, anon)):
+        assert got == list(range(got[0], n))  # a suffix, in order
+        assert r.lost == n - len(got)  # exactly the frames it never saw
+        assert r.lost > 0
+    assert sp.first_seq == got_named[0]
+    assert sp.stats().lost == named.lost
+
+
+def test_error_policy_raises_full_and_keeps_data(make_spool):
+    sp = make_spool(capacity=4096, on_full="error")
+    r = sp.reader("r")
+    written = 0
+    with pytest.raises(shmq.Full):
+        for i in range(1000):
+            sp.put(bytes(100))
+            written += 1
+    assert 0 < written < 1000
+    assert [f.seq for f in r.get_many(1000)] == list(range(written))
+    assert r.lost == 0
+    sp.put(bytes(100))  # room again after the reader consumed
+
+
+def test_block_policy_without_readers_keeps_everything(make_spool):
+    sp = make_spool(capacity=4096, on_full="block")
+    with pytest.raises(shmq.Full):
+        for _ in range(1000):
+            sp.put(bytes(100), timeout=0.05)
+    r = sp.reader("late")  # a reader created later still sees frame 0
+    assert r.get(timeout=1).seq == 0
+
+
+def test_block_policy_nonblocking_put(make_spool):
+    sp = make_spool(capacity=4096, on_full="block")
+    sp.reader("r")
+    with pytest.raises(shmq.Full):
+        for _ in range(1000):
+            sp.put(bytes(100), block=False)
+
+
+def test_anonymous_reader_does_not_hold_writers(make_spool):
+    sp = make_spool(capacity=4096, on_full="block")
+    named = sp.reader("n")
+    anon = sp.reader()
+    for i in range(300):
+        sp.put(bytes(100))
+        named.get(timeout=1)
+    frames = anon.get_many(1000)
+    assert anon.lost + len(frames) == 300
+    assert anon.lost > 0
+
+
+def test_named_reader_resumes_after_reopen(spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    for p in payloads(10):
+        sp.put(p)
+    r = sp.reader("idx")
+    assert [r.get().seq for _ in range(4)] == [0, 1, 2, 3]
+    sp.close()
+    sp = shmq.Spool.open(spool_path)
+    r = sp.reader("idx")
+    assert r.position == 4
+    assert r.get().seq == 4
+    sp.close()
+
+
+def test_manual_commit(make_spool):
+    sp = make_spool()
+    for p in payloads(5):
+        sp.put(p)
+    r = sp.reader("m", auto_commit=False)
+    r.get_many(3)
+    assert r.position == 3 and r.committed == 0
+    r.commit()
+    assert r.committed == 3
+    r.get()
+    r.close()
+    r = sp.reader("m", auto_commit=False)
+    assert r.get().seq == 3  # uncommitted progress is redelivered
+
+
+def test_new_named_reader_start_latest(make_spool):
+    sp = make_spool()
+    for p in payloads(5):
+        sp.put(p)
+    r = sp.reader("tail", start="latest")
+    assert r.position == 5
+    sp.put(b"new")
+    assert r.get(timeout=1).data == b"new"
+
+
+def test_second_live_attach_refused(make_spool):
+    sp = make_spool()
+    r = sp.reader("one")
+    with pytest.raises(shmq.ReaderBusy):
+        sp.reader("one")
+    other = shmq.Spool.open(sp.path)
+    with pytest.raises(shmq.ReaderBusy, match="another process"):
+        other.reader("one")
+    r.close()
+    other.reader("one")  # free again after close
+    other.close()
+
+
+def test_reader_kind_mismatch(make_spool):
+    sp = make_spool()
+    sp.reader("x")
+    with pytest.raises(shmq.ShmqError, match="named reader"):
+        sp.reader("x", group=True)
+
+
+@pytest.mark.parametrize("name", ["", "a" * 64, "nul\x00", 5])
+def test_invalid_reader_names(make_spool, name):
+    sp = make_spool()
+    with pytest.raises((ValueError, TypeError)):
+        sp.reader(name)
+
+
+def test_reader_table_full(make_spool):
+    sp = make_spool(readers=2)
+    sp.reader("a")
+    sp.reader("b")
+    with pytest.raises(shmq.ShmqError, match="table is full"):
+        sp.reader("c")
+
+
+def test_seek(make_spool):
+    sp = make_spool()
+    for p in payloads(20):
+        sp.put(p)
+    r = sp.reader("s")
+    r.seek(15)
+    assert r.get().seq == 15
+    r.seek("earliest")
+    assert r.get().seq == 0
+    r.seek("latest")
+    with pytest.raises(shmq.Empty):
+        r.get(block=False)
+    with pytest.raises(ValueError):
+        r.seek(21)
+    with pytest.raises(ValueError):
+        r.seek("middle")
+
+
+def test_seek_to_overwritten_seq(make_spool):
+    sp = make_spool(capacity=4096)
+    for p in payloads(200):
+        sp.put(p)
+    with pytest.raises(shmq.FrameLost):
+        sp.reader().seek(0)
+
+
+def test_read_at(make_spool):
+    sp = make_spool(capacity=4096)
+    for i in range(60):
+        sp.put(bytes([i]) * 100)
+    assert sp.read_at(59).data == bytes([59]) * 100
+    assert sp.read_at(58).data == bytes([58]) * 100
+    assert sp.read_at(sp.first_seq).seq == sp.first_seq
+    with pytest.raises(shmq.FrameLost):
+        sp.read_at(0)
+    with pytest.raises(shmq.FrameLost):
+        sp.read_at(60)
+    with pytest.raises(TypeError):
+        sp.read_at("3")
+
+
+def test_group_members_split_frames(make_spool):
+    sp = make_spool()
+    a = sp.reader("workers", group=True)
+    other = shmq.Spool.open(sp.path)
+    b = other.reader("workers", group=True)
+    for p in payloads(100):
+        sp.put(p)
+    seen = []
+    for i in range(50):
+        seen.append(a.get(timeout=1).seq)
+        seen.append(b.get(timeout=1).seq)
+    assert sorted(seen) == list(range(100))
+    assert a.position == b.position == 100
+    other.close()
+
+
+def test_group_get_many_and_lost(make_spool):
+    sp = make_spool(capacity=4096)
+    g = sp.reader("g", group=True)
+    for p in payloads(300):
+        sp.put(p)
+    got = g.get_many(1000)
+    assert g.lost + len(got) == 300 and g.lost > 0
+
+
+def test_stats(make_spool):
+    sp = make_spool(capacity="64KiB")
+    r = sp.reader("stats")
+    for p in payloads(10):
+        sp.put(p)
+    r.get_many(4)
+    st = sp.stats()
+    assert (st.first_seq, st.next_seq, st.frames, st.puts) == (0, 10, 10, 10)
+    assert st.put_bytes == 1000 and st.gets == 4 and st.get_bytes == 400
+    assert st.used_bytes == 10 * F.frame_stored_bytes(100)
+    assert 0 < st.fill < 1
+    assert st.last_put_ns > 0 and st.last_get_ns >= st.last_put_ns
+    assert st.max_delay_ns >= st.avg_delay_ns > 0
+    assert st.high_water == 10 and st.high_water_frames == 10
+    assert sum(n for _s, n in st.write_rate) == 10
+    assert sum(n for _s, n in st.read_rate) == 4
+    (rs,) = st.readers
+    assert (rs.name, rs.kind, rs.position, rs.lag, rs.pid, rs.alive) == (
+        "stats", "reader", 4, 6, os.getpid(), True)
+    assert rs.lag_bytes == 6 * F.frame_stored_bytes(100)
+    assert st.as_dict()["readers"][0]["name"] == "stats"
+
+
+def test_readers_listing_and_remove(make_spool):
+    sp = make_spool()
+    r = sp.reader("gone")
+    sp.reader("grp", group=True)
+    assert {x.name: x.kind for x in sp.readers()} == {"gone": "reader", "grp": "group"}
+    with pytest.raises(shmq.ReaderBusy):
+        sp.remove_reader("gone")
+    r.close()
+    assert [x.alive for x in sp.readers() if x.name == "gone"] == [False]
+    sp.remove_reader("gone")
+    assert [x.name for x in sp.readers()] == ["grp"]
+    with pytest.raises(KeyError):
+        sp.remove_reader("gone")
+
+
+def test_removed_reader_releases_block(make_spool):
+    sp = make_spool(capacity=4096, on_full="block")
+    r = sp.reader("stuck")
+    r.close()
+    with pytest.raises(shmq.Full):
+        for _ in range(100):
+            sp.put(bytes(200), block=False)
+    sp.remove_reader("stuck")
+    sp.reader("fresh", start="latest")
+    sp.put(bytes(200), block=False)
+
+
+def test_iteration_and_timeouts(make_spool):
+    sp = make_spool()
+    for p in payloads(3):
+        sp.put(p)
+    r = sp.reader()
+    it = iter(r)
+    assert [next(it).seq for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(shmq.Empty):
+        r.get(timeout=0.01)
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError):
+            r.get(timeout=bad)
+    with pytest.raises(TypeError):
+        r.get(timeout="1")
+    with pytest.raises(ValueError):
+        r.get_many(0)
+
+
+def test_get_async(make_spool):
+    sp = make_spool()
+    r = sp.reader()
+
+    async def main():
+        task = asyncio.ensure_future(r.get_async(timeout=5))
+        await asyncio.sleep(0)
+        sp.put(b"async")
+        frame = await task
+        with pytest.raises(shmq.Empty):
+            await r.get_async(timeout=0.05)
+        return frame
+
+    assert asyncio.run(main()).data == b"async"
+
+
+def test_use_after_close(make_spool):
+    sp = make_spool()
+    r = sp.reader("x")
+    r.close()
+    with pytest.raises(ValueError):
+        r.get()
+    sp.close()
+    sp.close()  # idempotent
+    with pytest.raises(ValueError):
+        sp.put(b"x")
+    with pytest.raises(ValueError):
+        sp.reader()
+
+
+def test_pickle_handles(make_spool):
+    sp = make_spool()
+    sp.put(b"one")
+    sp2 = pickle.loads(pickle.dumps(sp))
+    assert sp2.path == sp.path and sp2.read_at(0).data == b"one"
+    g = sp.reader("g", group=True)
+    g2 = pickle.loads(pickle.dumps(g))
+    assert g2.get(timeout=1).data == b"one"
+    with pytest.raises(shmq.Empty):
+        g.get(block=False)  # the group cursor is shared
+    sp2.close()
+
+
+def test_checksum_verify(make_spool):
+    sp = make_spool()
+    sp.put(b"payload")
+    off = sp._base + F.FRAME_BYTES
+    sp._mm[off] ^= 0xFF  # flip a payload bit behind the writer's back
+    assert sp.reader().get().data != b"payload"  # default: seq checks only
+    with pytest.raises(shmq.SpoolFormatError, match="CRC"):
+        sp.reader(verify=True).get()
+
+
+def test_create_mode_and_preallocation(spool_dir):
+    path = os.path.join(spool_dir, "m")
+    old = os.umask(0o077)
+    try:
+        sp = shmq.Spool.create(path, capacity="1MiB", mode=0o660)
+    finally:
+        os.umask(old)
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o660  # exact, not masked by the umask
+    assert st.st_blocks * 512 >= st.st_size  # not sparse
+    sp.close()
+    sp = shmq.Spool.create(os.path.join(spool_dir, "d"))
+    assert stat.S_IMODE(os.stat(sp.path).st_mode) == 0o600
+    sp.close()
+
+
+def test_create_existing(make_spool):
+    sp = make_spool()
+    with pytest.raises(FileExistsError):
+        shmq.Spool.create(sp.path)
+    again = shmq.Spool.create(sp.path, exist_ok=True)
+    again.close()
+
+
+@pytest.mark.parametrize("kw,exc", [
+    ({"capacity": "lots"}, ValueError), ({"capacity": -1}, ValueError),
+    ({"capacity": 1.5}, TypeError), ({"on_full": "drop"}, ValueError),
+    ({"mode": "0600"}, ValueError), ({"readers": 0}, ValueError),
+])
+def test_create_bad_arguments(spool_path, kw, exc):
+    with pytest.raises(exc):
+        shmq.Spool.create(spool_path, **kw)
+    assert not os.path.exists(spool_path)
+
+
+def test_parse_size():
+    assert F.parse_size("64MiB") == 64 << 20
+    assert F.parse_size("1 GiB") == 1 << 30
+    assert F.parse_size("10kb") == 10000
+    assert F.parse_size("4k") == 4096
+    assert F.parse_size(100) == 100
+
+
+def test_bare_name_lives_under_dev_shm_shmq():
+    from shmq._mapping import resolve_path
+
+    assert resolve_path("jobs") == "/dev/shm/shmq/jobs"
+    assert resolve_path("./jobs") == os.path.abspath("jobs")
+    for bad in ("", "..", "a\x00b"):
+        with pytest.raises(ValueError):
+            resolve_path(bad)
+    with pytest.raises(TypeError):
+        resolve_path(3)
+
+
+def test_bare_name_create_and_destroy():
+    import uuid
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    sp = shmq.Spool.create(name, capacity=4096)
+    try:
+        assert sp.path == f"/dev/shm/shmq/{name}"
+        assert os.path.exists(sp.path)
+    finally:
+        sp.close()
+        shmq.Spool.destroy(name)
+    assert not os.path.exists(f"/dev/shm/shmq/{name}")
+
+
+def test_sync_policy(spool_dir):
+    sp = shmq.Spool.create(os.path.join(spool_dir, "durable"), capacity=8192, sync=True)
+    for _ in range(10):
+        sp.put(b"x" * 700)  # crosses the ring end: msync of two spans
+    sp.sync()
+    assert sp.reader().get_many(100)[-1].seq == 9
+    sp.close()
