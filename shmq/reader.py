@@ -30,6 +30,11 @@ _LAG_NONE = (1 << 64) - 1
 STATS_FLUSH_FRAMES = 64
 
 
+def _add(words, i, n):
+    """Add to a shared statistics counter, wrapping at 2**64 like a C counter."""
+    words[i] = (words[i] + n) & 0xFFFFFFFFFFFFFFFF
+
+
 class Reader:
     """An anonymous reader: a private cursor; see :meth:`shmq.Spool.reader`.
 
@@ -299,8 +304,10 @@ class NamedReader(_SlotReader):
         super().__init__(spool, name, start=start, verify=verify)
 
     def _initial_cursor(self, start):
-        s = self._spool._slots
-        return s[self._w + F.S_SEQ], s[self._w + F.S_POS]
+        sp = self._spool
+        seq, pos = sp._slots[self._w + F.S_SEQ], sp._slots[self._w + F.S_POS]
+        sp._check_cursor(self.name, seq, pos)
+        return seq, pos
 
     @property
     def committed(self) -> int:
@@ -313,9 +320,10 @@ class NamedReader(_SlotReader):
         self._n += 1
         self._bytes += len(frame[2])
         d = _time_ns() - frame[1]
-        self._dsum += d
-        if d > self._dmax:
-            self._dmax = d
+        if d > 0:  # clocks can step backwards; never count a negative delay
+            self._dsum += d
+            if d > self._dmax:
+                self._dmax = d
         if self._auto:
             slots = self._spool._slots
             slots[self._w + F.S_POS] = self._pos  # position first: see spool._resync
@@ -337,12 +345,12 @@ class NamedReader(_SlotReader):
             return
         sp = self._spool
         slots, w, ctl = sp._slots, self._w, sp._ctl
-        slots[w + F.S_GETS] += self._n
-        slots[w + F.S_GET_BYTES] += self._bytes
-        slots[w + F.S_DELAY_SUM_NS] += self._dsum
+        _add(slots, w + F.S_GETS, self._n)
+        _add(slots, w + F.S_GET_BYTES, self._bytes)
+        _add(slots, w + F.S_DELAY_SUM_NS, self._dsum)
         if self._dmax > slots[w + F.S_DELAY_MAX_NS]:
             slots[w + F.S_DELAY_MAX_NS] = self._dmax
-        slots[w + F.S_LOST] += self._lost_pending
+        _add(slots, w + F.S_LOST, self._lost_pending)
         now = _time_ns()
         if self._n:
             slots[w + F.S_LAST_GET_NS] = now
@@ -386,6 +394,12 @@ class GroupReader(_SlotReader):
 
     def __init__(self, spool, name, *, start="earliest", verify=False):
         super().__init__(spool, name, start=start, verify=verify)
+        w = self._w
+        try:
+            spool._check_cursor(name, spool._slots[w + F.S_SEQ], spool._slots[w + F.S_POS])
+        except BaseException:
+            self.close()
+            raise
         self._lock = self._make_lock()
 
     def _make_lock(self):
@@ -429,7 +443,7 @@ class GroupReader(_SlotReader):
                 slots[w + F.S_POS] = pos
                 slots[w + F.S_SEQ] = seq
                 if lost_total:
-                    slots[w + F.S_LOST] += lost_total
+                    _add(slots, w + F.S_LOST, lost_total)
                 if out:
                     self._account(slots, w, out, sp._ctl[W_NEXT_SEQ] - seq)
         finally:
@@ -445,12 +459,13 @@ class GroupReader(_SlotReader):
         for f in frames:
             nbytes += len(f[2])
             d = now - f[1]
-            dsum += d
-            if d > dmax:
-                dmax = d
-        slots[w + F.S_GETS] += len(frames)
-        slots[w + F.S_GET_BYTES] += nbytes
-        slots[w + F.S_DELAY_SUM_NS] += dsum
+            if d > 0:
+                dsum += d
+                if d > dmax:
+                    dmax = d
+        _add(slots, w + F.S_GETS, len(frames))
+        _add(slots, w + F.S_GET_BYTES, nbytes)
+        _add(slots, w + F.S_DELAY_SUM_NS, dsum)
         if dmax > slots[w + F.S_DELAY_MAX_NS]:
             slots[w + F.S_DELAY_MAX_NS] = dmax
         slots[w + F.S_LAST_GET_NS] = now
@@ -504,7 +519,7 @@ class GroupReader(_SlotReader):
             self._lock.release()
 
     def close(self) -> None:
-        if not self._closed:
+        if not self._closed and getattr(self, "_lock", None) is not None:
             self._lock.sem.close()
         super().close()
 

@@ -39,6 +39,9 @@ _time_ns = time.time_ns
 _crc = F.frame_crc
 
 _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
+#: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
+#: larger values can only come from corruption.
+_MAX_COUNTER = 1 << 62
 
 
 class _NoRoom(Exception):
@@ -137,6 +140,7 @@ class Spool:
             sem_name(prefix, SEM_READ_WAITERS), 0))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
             sem_name(prefix, SEM_SPACE_WAITERS), 0))
+        self._check_control()
         self._readers = weakref.WeakSet()
         self._slot_refs = {}  # slot -> readers of this handle attached to it
         self._locate_hint = None
@@ -144,6 +148,23 @@ class Spool:
         self._rate_until = 0  # end of the second self._rate_word counts
         self._rate_word = W_RATE + 1
         self._pid = os.getpid()
+
+    def _check_control(self):
+        """Refuse control words no writer could have left (bit rot, foreign writes)."""
+        ctl, ring = self._ctl, self._ring
+        nseq, npos, fseq, fpos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS], ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+        problems = []
+        if max(nseq, npos, fseq, fpos) >= _MAX_COUNTER:
+            problems.append("counter out of range")
+        elif fseq > nseq:
+            problems.append(f"first seq {fseq} > next seq {nseq}")
+        elif npos - fpos > ring if npos >= fpos else fpos - npos > ring:
+            problems.append(f"positions {fpos}..{npos} span more than the ring")
+        elif nseq - fseq > (npos - fpos if npos > fpos else 0) // FRAME_BYTES + 1:
+            problems.append(f"{nseq - fseq} frames cannot fit in {max(0, npos - fpos)} bytes")
+        if problems:
+            raise SpoolFormatError(f"{self.path}: control block is corrupt ({problems[0]}); "
+                                   "run 'shmq fsck --repair' or recreate the spool")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -467,7 +488,7 @@ class Spool:
         high-water marks are recorded just before evicting (_make_room) and
         completed with the current fill when stats are read.
         """
-        ctl[W_PUT_BYTES] += nbytes
+        ctl[W_PUT_BYTES] = (ctl[W_PUT_BYTES] + nbytes) & 0xFFFFFFFFFFFFFFFF
         ctl[W_LAST_PUT_NS] = ts
         if ts >= self._rate_until:
             sec = ts // 1_000_000_000
@@ -477,7 +498,7 @@ class Spool:
                 ctl[b - 1] = sec
                 ctl[b] = 0
                 ctl[b + 1] = 0
-        ctl[self._rate_word] += count
+        ctl[self._rate_word] = (ctl[self._rate_word] + count) & 0xFFFFFFFFFFFFFFFF
 
     def _msync(self, start, end):
         ring, base = self._ring, self._base
@@ -492,7 +513,7 @@ class Spool:
         """Oldest committed position any named reader or group still needs (None: no slots)."""
         slots = self._slots
         floor = None
-        for i in range(self._ctl[F.W_SLOT_HWM]):
+        for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
             if slots[w + F.S_STATE] != F.SLOT_FREE:
                 p = slots[w + F.S_POS]
@@ -550,7 +571,7 @@ class Spool:
             pos = batch_pos  # everything evicted: the ring restarts at this batch
         ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
         ctl[W_FIRST_SEQ] = seq
-        ctl[W_EVICTED] += seq - start_seq
+        ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & 0xFFFFFFFFFFFFFFFF
         return True
 
     def _recover_writer(self, dead_pid):
@@ -647,7 +668,9 @@ class Spool:
                 continue
             data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
             if ctl[W_FIRST_POS] > pos:  # overwritten while we copied
-                continue  # the next pass sees the mismatch and counts the loss
+                seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
+                lost += skipped
+                continue
             if verify and flags & FLAG_CRC and _crc(data) != crc:
                 raise SpoolFormatError(f"{self.path}: frame {seq} fails its CRC check "
                                        "(memory corruption?); run 'shmq fsck'")
@@ -763,9 +786,20 @@ class Spool:
             return self._latest_cursor()
         return start, self._locate(start)
 
+    def _check_cursor(self, name, seq, pos):
+        ctl = self._ctl
+        if seq > ctl[W_NEXT_SEQ] or pos > ctl[W_NEXT_POS] + self._ring:
+            raise SpoolFormatError(
+                f"{self.path}: the stored cursor of {name!r} (seq {seq}, position {pos}) is "
+                f"beyond the ring's end; reset it with 'shmq readers seek' or fsck --repair")
+
+    def _slot_hwm(self):
+        # Clamped: a corrupt word must not index past the table.
+        return min(self._ctl[F.W_SLOT_HWM], self._geo["slot_count"])
+
     def _find_slot(self, name):
         slots = self._slots
-        for i in range(self._ctl[F.W_SLOT_HWM]):
+        for i in range(self._slot_hwm()):
             if slots[i * F.SLOT_WORDS + F.S_STATE] != F.SLOT_FREE and self._slot_name(i) == name:
                 return i
         return None
@@ -869,7 +903,7 @@ class Spool:
             ctl[b] = sec
             ctl[b + 1] = 0
             ctl[b + 2] = 0
-        ctl[b + 2] += n
+        ctl[b + 2] = (ctl[b + 2] + n) & 0xFFFFFFFFFFFFFFFF
 
     def readers(self) -> list[ReaderStats]:
         """Named readers and groups with their position, lag, loss and liveness."""
@@ -877,7 +911,7 @@ class Spool:
         ctl, slots = self._ctl, self._slots
         nxt, next_pos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
         out = []
-        for i in range(ctl[F.W_SLOT_HWM]):
+        for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
             state = slots[w + F.S_STATE]
             if state == F.SLOT_FREE:

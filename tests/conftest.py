@@ -12,17 +12,32 @@ import shmq
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
-def _our_semaphores():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.shmq.")}
+def _our_leftovers():
+    """shmq semaphores and test directories currently in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.shmq.", "shmq-test-"))}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaked_semaphores():
-    """Fail the session if the suite leaves shmq semaphores behind in /dev/shm."""
-    before = _our_semaphores()
-    yield
-    leaked = _our_semaphores() - before
-    assert not leaked, f"tests leaked named semaphores: {sorted(leaked)[:10]}"
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a plain run)
+        session.config._shmq_before = _our_leftovers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if the suite left semaphores or spool directories in /dev/shm.
+
+    Checked once, in the controller, after every xdist worker has finished:
+    a per-worker check would see other workers' live semaphores.
+    """
+    before = getattr(session.config, "_shmq_before", None)
+    if before is None:
+        return
+    leaked = sorted(_our_leftovers() - before)
+    if leaked:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        msg = f"tests left {len(leaked)} item(s) in /dev/shm: {leaked[:10]}"
+        if tr:
+            tr.write_line(msg, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -1,0 +1,326 @@
+"""Multi-process behaviour, parametrized over fork, spawn and forkserver.
+
+Synchronization is by events, pipes and the spool itself; every wait is
+bounded so a bug fails the test instead of hanging CI.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+import shmq
+from helpers import (
+    REC, attach_named, die_holding_reader, group_drain, hold_group_lock_forever,
+    hold_writer_lock_forever, put_after_event, put_and_report, read_records, write_records,
+)
+from conftest import join_all
+
+RECOVERY_S = 0.5  # lock-recovery timeout used by these tests
+
+
+def test_two_writers_two_named_readers_see_everything_in_order(ctx, spool_path):
+    per_writer = 10_000
+    sp = shmq.Spool.create(spool_path, capacity="4MiB", on_full="block")
+    sp.reader("a")  # register both before writing: block mode keeps frames for them
+    sp.reader("b")
+    sp.close()
+    pipes, procs = [], []
+    for name in ("a", "b"):
+        recv, send = ctx.Pipe(duplex=False)
+        pipes.append(recv)
+        procs.append(ctx.Process(target=read_records, args=(spool_path, name, 2 * per_writer, send)))
+    # the parent's readers above were closed, so the children can attach
+    procs += [ctx.Process(target=write_records, args=(spool_path, w, per_writer, 100, 1 + w * 9))
+              for w in range(2)]
+    for p in procs:
+        p.start()
+    results = [r.recv() if r.poll(120) else None for r in pipes]
+    assert join_all(procs, 60) == [0, 0, 0, 0]
+    for res in results:
+        assert res is not None, "a reader did not report"
+        got, lost = res
+        assert lost == 0 and len(got) == 2 * per_writer
+        assert [s for _w, _c, s in got] == list(range(2 * per_writer))  # seq order
+        for w in range(2):
+            assert [c for ww, c, _s in got if ww == w] == list(range(per_writer))  # per-writer order
+
+
+def test_blocked_reader_woken_by_put_from_another_process(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    r = sp.reader()
+    go = ctx.Event()
+    p = ctx.Process(target=put_after_event, args=(spool_path, go, b"wake"))
+    p.start()
+    go.set()
+    t = time.monotonic()
+    frame = r.get(timeout=30)
+    assert frame.data == b"wake"
+    assert time.monotonic() - t < 30
+    join_all([p])
+    sp.close()
+
+
+def test_wakeup_uses_doorbell_not_safety_net(spool_path):
+    """A parked reader is woken by the doorbell, well before the safety net fires."""
+    import multiprocessing as mp
+
+    from shmq import _notify
+
+    ctx = mp.get_context("fork")
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    r = sp.reader()
+    old = _notify.SAFETY_NET_S
+    _notify.SAFETY_NET_S = 30.0  # a missed doorbell would now cost 30 s
+    try:
+        go = ctx.Event()
+        p = ctx.Process(target=put_after_event, args=(spool_path, go, b"x"))
+        p.start()
+        t0 = time.monotonic()
+        go.set()
+        r.get(timeout=20)
+        assert time.monotonic() - t0 < 10
+        join_all([p])
+    finally:
+        _notify.SAFETY_NET_S = old
+        sp.close()
+
+
+def test_killed_lock_holder_is_recovered(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB", recovery_timeout=RECOVERY_S)
+    sp.put(b"before")
+    ready = ctx.Event()
+    holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
+    holder.start()
+    assert ready.wait(30)
+    token = sp.stats().lock_token
+    assert sp.stats().lock_pid == holder.pid
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    t = time.monotonic()
+    seq = sp.put(b"after", timeout=10)
+    waited = time.monotonic() - t
+    assert seq == 1
+    assert waited < 3 * RECOVERY_S + 1  # within the recovery timeout (+ the zombie check)
+    st = sp.stats()
+    assert st.lock_token == token + 1 and st.lock_breaks == 1 and st.lock_pid == 0
+    assert [f.data for f in sp.reader().get_many(5)] == [b"before", b"after"]
+    sp.close()
+
+
+def test_live_lock_holder_is_not_broken(spool_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    sp = shmq.Spool.create(spool_path, capacity="64KiB", recovery_timeout=0.1)
+    ready = ctx.Event()
+    holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(shmq.Timeout):
+            sp.put(b"x", timeout=0.5)
+        assert sp.stats().lock_breaks == 0
+    finally:
+        holder.kill()
+        holder.join(10)
+    sp.put(b"x", timeout=10)  # and recovered once it is dead
+    sp.close()
+
+
+def test_writers_race_to_recover_only_one_breaks(spool_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    sp = shmq.Spool.create(spool_path, capacity="1MiB", recovery_timeout=RECOVERY_S)
+    ready = ctx.Event()
+    holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
+    holder.start()
+    assert ready.wait(30)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    writers = [ctx.Process(target=write_records, args=(spool_path, w, 200)) for w in range(3)]
+    for p in writers:
+        p.start()
+    assert join_all(writers, 60) == [0, 0, 0]
+    st = sp.stats()
+    assert st.lock_breaks == 1 and st.next_seq == 600
+    sp.close()
+
+
+def test_killed_group_lock_holder_is_recovered(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB", recovery_timeout=RECOVERY_S)
+    for i in range(3):
+        sp.put(bytes([i]))
+    ready = ctx.Event()
+    p = ctx.Process(target=hold_group_lock_forever, args=(spool_path, "g", ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    g = sp.reader("g", group=True)
+    assert [f.seq for f in g.get_many(10, timeout=10)] == [0, 1, 2]
+    sp.close()
+
+
+def test_group_each_frame_exactly_once_across_processes(ctx, spool_path):
+    n = 3000
+    sp = shmq.Spool.create(spool_path, capacity="1MiB", on_full="block")
+    sp.reader("workers", group=True).close()
+    pipes, procs = [], []
+    for _ in range(3):
+        recv, send = ctx.Pipe(duplex=False)
+        pipes.append(recv)
+        procs.append(ctx.Process(target=group_drain, args=(spool_path, "workers", send, 3.0)))
+    for p in procs:
+        p.start()
+    for i in range(n):
+        sp.put(i.to_bytes(4, "little"))
+    results = [r.recv() if r.poll(60) else [] for r in pipes]
+    join_all(procs)
+    seen = sorted(s for part in results for s in part)
+    assert seen == list(range(n))  # every frame to exactly one member
+    sp.close()
+
+
+def test_block_policy_backpressure_across_processes(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity=8192, on_full="block")
+    r = sp.reader("slow")
+    while True:
+        try:
+            sp.put(bytes(1000), block=False)
+        except shmq.Full:
+            break
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=put_and_report, args=(spool_path, b"z" * 1000, send, 30))
+    p.start()
+    # the child is blocked: nothing new is committed until we consume
+    assert not recv.poll(0.3)
+    before = sp.next_seq
+    r.get_many(3)
+    assert recv.poll(30)
+    status, seq, _waited = recv.recv()
+    assert status == "ok" and seq == before
+    join_all([p])
+    frames = r.get_many(100)
+    assert frames[-1].data == b"z" * 1000 and r.lost == 0
+    sp.close()
+
+
+def test_block_policy_put_times_out_with_full(spool_path):
+    sp = shmq.Spool.create(spool_path, capacity=4096, on_full="block")
+    sp.reader("r")
+    with pytest.raises(shmq.Full):
+        for _ in range(100):
+            sp.put(bytes(500), timeout=0.05)
+    sp.close()
+
+
+def test_named_reader_attach_refused_in_other_process(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    r = sp.reader("solo")
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=attach_named, args=(spool_path, "solo", send))
+    p.start()
+    assert recv.poll(30)
+    assert recv.recv().startswith("busy")
+    join_all([p])
+    r.close()
+    sp.close()
+
+
+def test_dead_reader_slot_is_released_by_kernel(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    ready = ctx.Event()
+    p = ctx.Process(target=die_holding_reader, args=(spool_path, "crashy", ready))
+    p.start()
+    assert ready.wait(30)
+    join_all([p])
+    (rs,) = sp.readers()
+    assert rs.name == "crashy" and not rs.alive and rs.pid == p.pid
+    sp.reader("crashy")  # a restarted consumer re-attaches
+    sp.close()
+
+
+def test_fork_child_gets_its_own_handle(spool_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    named = sp.reader("parent-owned")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child(conn):
+        try:
+            named.get(block=False)
+            conn.send("used parent's reader")
+        except ValueError:
+            conn.send(sp.put(b"from child"))
+
+    p = ctx.Process(target=child, args=(send,))
+    p.start()
+    assert recv.poll(30) and recv.recv() == 0
+    join_all([p])
+    # the parent's reader is still attached and alive
+    assert [x.alive for x in sp.readers()] == [True]
+    assert named.get(timeout=5).data == b"from child"
+    sp.close()
+
+
+def test_spool_handle_pickles_into_children(ctx, spool_path):
+    sp = shmq.Spool.create(spool_path, capacity="64KiB")
+    go = ctx.Event()
+    p = ctx.Process(target=_put_via_handle, args=(sp, go))
+    p.start()
+    go.set()
+    assert sp.reader().get(timeout=30).data == b"via pickle"
+    join_all([p])
+    sp.close()
+
+
+def _put_via_handle(sp, go):
+    go.wait(30)
+    sp.put(b"via pickle")
+    sp.close()
+
+
+def test_killed_writer_never_exposes_partial_frames(spool_path):
+    """SIGKILL writers at random points; every committed frame stays whole."""
+    import multiprocessing as mp
+    import random
+
+    ctx = mp.get_context("fork")
+    sp = shmq.Spool.create(spool_path, capacity="256KiB", recovery_timeout=0.3)
+    r = sp.reader("check")
+    rng = random.Random(7)
+    kills = 0
+    for rnd in range(6):
+        procs = [ctx.Process(target=write_records, args=(spool_path, rnd * 10 + w, 50_000, 300, 4))
+                 for w in range(2)]
+        for p in procs:
+            p.start()
+        # let them get going (observed through the spool), then kill one mid-flight
+        deadline = time.monotonic() + 20
+        while sp.next_seq < (rnd + 1) * 200 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        victim = rng.choice(procs)
+        os.kill(victim.pid, signal.SIGKILL)
+        kills += 1
+        for p in procs:
+            if p is not victim:
+                p.kill()  # bound the round
+        join_all(procs)
+    sp.put(b"final", timeout=10)  # the lock is usable after the kills
+    last = {}
+    count = 0
+    for f in r.get_many(10**6, timeout=1):
+        if f.data == b"final":
+            continue
+        w, c = REC.unpack_from(f.data)
+        assert f.data[REC.size:] == b"p" * (300 - REC.size)  # whole
+        assert c > last.get(w, -1)  # per-writer order (gaps only from overwrite loss)
+        last[w] = c
+        count += 1
+    assert kills == 6 and count > 0
+    sp.close()
