@@ -39,8 +39,7 @@ W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
 W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
 W_FIRST_SEQ = 18  # oldest frame still in the ring
 W_FIRST_POS = 19  # its byte position (stored before FIRST_SEQ)
-W_PEND_SEQ = 20  # commit journal: the NEXT_SEQ a writer is about to publish
-W_PEND_POS = 21  # ... and the NEXT_POS that goes with it
+# 20, 21 reserved
 W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
 W_LOCK_TOKEN = 24  # fencing token, bumped whenever a dead holder's lock is broken
 W_PUT_BYTES = 26  # (puts need no counter: every put takes the next seq)

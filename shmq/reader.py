@@ -15,11 +15,14 @@ import os
 import time
 
 from . import _format as F
-from ._format import W_NEXT_SEQ
+from ._format import FLAG_PAD, FRAME, FRAME_BYTES, W_FIRST_POS, W_NEXT_SEQ
 from ._lock import RecoverableLock, ofd_lock, ofd_unlock
 from ._mapping import group_sem_name, open_semaphore
 from .errors import Empty, ReaderBusy
-from .spool import _check_block_timeout
+from .spool import Frame, _check_block_timeout
+
+_unpack_frame = FRAME.unpack_from
+_new_frame = tuple.__new__
 
 __all__ = ["Reader", "NamedReader", "GroupReader"]
 
@@ -99,9 +102,31 @@ class Reader:
         """
         if self._closed:
             self._check()
-        if timeout is not None or not block:
-            timeout = _check_block_timeout(block, timeout)
         sp = self._spool
+        if block and timeout is None and not self._verify:
+            # Fast path, inlined from Spool._read: the frame at the cursor is
+            # committed, whole, not a pad, and still not evicted after the copy.
+            seq = self._seq
+            ctl = sp._ctl
+            if seq < ctl[W_NEXT_SEQ]:
+                pos = self._pos
+                ring = sp._ring
+                off = pos % ring
+                if ring - off >= FRAME_BYTES:
+                    o = sp._base + off
+                    mm = sp._mm
+                    hseq, stored, length, ts, _crc, flags, _codec, _x = _unpack_frame(mm, o)
+                    if (hseq == seq and not flags & FLAG_PAD and off + stored <= ring
+                            and stored >= FRAME_BYTES + length):
+                        data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
+                        if ctl[W_FIRST_POS] <= pos:
+                            self._seq = seq + 1
+                            self._pos = pos + stored
+                            frame = _new_frame(Frame, (seq, ts, data))
+                            self._consumed(frame)
+                            return frame
+        elif timeout is not None or not block:
+            timeout = _check_block_timeout(block, timeout)
         deadline = None
         while True:
             frame, self._seq, self._pos, lost = sp._read(self._seq, self._pos, self._verify)

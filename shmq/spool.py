@@ -17,15 +17,16 @@ import weakref
 from . import _format as F
 from ._format import (
     FLAG_CRC, FLAG_PAD, FRAME, FRAME_BYTES, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES,
-    W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PEND_POS, W_PEND_SEQ, W_PUT_BYTES,
-    W_RATE, RATE_SECONDS, RATE_WORDS,
+    W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES,
+    W_LOCK_HOLDER, W_RATE, RATE_SECONDS, RATE_WORDS,
 )
-from ._lock import RecoverableLock, LOCK_RECOVERY_TIMEOUT_S, holder_pid, ofd_lock, ofd_locked_by_other, ofd_unlock
+from ._lock import RecoverableLock, LOCK_RECOVERY_TIMEOUT_S, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
     read_geometry, resolve_path, sem_name, unlink_semaphores,
 )
 from ._notify import Doorbell
+from posix_ipc import BusyError
 from .errors import Empty, FrameLost, Full, ShmqError, SpoolFormatError, Timeout, TooLarge
 from .stats import ReaderStats, SpoolStats
 
@@ -42,6 +43,7 @@ _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 #: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
 #: larger values can only come from corruption.
 _MAX_COUNTER = 1 << 62
+_MASK64 = (1 << 64) - 1
 
 
 class _NoRoom(Exception):
@@ -148,6 +150,8 @@ class Spool:
         self._rate_until = 0  # end of the second self._rate_word counts
         self._rate_word = W_RATE + 1
         self._pid = os.getpid()
+        self._holder = holder_word()
+        self._data_waiters = self._data_bell.sem
 
     def _check_control(self):
         """Refuse control words no writer could have left (bit rot, foreign writes)."""
@@ -268,6 +272,7 @@ class Spool:
         self._data_bell.close()
         self._space_bell.close()
         self._pid = os.getpid()
+        self._holder = holder_word()
         for r in list(self._readers):
             r._after_fork_in_child()
 
@@ -326,11 +331,17 @@ class Spool:
                 or self._sync):
             return self._append((data,), _check_block_timeout(block, timeout), codec)
         # Fast path: one frame that fits before the ring's end without
-        # evicting anything; everything else takes the general path.
+        # evicting anything; everything else takes the general path.  The
+        # writer lock's uncontended acquire/release is inlined here (it is
+        # RecoverableLock.acquire/release): this is the hottest code we have.
         need = FRAME_BYTES + ((n + 7) & ~7)
         crc = _crc(data) if self._checksum else 0
-        lock = self._wlock
-        lock.acquire()
+        sem = self._writer_sem
+        try:
+            sem.acquire(0)
+        except BusyError:
+            self._wlock._acquire_slow(None)
+        ctl[W_LOCK_HOLDER] = self._holder
         try:
             seq = ctl[W_NEXT_SEQ]
             pos = ctl[W_NEXT_POS]
@@ -338,8 +349,8 @@ class Spool:
             off = pos % ring
             end = pos + need
             if ring - off < need or end - ctl[W_FIRST_POS] > ring:
-                seq = self._write_locked((data,), ((n, need),), need, crc and [crc],
-                                         self._crc_flag, codec)
+                seq = self._write_locked((data,), ((n, need),), need,
+                                         [crc] if self._checksum else None, self._crc_flag, codec)
                 if seq is None:
                     raise _NoRoom
             else:
@@ -348,20 +359,25 @@ class Spool:
                 mm = self._mm
                 _pack_frame(mm, o, seq, need, n, ts, crc, self._crc_flag, codec, 0)
                 mm[o + FRAME_BYTES:o + FRAME_BYTES + n] = data
-                nxt = seq + 1
-                ctl[W_PEND_SEQ] = nxt
-                ctl[W_PEND_POS] = end
-                ctl[W_NEXT_SEQ] = nxt  # <- the commit point
+                ctl[W_NEXT_SEQ] = seq + 1  # <- the commit point
                 ctl[W_NEXT_POS] = end
-                self._account_put(ctl, 1, n, ts, nxt, end)
+                # statistics, exact under the lock (see _account_put)
+                ctl[W_PUT_BYTES] = (ctl[W_PUT_BYTES] + n) & _MASK64
+                ctl[W_LAST_PUT_NS] = ts
+                if ts >= self._rate_until:
+                    self._roll_rate(ts)
+                ctl[self._rate_word] = (ctl[self._rate_word] + 1) & _MASK64
         except _NoRoom:
-            lock.release()
+            ctl[W_LOCK_HOLDER] = 0
+            sem.release()
             return self._append((data,), None, codec)
         except BaseException:
-            lock.release()
+            ctl[W_LOCK_HOLDER] = 0
+            sem.release()
             raise
-        lock.release()  # sem_post: also the fence before reading the waiter count
-        if self._data_bell.sem.value:
+        ctl[W_LOCK_HOLDER] = 0
+        sem.release()  # sem_post: also the fence before reading the waiter count
+        if self._data_waiters.value:
             self._data_bell.ring()
         return seq
 
@@ -473,32 +489,35 @@ class Spool:
             nbytes += n
         if self._sync:
             self._msync(placed[0], end)
-        # Commit: journal first so a lock breaker can finish a half-done commit.
-        ctl[W_PEND_SEQ] = seq
-        ctl[W_PEND_POS] = end
-        ctl[W_NEXT_SEQ] = seq  # <- the commit point
+        ctl[W_NEXT_SEQ] = seq  # <- the commit point (NEXT_POS is re-derived on recovery)
         ctl[W_NEXT_POS] = end
-        self._account_put(ctl, seq - seq0, nbytes, ts, seq, end)
+        self._account_put(ctl, seq - seq0, nbytes, ts)
         return seq0
 
-    def _account_put(self, ctl, count, nbytes, ts, next_seq, end):
+    def _account_put(self, ctl, count, nbytes, ts):
         """Writer statistics (exact: called under the writer lock).
 
         Kept to three shared stores: puts are ``next_seq`` itself, and the
         high-water marks are recorded just before evicting (_make_room) and
         completed with the current fill when stats are read.
         """
-        ctl[W_PUT_BYTES] = (ctl[W_PUT_BYTES] + nbytes) & 0xFFFFFFFFFFFFFFFF
+        ctl[W_PUT_BYTES] = (ctl[W_PUT_BYTES] + nbytes) & _MASK64
         ctl[W_LAST_PUT_NS] = ts
         if ts >= self._rate_until:
-            sec = ts // 1_000_000_000
-            self._rate_word = b = W_RATE + (sec % RATE_SECONDS) * RATE_WORDS + 1
-            self._rate_until = (sec + 1) * 1_000_000_000
-            if ctl[b - 1] != sec:
-                ctl[b - 1] = sec
-                ctl[b] = 0
-                ctl[b + 1] = 0
-        ctl[self._rate_word] = (ctl[self._rate_word] + count) & 0xFFFFFFFFFFFFFFFF
+            self._roll_rate(ts)
+        ctl[self._rate_word] = (ctl[self._rate_word] + count) & _MASK64
+
+    def _roll_rate(self, ts):
+        """Point ``_rate_word`` at the puts counter of second ``ts`` (resetting a stale bucket)."""
+        ctl = self._ctl
+        sec = ts // 1_000_000_000
+        b = W_RATE + (sec % RATE_SECONDS) * RATE_WORDS
+        self._rate_word = b + 1
+        self._rate_until = (sec + 1) * 1_000_000_000
+        if ctl[b] != sec:
+            ctl[b] = sec
+            ctl[b + 1] = 0
+            ctl[b + 2] = 0
 
     def _msync(self, start, end):
         ring, base = self._ring, self._base
@@ -571,29 +590,53 @@ class Spool:
             pos = batch_pos  # everything evicted: the ring restarts at this batch
         ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
         ctl[W_FIRST_SEQ] = seq
-        ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & 0xFFFFFFFFFFFFFFFF
+        ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & _MASK64
         return True
 
     def _recover_writer(self, dead_pid):
-        """Repair the control words after breaking a dead writer's lock (lock held)."""
+        """Repair the control words after breaking a dead writer's lock (lock held).
+
+        A writer stores, in order: FIRST_POS, FIRST_SEQ (eviction), frame
+        bytes, NEXT_SEQ (the commit), NEXT_POS.  Killed anywhere in that
+        sequence, at most FIRST_SEQ lags its position's header and NEXT_POS
+        lags the committed frames; both are re-derived from the frame
+        headers, walking the ring once (O(frames resident), recovery only).
+        """
         ctl = self._ctl
         log.warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
                     self.path, dead_pid, ctl[F.W_LOCK_TOKEN])
-        if ctl[W_PEND_SEQ] == ctl[W_NEXT_SEQ] and ctl[W_PEND_POS] != ctl[W_NEXT_POS]:
-            ctl[W_NEXT_POS] = ctl[W_PEND_POS]  # it died between commit and NEXT_POS
-        next_seq, next_pos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
-        if ctl[W_FIRST_SEQ] >= next_seq or ctl[W_FIRST_POS] >= next_pos:
-            ctl[W_FIRST_POS] = next_pos
+        next_seq = ctl[W_NEXT_SEQ]
+        if ctl[W_FIRST_SEQ] >= next_seq:  # empty: nothing committed since any eviction
+            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
             ctl[W_FIRST_SEQ] = next_seq
             return
-        hit = self._header_at(ctl[W_FIRST_POS])
+        pos = ctl[W_FIRST_POS]
+        hit = self._header_at(pos)
+        end = None
         if hit is not None and ctl[W_FIRST_SEQ] <= hit[0] < next_seq:
             ctl[W_FIRST_SEQ] = hit[0]  # it died between FIRST_POS and FIRST_SEQ
-        else:
-            log.error("shmq: %s: oldest frame unreadable after writer death; dropping the "
-                      "ring's contents (readers will count them lost)", self.path)
-            ctl[W_FIRST_POS] = next_pos
+            end = self._walk_end(hit[0], pos, next_seq)
+        if end is None:
+            log.error("shmq: %s: ring unreadable after writer death; dropping its contents "
+                      "(readers will count them lost)", self.path)
+            end = max(ctl[W_NEXT_POS], ctl[W_FIRST_POS])
+            ctl[W_NEXT_POS] = end
+            ctl[W_FIRST_POS] = end
             ctl[W_FIRST_SEQ] = next_seq
+            return
+        ctl[W_NEXT_POS] = end  # it may have died between NEXT_SEQ and NEXT_POS
+
+    def _walk_end(self, seq, pos, next_seq):
+        """Position right after frame ``next_seq - 1``, walking from frame ``seq`` at ``pos``."""
+        limit = pos + self._ring
+        while seq < next_seq:
+            hit = self._header_at(pos)
+            if hit is None or hit[0] != seq or hit[1] + hit[2] > limit:
+                return None
+            pos = hit[1] + hit[2]
+            if not hit[6] & FLAG_PAD:
+                seq += 1
+        return pos
 
     # ------------------------------------------------------------ reading
 
@@ -903,7 +946,7 @@ class Spool:
             ctl[b] = sec
             ctl[b + 1] = 0
             ctl[b + 2] = 0
-        ctl[b + 2] = (ctl[b + 2] + n) & 0xFFFFFFFFFFFFFFFF
+        ctl[b + 2] = (ctl[b + 2] + n) & _MASK64
 
     def readers(self) -> list[ReaderStats]:
         """Named readers and groups with their position, lag, loss and liveness."""
