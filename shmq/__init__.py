@@ -7,6 +7,7 @@ from ._format import FORMAT_VERSION
 from .errors import (
     Empty, FrameLost, Full, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
 )
+from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
 from .spool import Frame, Spool
 from .stats import ReaderStats, SpoolStats
@@ -14,7 +15,7 @@ from .stats import ReaderStats, SpoolStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "Spool", "Frame", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
+    "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
     "ReaderBusy", "FORMAT_VERSION",
 ]

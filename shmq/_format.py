@@ -49,7 +49,8 @@ W_HIGH_FRAMES = 29  # most frames resident, recorded before evicting
 W_HIGH_BYTES = 30  # most ring bytes in use, recorded before evicting
 W_SLOT_HWM = 31  # 1 + highest slot index ever used (bounds table scans)
 W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
-# 33..63 reserved (48..63 for the work queue)
+W_QUEUE_MAXSIZE = 33  # shmq.Queue's maxsize in items (0: unbounded), set at creation
+# 34..63 reserved (48..63 for the work queue)
 W_RATE = 64  # per-second series: RATE_SECONDS x (second, puts, gets)
 RATE_SECONDS = 60
 RATE_WORDS = 3
@@ -115,6 +116,7 @@ CODEC_JSON = 2
 CODEC_NUMPY = 3
 CODEC_ARROW = 4
 CODEC_UTF8 = 5
+CODEC_PICKLE_OOB = 6  # pickle protocol 5 with out-of-band buffers (see pack_oob_header)
 CODEC_NAMES = {
     CODEC_RAW: "raw",
     CODEC_PICKLE: "pickle",
@@ -122,6 +124,7 @@ CODEC_NAMES = {
     CODEC_NUMPY: "numpy",
     CODEC_ARROW: "arrow",
     CODEC_UTF8: "utf8",
+    CODEC_PICKLE_OOB: "pickle-oob",
 }
 
 POLICIES = ("overwrite", "block", "error")
@@ -299,3 +302,48 @@ def unpack_flock(raw: bytes):
     """Return ``(type, start, length, pid)``."""
     kind, _whence, start, length, pid = FLOCK.unpack(raw)
     return kind, start, length, pid
+
+
+# --- pickle with out-of-band buffers (shmq.Queue) -------------------------
+#
+# payload = u32 nbuf, u32 reserved, u64 pickle_len, u64 buffer_len[nbuf],
+#           pickle bytes, zero pad to 8, then each buffer, zero padded to 8.
+# Buffers start 8-byte aligned (payloads themselves start 8-byte aligned in
+# the ring), so numpy arrays rebuilt over them are aligned.
+
+_OOB_HEAD = struct.Struct("<IIQ")
+
+
+def pack_oob_header(pickle_len: int, buffer_lens) -> bytes:
+    n = len(buffer_lens)
+    return _OOB_HEAD.pack(n, 0, pickle_len) + struct.pack(f"<{n}Q", *buffer_lens)
+
+
+def oob_padding(n: int) -> bytes:
+    return bytes(align(n) - n)
+
+
+def unpack_oob(view):
+    """Return ``(pickle_view, [buffer views])`` from an out-of-band payload.
+
+    :raises ValueError: lengths that do not fit the payload (corruption).
+    """
+    if len(view) < _OOB_HEAD.size:
+        raise ValueError("out-of-band payload too short")
+    n, _r, pickle_len = _OOB_HEAD.unpack_from(view)
+    off = _OOB_HEAD.size + 8 * n
+    if off > len(view):
+        raise ValueError("out-of-band payload: bad buffer count")
+    lens = struct.unpack_from(f"<{n}Q", view, _OOB_HEAD.size)
+    end = off + pickle_len
+    if end > len(view):
+        raise ValueError("out-of-band payload: bad pickle length")
+    pickled = view[off:end]
+    off = align(end)
+    buffers = []
+    for length in lens:
+        if off + length > len(view):
+            raise ValueError("out-of-band payload: bad buffer length")
+        buffers.append(view[off:off + length])
+        off = align(off + length)
+    return pickled, buffers

@@ -26,6 +26,7 @@ DEFAULT_DIR = "/dev/shm/shmq"
 SEM_WRITER = "w"  # writer lock
 SEM_READ_WAITERS = "r"  # readers waiting for frames
 SEM_SPACE_WAITERS = "f"  # writers waiting for room (block policy)
+SEM_UNFINISHED = "u"  # JoinableQueue: items put and not yet task_done()
 
 
 def resolve_path(path) -> str:
@@ -63,7 +64,8 @@ def open_semaphore(name: str, initial: int):
 
 
 def unlink_semaphores(prefix: str, slot_count: int) -> None:
-    names = [sem_name(prefix, w) for w in (SEM_WRITER, SEM_READ_WAITERS, SEM_SPACE_WAITERS)]
+    names = [sem_name(prefix, w) for w in
+             (SEM_WRITER, SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_UNFINISHED)]
     names += [group_sem_name(prefix, i) for i in range(slot_count)]
     for name in names:
         try:

@@ -13,12 +13,13 @@ import logging
 import os
 import time
 import weakref
+import zlib
 
 from . import _format as F
 from ._format import (
     FLAG_CRC, FLAG_PAD, FRAME, FRAME_BYTES, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES,
     W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES,
-    W_LOCK_HOLDER, W_RATE, RATE_SECONDS, RATE_WORDS,
+    CODEC_PICKLE_OOB, W_LOCK_HOLDER, W_RATE, RATE_SECONDS, RATE_WORDS,
 )
 from ._lock import RecoverableLock, LOCK_RECOVERY_TIMEOUT_S, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
 from ._mapping import (
@@ -122,6 +123,7 @@ class Spool:
         self._sync = bool(sync)
         self._recovery_timeout = recovery_timeout
         self._mm = m.mm
+        self._view = m._view
         self._ctl = m.ctl
         self._slots = m.slots
         self._ring = geo["ring_bytes"]
@@ -244,7 +246,7 @@ class Spool:
         self._space_bell.close()
         for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
             sem.close()
-        self._ctl = self._slots = self._mm = None
+        self._ctl = self._slots = self._mm = self._view = None
         self._map.close()
         _open_spools.discard(self)
 
@@ -394,14 +396,25 @@ class Spool:
             raise ValueError("put_many() needs at least one item")
         return self._append(views, _check_block_timeout(block, timeout), codec)
 
-    def _append(self, views, timeout, codec):
+    def _append(self, views, timeout, codec, max_backlog=None):
+        """General write path: a batch of frames, each a bytes-like or a tuple of them.
+
+        A tuple is written as one frame, its segments copied one after the
+        other straight into the ring (no concatenation copy).
+        ``max_backlog`` bounds the frames not yet consumed by the slowest
+        named reader/group (shmq.Queue's ``maxsize``); exceeding it waits
+        like a full ring.
+        """
         if self._mm is None:
             self._check_open()
         ring = self._ring
         needs = []
         total = 0
         for v in views:
-            n = len(v) if type(v) is not memoryview else v.nbytes
+            if type(v) is tuple:
+                n = sum(len(x) if type(x) is not memoryview else x.nbytes for x in v)
+            else:
+                n = len(v) if type(v) is not memoryview else v.nbytes
             if n > self._max_payload:
                 raise TooLarge(f"frame of {n} bytes can never fit: this spool's largest "
                                f"frame is {self._max_payload} bytes (capacity {ring})")
@@ -411,8 +424,10 @@ class Spool:
         if total > ring:
             raise TooLarge(f"batch of {len(views)} frames needs {total} bytes, more than the "
                            f"ring's {ring}; split it")
+        if max_backlog is not None and len(views) > max_backlog:
+            raise TooLarge(f"batch of {len(views)} items can never fit under maxsize {max_backlog}")
         # Checksums are computed before taking the lock (slow work outside locks).
-        crcs = [_crc(v) for v in views] if self._checksum else None
+        crcs = [_crc_parts(v) for v in views] if self._checksum else None
         flags = self._crc_flag
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -424,7 +439,7 @@ class Spool:
                     raise Full("writer lock busy") from None
                 raise
             try:
-                seq = self._write_locked(views, needs, total, crcs, flags, codec)
+                seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog)
             finally:
                 self._wlock.release()  # sem_post: also the fence before reading waiters
             if seq is not None:
@@ -439,7 +454,7 @@ class Spool:
             marker = self._full_marker  # taken under the lock: no change is missed
             self._space_bell.wait(lambda: self._room_marker() != marker, left)
 
-    def _write_locked(self, views, needs, total, crcs, flags, codec):
+    def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None):
         """Place, write and publish a batch; None if there is no room (not block-able here)."""
         ctl = self._ctl
         mm = self._mm
@@ -447,6 +462,11 @@ class Spool:
         base = self._base
         seq0 = seq = ctl[W_NEXT_SEQ]
         pos = ctl[W_NEXT_POS]
+        if max_backlog is not None:
+            floor_seq = self._floor_seq()
+            if floor_seq is not None and seq0 - floor_seq + len(views) > max_backlog:
+                self._full_marker = self._room_marker()
+                return None
         # Placement: a frame that does not fit before the ring's end is
         # preceded by padding to the end (a PAD header if 32+ bytes remain).
         placed = []
@@ -484,7 +504,14 @@ class Spool:
             n, need = needs[i]
             o = base + placed[i] % ring
             _pack_frame(mm, o, seq, need, n, ts, crcs[i] if crcs else 0, flags, codec, 0)
-            mm[o + FRAME_BYTES:o + FRAME_BYTES + n] = v
+            o += FRAME_BYTES
+            if type(v) is tuple:
+                for part in v:
+                    k = len(part) if type(part) is not memoryview else part.nbytes
+                    mm[o:o + k] = part
+                    o += k
+            else:
+                mm[o:o + n] = v
             seq += 1
             nbytes += n
         if self._sync:
@@ -538,6 +565,18 @@ class Spool:
                 p = slots[w + F.S_POS]
                 if floor is None or p < floor:
                     floor = p
+        return floor
+
+    def _floor_seq(self):
+        """Oldest committed seq any named reader or group still needs (None: no slots)."""
+        slots = self._slots
+        floor = None
+        for i in range(self._slot_hwm()):
+            w = i * F.SLOT_WORDS
+            if slots[w + F.S_STATE] != F.SLOT_FREE:
+                s = slots[w + F.S_SEQ]
+                if floor is None or s < floor:
+                    floor = s
         return floor
 
     def _room_marker(self):
@@ -709,7 +748,11 @@ class Spool:
                 else:
                     pos += stored
                 continue
-            data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
+            if codec == CODEC_PICKLE_OOB:
+                # one copy into a writable buffer: arrays unpickled over it are writable
+                data = bytearray(self._view[o + FRAME_BYTES:o + FRAME_BYTES + length])
+            else:
+                data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
             if ctl[W_FIRST_POS] > pos:  # overwritten while we copied
                 seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
                 lost += skipped
@@ -1019,6 +1062,15 @@ class Spool:
         """
         self._check_open()
         self._mm.flush()
+
+
+def _crc_parts(v):
+    if type(v) is not tuple:
+        return _crc(v)
+    crc = 0
+    for part in v:
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 def _reopen(path, sync, recovery_timeout):

@@ -1,0 +1,358 @@
+"""Drop-in replacements for multiprocessing.Queue, JoinableQueue and SimpleQueue.
+
+A queue is a spool with ``on_full="block"`` and one group named "queue":
+``put`` pickles (protocol 5) outside any lock and appends one frame; ``get``
+takes the next frame under the group's lock and unpickles after releasing
+it.  Out-of-band pickle buffers (numpy arrays, PickleBuffer) are written
+straight into the ring and read back with one copy.  There is no feeder
+thread: ``put`` returns once the item is in shared memory, so a producer
+killed after ``put`` returned loses nothing, and one killed inside ``put``
+exposes nothing.
+
+Lifetime: a queue created without ``path`` lives in ``/dev/shm`` under a
+random name that is removed when its creator closes it, is garbage
+collected, exits, or is killed (the multiprocessing resource tracker
+removes it once the creator and the children sharing its tracker are
+gone); processes that have it open keep working until they close it.
+A queue created with ``path`` is persistent until ``shmq.Spool.destroy``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import weakref
+from multiprocessing import resource_tracker
+
+import posix_ipc
+
+from . import _format as F
+from ._mapping import SEM_UNFINISHED, open_semaphore, resolve_path, sem_name, group_sem_name
+from .errors import Empty, Full, ShmqError, TooLarge
+from .spool import Spool, _check_block_timeout
+
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+
+GROUP = "queue"
+DEFAULT_CAPACITY = "32MiB"
+_dumps = pickle.dumps
+_loads = pickle.loads
+_PROTO = 5
+_TRACKED_SEMS = ("w", "r", "f", "u")
+
+
+def _encode(obj):
+    """Pickle ``obj``; return ``(frame item, codec)``; out-of-band buffers stay uncopied."""
+    buffers = []
+    data = _dumps(obj, _PROTO, buffer_callback=buffers.append)
+    if not buffers:
+        return data, F.CODEC_PICKLE
+    raws = [b.raw() for b in buffers]
+    lens = [r.nbytes for r in raws]
+    parts = [F.pack_oob_header(len(data), lens), data, F.oob_padding(len(data))]
+    for r, n in zip(raws, lens):
+        parts += [r, F.oob_padding(n)]
+    return tuple(parts), F.CODEC_PICKLE_OOB
+
+
+def _decode(data):
+    if type(data) is bytes:  # in-band pickle (the writer chose the codec)
+        return _loads(data)
+    pickled, buffers = F.unpack_oob(memoryview(data))
+    return _loads(pickled, buffers=buffers)
+
+
+def _trusted(spool) -> bool:
+    """A spool other users can write might carry hostile pickles."""
+    m = spool._map
+    return m.st_uid == os.geteuid() and not m.st_mode & 0o022
+
+
+class Queue:
+    """A process- and crash-safe FIFO queue with the ``multiprocessing.Queue`` API.
+
+    ``maxsize`` bounds the items in the queue (0: only ``capacity`` bytes
+    bound it); ``capacity`` is the ring's size in bytes, so one object
+    larger than it raises :class:`shmq.TooLarge` at once.  ``path`` makes a
+    named, persistent queue (created if missing, attached otherwise).
+    ``trusted`` allows unpickling from a spool other users can write.
+
+    Guarantees: items from one producer are received in the order put;
+    each item is received by exactly one consumer; a consumer killed in
+    ``get`` loses at most the item it was taking and never blocks others
+    beyond the lock-recovery timeout; handles pickle by path and work under
+    fork, spawn and forkserver.
+    """
+
+    _unfinished = None
+
+    def __init__(self, maxsize=0, *, capacity=DEFAULT_CAPACITY, path=None, trusted=False, ctx=None):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int):
+            raise TypeError(f"maxsize must be an int, not {type(maxsize).__name__}")
+        self._owner = None
+        if path is None:
+            path = f"/dev/shm/shmq-q-{secrets.token_hex(8)}"
+            spool = Spool.create(path, capacity=capacity, on_full="block", readers=1, leases=0)
+            spool._ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
+            self._owner = os.getpid()
+            self._track(spool)
+        else:
+            spool = Spool.create(path, capacity=capacity, on_full="block", exist_ok=True)
+            if maxsize > 0 and not spool._ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
+                spool._ctl[F.W_QUEUE_MAXSIZE] = maxsize
+        self._attach(spool, trusted)
+        if self._owner is not None:
+            # Removes the file and semaphores when the creator is done with it.
+            self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool._sem_prefix,
+                                               self._owner)
+
+    def _attach(self, spool, trusted):
+        if spool.on_full != "block":
+            spool.close()
+            raise ShmqError(f"{spool.path} is a '{spool.on_full}' spool; a queue needs on_full='block'")
+        if not trusted and not _trusted(spool):
+            spool.close()
+            raise ShmqError(f"{spool.path} is writable by other users or owned by another; refusing "
+                            "to unpickle from it (pass trusted=True if you trust them)")
+        self._spool = spool
+        self._reader = spool.reader(GROUP, group=True)
+        self._maxsize = spool._ctl[F.W_QUEUE_MAXSIZE]
+        self._backlog = self._maxsize or None
+        self._trusted = trusted
+        self._closed = False
+
+    @staticmethod
+    def _track(spool):
+        # The resource tracker unlinks these if we die without closing.
+        resource_tracker.register("/" + os.path.basename(spool.path), "shared_memory")
+        for which in _TRACKED_SEMS + (f"g{0}",):
+            resource_tracker.register(sem_name(spool._sem_prefix, which), "semaphore")
+
+    # -- pickling: by path, reattach ------------------------------------------
+
+    def __getstate__(self):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        return {"path": self._spool.path, "trusted": self._trusted}
+
+    def __setstate__(self, state):
+        self._owner = None
+        self._attach(Spool.open(state["path"]), state["trusted"])
+
+    # -- the stdlib surface ---------------------------------------------------
+
+    def put(self, obj, block=True, timeout=None):
+        """Put ``obj`` into the queue; it is in shared memory when this returns.
+
+        Blocks while the queue holds ``maxsize`` items or its ring is full,
+        for at most ``timeout`` seconds.
+
+        :raises queue.Full: (as shmq.Full) no room in time, or ``block=False``.
+        :raises shmq.TooLarge: the pickled object can never fit in ``capacity``.
+        :raises ValueError: the queue is closed.
+        :raises pickle.PicklingError: (or the error ``__reduce__`` raised) at once.
+        """
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        item, codec = _encode(obj)
+        if self._unfinished is not None:
+            self._unfinished.release()  # counted first: a crash leaves it high, never low
+        try:
+            if self._backlog is None and block and timeout is None and codec == F.CODEC_PICKLE:
+                self._spool.put(item, codec=codec)
+            else:
+                self._spool._append((item,), _check_block_timeout(block, timeout), codec,
+                                    self._backlog)
+        except BaseException:
+            if self._unfinished is not None:
+                self._unfinished.acquire(0)
+            raise
+
+    def get(self, block=True, timeout=None):
+        """Remove and return the next item (FIFO across producers, by commit order).
+
+        :raises queue.Empty: (as shmq.Empty) nothing arrived in time.
+        :raises ValueError: the queue is closed.
+        """
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        data = self._reader.get(block, timeout)[2]
+        # unpickle after the group lock was released (inside reader.get)
+        return _decode(data)
+
+    def put_nowait(self, obj):
+        return self.put(obj, False)
+
+    def get_nowait(self):
+        return self.get(False)
+
+    def qsize(self) -> int:
+        """Items in the queue now (exact at the instant it is read)."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        return self._reader.lag
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def full(self) -> bool:
+        return bool(self._maxsize) and self.qsize() >= self._maxsize
+
+    def close(self) -> None:
+        """Detach this process's handle; the creator's close also removes the queue's file.
+
+        Other processes that have the queue open keep working until they close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.close()
+        if self._unfinished is not None:
+            self._unfinished.close()
+        self._spool.close()
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None and self._owner == os.getpid():
+            fin()
+
+    def join_thread(self) -> None:
+        """No feeder thread exists: items are in shared memory when put() returns."""
+        assert self._closed, f"Queue {self!r} not closed"
+
+    def cancel_join_thread(self) -> None:
+        """No-op: there is no feeder thread to wait for."""
+
+    # -- beyond the stdlib -----------------------------------------------------
+
+    def put_many(self, items, block=True, timeout=None) -> None:
+        """Put several objects as one atomic batch (consumers see all or none)."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        encoded = [_encode(o) for o in items]
+        if not encoded:
+            return
+        if self._unfinished is not None:
+            for _ in encoded:
+                self._unfinished.release()
+        try:
+            # one codec per batch: out-of-band batches are rare, write them per item
+            if all(c == F.CODEC_PICKLE for _i, c in encoded):
+                self._spool._append(tuple(i for i, _c in encoded),
+                                    _check_block_timeout(block, timeout), F.CODEC_PICKLE, self._backlog)
+            else:
+                for item, codec in encoded:
+                    self._spool._append((item,), _check_block_timeout(block, timeout), codec,
+                                        self._backlog)
+        except BaseException:
+            if self._unfinished is not None:
+                for _ in encoded:
+                    self._unfinished.acquire(0)
+            raise
+
+    def get_many(self, max_items=100, block=True, timeout=None) -> list:
+        """Remove and return 1..``max_items`` items, blocking only for the first."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        frames = self._reader.get_many(max_items, block, timeout)
+        return [_decode(f[2]) for f in frames]
+
+    async def get_async(self, timeout=None):
+        """``await`` the next item; the event loop parks on the spool's inotify fd."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        frame = await self._reader.get_async(timeout)
+        return _decode(frame[2])
+
+    async def put_async(self, obj, timeout=None):
+        """``await`` room, then put ``obj``."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.put(obj, block=False)
+            except Full:
+                sp = self._spool
+                marker = sp._room_marker()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise
+                await sp._space_bell.wait_async(lambda: sp._room_marker() != marker, left)
+
+    @property
+    def path(self) -> str:
+        """The spool file behind this queue."""
+        return self._spool.path
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"{self.path}"
+        return f"<shmq.{type(self).__name__} {state}>"
+
+
+def _destroy_owned(path, prefix, owner):
+    if os.getpid() != owner:
+        return  # a fork child inherited the finalizer: only the creator removes it
+    from ._mapping import unlink_semaphores
+
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    unlink_semaphores(prefix, 1)
+    try:
+        resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
+        for which in _TRACKED_SEMS + ("g0",):
+            resource_tracker.unregister(sem_name(prefix, which), "semaphore")
+    except Exception:
+        pass
+
+
+class JoinableQueue(Queue):
+    """:class:`Queue` plus ``task_done()`` and ``join()`` (``multiprocessing.JoinableQueue``).
+
+    The count of unfinished items is a named semaphore shared by every
+    process; it is raised before an item is committed, so a producer killed
+    mid-put can only make ``join()`` wait longer, never return early.
+    """
+
+    def _attach(self, spool, trusted):
+        super()._attach(spool, trusted)
+        self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0)
+
+    def task_done(self) -> None:
+        """Mark one item as processed.
+
+        :raises ValueError: called more times than there were items.
+        """
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        try:
+            self._unfinished.acquire(0)
+        except posix_ipc.BusyError:
+            raise ValueError("task_done() called too many times") from None
+        sp = self._spool
+        if not self._unfinished.value and sp._space_bell.has_waiters():
+            sp._space_bell.ring()
+
+    def join(self, timeout=None) -> bool:
+        """Block until every item put has been marked ``task_done()``.
+
+        ``timeout`` (an extension) bounds the wait; returns True when done.
+        """
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        sem = self._unfinished
+        return self._spool._space_bell.wait(lambda: sem.value == 0, timeout)
+
+
+class SimpleQueue(Queue):
+    """An unbounded :class:`Queue` with the ``multiprocessing.SimpleQueue`` surface."""
+
+    def __init__(self, *, capacity=DEFAULT_CAPACITY, path=None, trusted=False, ctx=None):
+        super().__init__(0, capacity=capacity, path=path, trusted=trusted)
+
+    def get(self):
+        return super().get()
+
+    def put(self, obj):
+        return super().put(obj)
