@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import time
 import weakref
 from multiprocessing import resource_tracker
 
@@ -43,7 +44,12 @@ _TRACKED_SEMS = ("w", "r", "f", "u")
 
 
 def _encode(obj):
-    """Pickle ``obj``; return ``(frame item, codec)``; out-of-band buffers stay uncopied."""
+    """Pickle ``obj``; return ``(frame item, codec)``; out-of-band buffers stay uncopied.
+
+    ``bytes`` travel as they are (codec raw): no pickling copy either way.
+    """
+    if type(obj) is bytes:
+        return obj, F.CODEC_RAW
     buffers = []
     data = _dumps(obj, _PROTO, buffer_callback=buffers.append)
     if not buffers:
@@ -56,11 +62,16 @@ def _encode(obj):
     return tuple(parts), F.CODEC_PICKLE_OOB
 
 
-def _decode(data):
-    if type(data) is bytes:  # in-band pickle (the writer chose the codec)
+def _decode(data, codec):
+    if codec == F.CODEC_PICKLE:
         return _loads(data)
-    pickled, buffers = F.unpack_oob(memoryview(data))
-    return _loads(pickled, buffers=buffers)
+    if codec == F.CODEC_RAW:
+        return data
+    if codec == F.CODEC_PICKLE_OOB:
+        pickled, buffers = F.unpack_oob(memoryview(data))
+        return _loads(pickled, buffers=buffers)
+    raise ShmqError(f"frame with codec {codec} is not a queue item (was the spool written by "
+                    "something other than shmq.Queue?)")
 
 
 def _trusted(spool) -> bool:
@@ -159,7 +170,7 @@ class Queue:
         if self._unfinished is not None:
             self._unfinished.release()  # counted first: a crash leaves it high, never low
         try:
-            if self._backlog is None and block and timeout is None and codec == F.CODEC_PICKLE:
+            if self._backlog is None and block and timeout is None and codec != F.CODEC_PICKLE_OOB:
                 self._spool.put(item, codec=codec)
             else:
                 self._spool._append((item,), _check_block_timeout(block, timeout), codec,
@@ -177,9 +188,10 @@ class Queue:
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        data = self._reader.get(block, timeout)[2]
+        codecs = []
+        data = self._reader.get(block, timeout, codecs)[2]
         # unpickle after the group lock was released (inside reader.get)
-        return _decode(data)
+        return _decode(data, codecs[0])
 
     def put_nowait(self, obj):
         return self.put(obj, False)
@@ -235,7 +247,7 @@ class Queue:
             for _ in encoded:
                 self._unfinished.release()
         try:
-            # one codec per batch: out-of-band batches are rare, write them per item
+            # one codec per batch: mixed batches (bytes, out-of-band) go item by item
             if all(c == F.CODEC_PICKLE for _i, c in encoded):
                 self._spool._append(tuple(i for i, _c in encoded),
                                     _check_block_timeout(block, timeout), F.CODEC_PICKLE, self._backlog)
@@ -253,20 +265,27 @@ class Queue:
         """Remove and return 1..``max_items`` items, blocking only for the first."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        frames = self._reader.get_many(max_items, block, timeout)
-        return [_decode(f[2]) for f in frames]
+        codecs = []
+        frames = self._reader.get_many(max_items, block, timeout, codecs)
+        return [_decode(f[2], c) for f, c in zip(frames, codecs)]
 
     async def get_async(self, timeout=None):
         """``await`` the next item; the event loop parks on the spool's inotify fd."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        frame = await self._reader.get_async(timeout)
-        return _decode(frame[2])
+        timeout = _check_block_timeout(True, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.get(block=False)
+            except Empty:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise
+            await self._spool._data_bell.wait_async(self._reader._available, left)
 
     async def put_async(self, obj, timeout=None):
         """``await`` room, then put ``obj``."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

@@ -16,6 +16,8 @@ import time
 
 from . import _format as F
 from ._format import FLAG_PAD, FRAME, FRAME_BYTES, W_FIRST_POS, W_NEXT_SEQ
+from posix_ipc import BusyError
+
 from ._lock import RecoverableLock, ofd_lock, ofd_unlock
 from ._mapping import group_sem_name, open_semaphore
 from .errors import Empty, ReaderBusy
@@ -129,7 +131,7 @@ class Reader:
             timeout = _check_block_timeout(block, timeout)
         deadline = None
         while True:
-            frame, self._seq, self._pos, lost = sp._read(self._seq, self._pos, self._verify)
+            frame, self._seq, self._pos, lost, _codec = sp._read(self._seq, self._pos, self._verify)
             if lost:
                 self._count_lost(lost)
             if frame is not None:
@@ -162,7 +164,7 @@ class Reader:
         out = [self.get(block, timeout)]
         sp = self._spool
         while len(out) < max_frames:
-            frame, self._seq, self._pos, lost = sp._read(self._seq, self._pos, self._verify)
+            frame, self._seq, self._pos, lost, _codec = sp._read(self._seq, self._pos, self._verify)
             if lost:
                 self._count_lost(lost)
             if frame is None:
@@ -418,6 +420,7 @@ class GroupReader(_SlotReader):
     _kind = F.SLOT_GROUP
 
     def __init__(self, spool, name, *, start="earliest", verify=False):
+        self._n = self._bytes = self._dsum = self._dmax = self._lag_peak = 0
         super().__init__(spool, name, start=start, verify=verify)
         w = self._w
         try:
@@ -426,6 +429,7 @@ class GroupReader(_SlotReader):
             self.close()
             raise
         self._lock = self._make_lock()
+        self._sem = self._lock.sem
 
     def _make_lock(self):
         sp = self._spool
@@ -449,71 +453,112 @@ class GroupReader(_SlotReader):
     def _available(self):
         return self._spool._slots[self._w + F.S_SEQ] < self._spool._ctl[W_NEXT_SEQ]
 
-    def _take(self, max_frames):
-        """Take up to ``max_frames`` frames under the group lock (may be empty)."""
+    def _take(self, max_frames, codecs=None, timeout=None):
+        """Take up to ``max_frames`` frames under the group lock (may be empty).
+
+        Frames are copied under the lock and the cursor advanced before it
+        is released; statistics accumulate per handle and are flushed to
+        the slot under the lock every STATS_FLUSH_FRAMES frames.  With
+        ``codecs`` (a list), each frame's codec tag is appended to it.
+        """
         sp = self._spool
         slots, w = sp._slots, self._w
         out = []
-        self._lock.acquire()
+        sem = self._sem
+        try:
+            sem.acquire(0)  # inlined RecoverableLock.acquire (uncontended fast path)
+        except BusyError:
+            self._lock._acquire_slow(timeout)
+        slots[w + F.S_LOCK_HOLDER] = sp._holder
         try:
             seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
             lost_total = 0
+            read = sp._read
+            verify = self._verify
             while len(out) < max_frames:
-                frame, seq, pos, lost = sp._read(seq, pos, self._verify)
+                frame, seq, pos, lost, codec = read(seq, pos, verify)
                 lost_total += lost
                 if frame is None:
                     break
                 out.append(frame)
+                if codecs is not None:
+                    codecs.append(codec)
             if out or lost_total:
-                slots[w + F.S_POS] = pos
+                slots[w + F.S_POS] = pos  # position first: see Spool._resync
                 slots[w + F.S_SEQ] = seq
                 if lost_total:
                     _add(slots, w + F.S_LOST, lost_total)
                 if out:
-                    self._account(slots, w, out, sp._ctl[W_NEXT_SEQ] - seq)
+                    self._account(out)
+                    if self._n >= STATS_FLUSH_FRAMES:
+                        self._flush_locked()
         finally:
-            self._lock.release()
+            slots[w + F.S_LOCK_HOLDER] = 0
+            sem.release()
         # Outside the lock: wake writers blocked on a full spool.
-        if out and not sp._overwrite:
-            sp._notify_space()
+        if out and not sp._overwrite and sp._space_waiters.value:
+            sp._space_bell.ring()
         return out
 
-    def _account(self, slots, w, frames, lag):
+    def _account(self, frames):
         now = _time_ns()
-        nbytes = dsum = dmax = 0
         for f in frames:
-            nbytes += len(f[2])
+            self._bytes += len(f[2])
             d = now - f[1]
             if d > 0:
-                dsum += d
-                if d > dmax:
-                    dmax = d
-        _add(slots, w + F.S_GETS, len(frames))
-        _add(slots, w + F.S_GET_BYTES, nbytes)
-        _add(slots, w + F.S_DELAY_SUM_NS, dsum)
-        if dmax > slots[w + F.S_DELAY_MAX_NS]:
-            slots[w + F.S_DELAY_MAX_NS] = dmax
+                self._dsum += d
+                if d > self._dmax:
+                    self._dmax = d
+        if not self._n:
+            self._lag_peak = self._spool._ctl[W_NEXT_SEQ] - frames[0][0]
+        self._n += len(frames)
+
+    def _flush_locked(self):
+        """Publish this handle's counters to the group's slot (group lock held)."""
+        sp = self._spool
+        slots, w = sp._slots, self._w
+        _add(slots, w + F.S_GETS, self._n)
+        _add(slots, w + F.S_GET_BYTES, self._bytes)
+        _add(slots, w + F.S_DELAY_SUM_NS, self._dsum)
+        if self._dmax > slots[w + F.S_DELAY_MAX_NS]:
+            slots[w + F.S_DELAY_MAX_NS] = self._dmax
+        now = _time_ns()
         slots[w + F.S_LAST_GET_NS] = now
-        before = lag + len(frames)
-        if before > slots[w + F.S_LAG_HIGH]:
-            slots[w + F.S_LAG_HIGH] = before
+        if self._lag_peak > slots[w + F.S_LAG_HIGH]:
+            slots[w + F.S_LAG_HIGH] = self._lag_peak
+        lag = max(0, sp._ctl[W_NEXT_SEQ] - slots[w + F.S_SEQ])
         if lag < slots[w + F.S_LAG_LOW]:
             slots[w + F.S_LAG_LOW] = lag
-        self._spool._count_read_rate(len(frames), now)
+        sp._count_read_rate(self._n, now)
+        self._n = self._bytes = self._dsum = self._dmax = 0
 
-    def get(self, block=True, timeout=None):
+    def _flush_stats(self):
+        if self._n and not self._closed and self._spool._mm is not None:
+            self._lock.acquire()
+            try:
+                self._flush_locked()
+            finally:
+                self._lock.release()
+
+    def _before_wait(self):
+        self._flush_stats()
+
+    def get(self, block=True, timeout=None, _codecs=None):
         if self._closed:
             self._check()
         if timeout is not None or not block:
             timeout = _check_block_timeout(block, timeout)
+        out = self._take(1, _codecs, timeout)
+        if out:
+            return out[0]
         deadline = None
         while True:
-            out = self._take(1)
+            deadline = self._wait(timeout, deadline)
+            out = self._take(1, _codecs, timeout)
             if out:
                 return out[0]
-            deadline = self._wait(timeout, deadline)
 
-    def get_many(self, max_frames=100, block=True, timeout=None):
+    def get_many(self, max_frames=100, block=True, timeout=None, _codecs=None):
         if self._closed:
             self._check()
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
@@ -522,7 +567,7 @@ class GroupReader(_SlotReader):
             timeout = _check_block_timeout(block, timeout)
         deadline = None
         while True:
-            out = self._take(max_frames)
+            out = self._take(max_frames, _codecs, timeout)
             if out:
                 return out
             deadline = self._wait(timeout, deadline)
@@ -545,6 +590,7 @@ class GroupReader(_SlotReader):
 
     def close(self) -> None:
         if not self._closed and getattr(self, "_lock", None) is not None:
+            self._flush_stats()
             self._lock.sem.close()
         super().close()
 

@@ -154,6 +154,7 @@ class Spool:
         self._pid = os.getpid()
         self._holder = holder_word()
         self._data_waiters = self._data_bell.sem
+        self._space_waiters = self._space_bell.sem
 
     def _check_control(self):
         """Refuse control words no writer could have left (bit rot, foreign writes)."""
@@ -719,7 +720,7 @@ class Spool:
             self._wlock.release()
 
     def _read(self, seq, pos, verify=False):
-        """Read the frame at cursor ``(seq, pos)``; return ``(frame, seq', pos', lost)``.
+        """Read the frame at cursor ``(seq, pos)``; return ``(frame, seq', pos', lost, codec)``.
 
         ``frame`` is None when the cursor caught up (after counting a loss).
         Lock-free, seqlock style: writers advance ``FIRST_POS`` before they
@@ -730,7 +731,7 @@ class Spool:
         lost = 0
         while True:
             if seq >= ctl[W_NEXT_SEQ]:
-                return None, seq, pos, lost
+                return None, seq, pos, lost, 0
             off = pos % ring
             if ring - off < FRAME_BYTES:
                 pos += ring - off
@@ -760,7 +761,7 @@ class Spool:
             if verify and flags & FLAG_CRC and _crc(data) != crc:
                 raise SpoolFormatError(f"{self.path}: frame {seq} fails its CRC check "
                                        "(memory corruption?); run 'shmq fsck'")
-            return _new_frame(Frame, (seq, ts, data)), seq + 1, pos + stored, lost
+            return _new_frame(Frame, (seq, ts, data)), seq + 1, pos + stored, lost, codec
 
     def _resync(self, seq, pos, hseq, off, stored, length):
         """The header at the cursor is not frame ``seq`` (or was evicted): find out why."""
@@ -821,7 +822,7 @@ class Spool:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise TypeError(f"seq must be a non-negative int, not {seq!r}")
         pos = self._locate(seq)
-        frame, _s, _p, lost = self._read(seq, pos, verify)
+        frame, _s, _p, lost, _c = self._read(seq, pos, verify)
         if frame is None or lost or frame[0] != seq:
             raise FrameLost(f"seq {seq} was overwritten while being read")
         return frame
