@@ -5,17 +5,19 @@ See docs/guide.md.  This module only re-exports the public names.
 
 from ._format import FORMAT_VERSION
 from .errors import (
-    Empty, FrameLost, Full, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+    Empty, FrameLost, Full, LeaseLost, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
 from .spool import Frame, Spool
 from .stats import ReaderStats, SpoolStats
+from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
-    "ReaderBusy", "FORMAT_VERSION",
+    "ReaderBusy", "LeaseLost", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
+    "FORMAT_VERSION",
 ]

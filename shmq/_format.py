@@ -17,6 +17,7 @@ File layout::
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 import zlib
@@ -50,7 +51,17 @@ W_HIGH_BYTES = 30  # most ring bytes in use, recorded before evicting
 W_SLOT_HWM = 31  # 1 + highest slot index ever used (bounds table scans)
 W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
 W_QUEUE_MAXSIZE = 33  # shmq.Queue's maxsize in items (0: unbounded), set at creation
-# 34..63 reserved (48..63 for the work queue)
+# 34..47 reserved
+# 48..63: shmq.WorkQueue (see the work queue section below)
+W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
+W_WQ_KEY_SLOTS = 49  # key-index entries after them
+W_WQ_TOKEN = 50  # last fencing token granted
+W_WQ_MAX_ATTEMPTS = 51  # default attempts before dead-lettering
+W_WQ_LEASE_HWM = 52  # 1 + highest lease record index in use (bounds scans)
+W_WQ_REDELIVERED = 53
+W_WQ_ACKED = 54
+W_WQ_SUPERSEDED = 55
+W_WQ_DEAD = 56  # messages moved to the dead-letter spool
 W_RATE = 64  # per-second series: RATE_SECONDS x (second, puts, gets)
 RATE_SECONDS = 60
 RATE_WORDS = 3
@@ -117,6 +128,7 @@ CODEC_NUMPY = 3
 CODEC_ARROW = 4
 CODEC_UTF8 = 5
 CODEC_PICKLE_OOB = 6  # pickle protocol 5 with out-of-band buffers (see pack_oob_header)
+CODEC_WORKQ = 7  # a work queue message: WQ_HEADER, then pickle (body, headers, key)
 CODEC_NAMES = {
     CODEC_RAW: "raw",
     CODEC_PICKLE: "pickle",
@@ -125,6 +137,7 @@ CODEC_NAMES = {
     CODEC_ARROW: "arrow",
     CODEC_UTF8: "utf8",
     CODEC_PICKLE_OOB: "pickle-oob",
+    CODEC_WORKQ: "workqueue",
 }
 
 POLICIES = ("overwrite", "block", "error")
@@ -347,3 +360,31 @@ def unpack_oob(view):
         buffers.append(view[off:off + length])
         off = align(off + length)
     return pickled, buffers
+
+
+# --- work queue ------------------------------------------------------------
+#
+# The lease region holds W_WQ_LEASE_SLOTS lease records of 8 words, then
+# W_WQ_KEY_SLOTS key-index entries of 3 words (key hash, seq, position),
+# open addressing with linear probing; hash 0 marks an empty entry.
+
+L_STATE, L_SEQ, L_POS, L_TOKEN, L_HOLDER, L_DUE_NS, L_ATTEMPTS, L_ENQ_NS = range(8)
+LEASE_WORDS = 8
+LEASE_FREE, LEASE_LEASED, LEASE_DELAYED, LEASE_RETRY = 0, 1, 2, 3
+KEY_WORDS = 3
+
+#: key_hash, not_before_ns, max_attempts (0: queue default), flags
+WQ_HEADER = struct.Struct("<QQII")
+WQ_HAS_KEY = 0x1
+
+
+def wq_region_records(lease_slots: int, key_slots: int) -> int:
+    """Lease-region size in 64-byte records for a work queue's leases and key index."""
+    return lease_slots + (key_slots * KEY_WORDS * 8 + LEASE_BYTES - 1) // LEASE_BYTES
+
+
+def key_hash(key) -> int:
+    """Stable 64-bit hash of a str/bytes key (never 0: 0 marks an empty entry)."""
+    raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return h or 1

@@ -17,6 +17,7 @@ __all__ = [
     "SpoolFormatError",
     "TooLarge",
     "ReaderBusy",
+    "LeaseLost",
 ]
 
 
@@ -58,3 +59,7 @@ class TooLarge(ShmqError, ValueError):
 
 class ReaderBusy(ShmqError):
     """A named reader is already attached by another live handle."""
+
+
+class LeaseLost(ShmqError):
+    """A work queue ack/nack/extend carried a stale fencing token (the lease was re-granted)."""

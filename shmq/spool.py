@@ -397,14 +397,16 @@ class Spool:
             raise ValueError("put_many() needs at least one item")
         return self._append(views, _check_block_timeout(block, timeout), codec)
 
-    def _append(self, views, timeout, codec, max_backlog=None):
+    def _append(self, views, timeout, codec, max_backlog=None, before_commit=None):
         """General write path: a batch of frames, each a bytes-like or a tuple of them.
 
         A tuple is written as one frame, its segments copied one after the
         other straight into the ring (no concatenation copy).
         ``max_backlog`` bounds the frames not yet consumed by the slowest
         named reader/group (shmq.Queue's ``maxsize``); exceeding it waits
-        like a full ring.
+        like a full ring.  ``before_commit(first_seq, positions)`` runs under
+        the writer lock once the batch is placed, before anything is
+        written; raising aborts the batch (shmq.WorkQueue's key index).
         """
         if self._mm is None:
             self._check_open()
@@ -440,7 +442,8 @@ class Spool:
                     raise Full("writer lock busy") from None
                 raise
             try:
-                seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog)
+                seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog,
+                                         before_commit)
             finally:
                 self._wlock.release()  # sem_post: also the fence before reading waiters
             if seq is not None:
@@ -455,7 +458,8 @@ class Spool:
             marker = self._full_marker  # taken under the lock: no change is missed
             self._space_bell.wait(lambda: self._room_marker() != marker, left)
 
-    def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None):
+    def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None,
+                      before_commit=None):
         """Place, write and publish a batch; None if there is no room (not block-able here)."""
         ctl = self._ctl
         mm = self._mm
@@ -497,6 +501,8 @@ class Spool:
             if not self._make_room(end - ring, seq0, placed[0]):
                 return None
             first_pos = ctl[W_FIRST_POS]
+        if before_commit is not None:
+            before_commit(seq0, placed)
         ts = _time_ns()
         for off, gap, k in pads:
             _pack_frame(mm, base + off, seq0 + k, gap, 0, ts, 0, FLAG_PAD, 0, 0)
@@ -695,6 +701,15 @@ class Spool:
         if not F.valid_frame_header(stored, length, off, ring):
             return None
         return hseq, pos, stored, length, ts, crc, flags, codec
+
+    def _frame_pos(self, pos):
+        """Header position of the frame at cursor position ``pos`` (past any pad)."""
+        for _ in range(3):
+            hit = self._header_at(pos)
+            if hit is None or not hit[6] & FLAG_PAD:
+                return pos if hit is None else hit[1]
+            pos = hit[1] + hit[2]
+        return pos
 
     def _first_cursor(self):
         """A consistent ``(seq, pos)`` of the oldest frame, read lock-free."""

@@ -1,0 +1,734 @@
+"""A reliable work queue on a spool: leases, acks, retries, dead letters, dedup, delays.
+
+Layout (docs/workqueue.md has the full semantics):
+
+* messages are frames (codec "workqueue") in a ``block``-policy spool;
+* the slot ``wq`` is the *take cursor* (next frame never handed out) and its
+  recoverable lock is the work queue's lock: every state change happens
+  under it, in short critical sections (bodies are unpickled outside it);
+* the lease region of the spool holds lease records (leased, delayed and
+  retrying messages, by seq and position) and a key index for dedup;
+* the slot ``wq.low`` holds the oldest seq still referenced (take cursor or
+  a lease record), so writers never overwrite a leased or delayed frame;
+* failures past ``max_attempts`` go to a dead-letter spool (``PATH.dead``).
+
+At-least-once: a message is delivered again until acknowledged, unless it
+is dead-lettered or superseded by a newer message with the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import time
+import traceback
+
+from . import _format as F
+from ._format import (
+    L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN, LEASE_DELAYED,
+    LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS, KEY_WORDS,
+)
+from ._lock import RecoverableLock, holder_alive, holder_pid, holder_word
+from ._mapping import group_sem_name, open_semaphore, resolve_path
+from .errors import Empty, LeaseLost, ShmqError, TooLarge
+from .spool import Spool, _check_block_timeout
+
+__all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
+
+TAKE_SLOT = "wq"
+LOW_SLOT = "wq.low"
+_NS = 1_000_000_000
+#: How often a consumer checks that lease holders are alive (seconds).
+LIVENESS_INTERVAL_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkQueueStats:
+    """Counts from the lease table and the control block (a snapshot)."""
+
+    ready: int  # committed, not yet handed out (superseded ones included until skipped)
+    in_flight: int  # leased
+    delayed: int  # waiting for their not-before time (delay= or nack(delay=))
+    dead: int  # in the dead-letter spool, not replayed or purged
+    redeliveries: int
+    acked: int
+    superseded: int
+    oldest_age_s: float  # age of the oldest message not yet acked (0: none)
+    lease_slots: int
+    lease_slots_used: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    """A message that failed ``attempts`` times, with the last failure."""
+
+    id: int  # seq in the dead-letter spool (for replay_dead / purge_dead)
+    message_id: int
+    body: object
+    headers: dict
+    key: object
+    attempts: int
+    error: dict  # {"type", "message", "traceback"}
+    last_holder_pid: int
+    enqueued_at: float
+    failed_at: float
+
+
+class Message:
+    """One delivery of a work queue message, under a lease.
+
+    ``ack()``, ``nack()`` and ``extend()`` carry the fencing ``token`` of
+    this delivery; once the lease was re-granted (it expired, or the holder
+    was declared dead) they raise :class:`shmq.LeaseLost`.
+    """
+
+    __slots__ = ("_wq", "_slot", "body", "id", "attempt", "key", "headers", "enqueued_at", "token",
+                 "lease_deadline", "_done")
+
+    def __init__(self, wq, slot, body, msg_id, attempt, key, headers, enqueued_at, token, deadline):
+        self._wq = wq
+        self._slot = slot
+        self.body = body
+        self.id = msg_id
+        self.attempt = attempt
+        self.key = key
+        self.headers = headers
+        self.enqueued_at = enqueued_at
+        self.token = token
+        self.lease_deadline = deadline
+        self._done = False
+
+    def ack(self) -> None:
+        """Acknowledge: the message is done and never delivered again.
+
+        :raises shmq.LeaseLost: the lease was re-granted (stale token).
+        """
+        self._wq._ack(self)
+        self._done = True
+
+    def nack(self, delay=None, error=None) -> None:
+        """Give the message back: delivered again after ``delay`` seconds (attempt + 1),
+        or dead-lettered if it has used up its attempts.
+
+        ``error``: an exception (type, message and traceback are recorded) or a string.
+
+        :raises shmq.LeaseLost: the lease was re-granted (stale token).
+        """
+        self._wq._nack(self, delay, error)
+        self._done = True
+
+    def extend(self, seconds) -> None:
+        """Push the lease deadline to ``seconds`` from now.
+
+        :raises shmq.LeaseLost: the lease was re-granted (stale token).
+        """
+        self.lease_deadline = self._wq._extend(self, seconds)
+
+    def __repr__(self):
+        return (f"<shmq.Message id={self.id} attempt={self.attempt} key={self.key!r} "
+                f"token={self.token}>")
+
+
+def _error_record(error):
+    if error is None:
+        return {"type": None, "message": None, "traceback": None}
+    if isinstance(error, BaseException):
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return {"type": type(error).__name__, "message": str(error), "traceback": tb}
+    return {"type": "str", "message": str(error), "traceback": None}
+
+
+class WorkQueue:
+    """An at-least-once work queue shared by processes; see the module doc.
+
+    ``WorkQueue(path)`` creates the spool (``capacity`` bytes of ring,
+    ``leases`` lease records, ``keys`` key-index entries) or attaches to an
+    existing one.  Handles pickle to their path.
+    """
+
+    def __init__(self, path, *, capacity="64MiB", max_attempts=5, leases=1024, keys=4096,
+                 dead_capacity="16MiB", trusted=False, liveness_interval=LIVENESS_INTERVAL_S):
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError("max_attempts must be an int >= 1")
+        for name, v in (("leases", leases), ("keys", keys)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+                raise ValueError(f"{name} must be an int in 1..1048576")
+        self.path = resolve_path(path)
+        self._opts = dict(capacity=capacity, max_attempts=max_attempts, leases=leases, keys=keys,
+                          dead_capacity=dead_capacity, trusted=trusted,
+                          liveness_interval=liveness_interval)
+        records = F.wq_region_records(leases, keys)
+        sp = Spool.create(self.path, capacity=capacity, on_full="block", leases=records, exist_ok=True)
+        try:
+            self._attach(sp, max_attempts, leases, keys, trusted)
+        except BaseException:
+            sp.close()
+            raise
+        self._dead = Spool.create(self.path + ".dead", capacity=dead_capacity, on_full="overwrite",
+                                  exist_ok=True)
+        self._liveness_interval = liveness_interval
+        self._next_liveness = 0.0
+
+    def _attach(self, sp, max_attempts, leases, keys, trusted):
+        if sp.on_full != "block":
+            raise ShmqError(f"{sp.path} is a '{sp.on_full}' spool; a work queue needs on_full='block'")
+        m = sp._map
+        if not trusted and (m.st_uid != os.geteuid() or m.st_mode & 0o022):
+            raise ShmqError(f"{sp.path} is writable by other users or owned by another; refusing "
+                            "to unpickle from it (pass trusted=True if you trust them)")
+        ctl = sp._ctl
+        take = sp.reader(TAKE_SLOT, group=True)  # creates the slot if new (earliest)
+        self._spool, self._ctl, self._take = sp, ctl, take
+        self._lock = take._lock
+        with self._lock:
+            if not ctl[F.W_WQ_LEASE_SLOTS]:  # first attach: initialize under the lock
+                if F.wq_region_records(leases, keys) > sp._geo["lease_count"]:
+                    raise ShmqError(f"{sp.path}: its lease region is too small for a work queue "
+                                    f"with {leases} leases and {keys} keys")
+                ctl[F.W_WQ_KEY_SLOTS] = keys
+                ctl[F.W_WQ_MAX_ATTEMPTS] = max_attempts
+                ctl[F.W_WQ_LEASE_SLOTS] = leases  # published last: initialized
+        sp._attach_slot(LOW_SLOT, F.SLOT_READER, "earliest")
+        self._low = sp._find_slot(LOW_SLOT) * F.SLOT_WORDS
+        self._nleases = ctl[F.W_WQ_LEASE_SLOTS]
+        self._nkeys = ctl[F.W_WQ_KEY_SLOTS]
+        self._max_attempts = ctl[F.W_WQ_MAX_ATTEMPTS]
+        lo = sp._geo["lease_offset"]
+        n = sp._geo["lease_count"] * F.LEASE_BYTES
+        self._region = sp._view[lo:lo + n].cast("Q")
+        self._keys_base = self._nleases * LEASE_WORDS
+        self._lock.on_recover = self._recover
+
+    @classmethod
+    def open(cls, path, **kw):
+        """Attach to an existing work queue.
+
+        :raises FileNotFoundError: nothing at ``path``.
+        """
+        if not os.path.exists(resolve_path(path)):
+            raise FileNotFoundError(f"no work queue at {resolve_path(path)}")
+        return cls(path, **kw)
+
+    def close(self) -> None:
+        """Detach this handle (leases it granted stay valid until they expire)."""
+        if self._spool is None:
+            return
+        self._region.release()
+        self._take.close()
+        self._spool.close()
+        self._dead.close()
+        self._spool = None
+
+    @staticmethod
+    def destroy(path) -> None:
+        """Remove a work queue's spool and its dead-letter spool."""
+        path = resolve_path(path)
+        Spool.destroy(path)
+        try:
+            Spool.destroy(path + ".dead")
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return (_reopen, (self.path, self._opts))
+
+    def _check(self):
+        if self._spool is None:
+            raise ValueError("work queue handle is closed")
+
+    # -- producing ----------------------------------------------------------------
+
+    def put(self, obj, key=None, delay=None, headers=None, *, not_before=None, max_attempts=None) -> int:
+        """Enqueue ``obj``; return its message id (its seq in the spool).
+
+        ``key``: a newer message replaces an older one with the same key
+        that has not been delivered (at once); one in flight finishes but is
+        not redelivered.  ``delay`` (seconds) or ``not_before`` (epoch
+        seconds) defers delivery without holding up later messages.
+
+        :raises TypeError: ``headers`` not a dict, ``key`` not str/bytes.
+        :raises shmq.TooLarge: the message can never fit.
+        :raises shmq.ShmqError: the key index is full.
+        """
+        return self.put_many([obj], key=key, delay=delay, headers=headers, not_before=not_before,
+                             max_attempts=max_attempts)
+
+    def put_many(self, objs, key=None, delay=None, headers=None, *, not_before=None,
+                 max_attempts=None) -> int:
+        """Enqueue several messages atomically (all with the same options); return the first id.
+
+        ``key`` may be a list (one key per message).
+        """
+        self._check()
+        objs = list(objs)
+        if not objs:
+            raise ValueError("put_many() needs at least one message")
+        keys = key if isinstance(key, list) else [key] * len(objs)
+        if len(keys) != len(objs):
+            raise ValueError("one key per message")
+        if headers is not None and not isinstance(headers, dict):
+            raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
+        if not_before is None and delay is not None:
+            delay = _check_block_timeout(True, delay)
+            not_before = time.time() + delay
+        elif not_before is not None:
+            not_before = float(not_before)
+        nb_ns = int(not_before * _NS) if not_before else 0
+        if max_attempts is not None and (isinstance(max_attempts, bool) or not isinstance(max_attempts, int)
+                                         or not 1 <= max_attempts <= 0xFFFFFFFF):
+            raise ValueError("max_attempts must be an int >= 1")
+        items, hashes = [], []
+        for obj, k in zip(objs, keys):
+            if k is not None and not isinstance(k, (str, bytes)):
+                raise TypeError(f"key must be str or bytes, not {type(k).__name__}")
+            h = F.key_hash(k) if k is not None else 0
+            head = F.WQ_HEADER.pack(h, nb_ns, max_attempts or 0, F.WQ_HAS_KEY if k is not None else 0)
+            items.append((head, pickle.dumps((obj, headers, k), 5)))  # outside any lock
+            hashes.append(h)
+        index = self._index_keys if any(hashes) else None
+        seq = self._spool._append(tuple(items), None, F.CODEC_WORKQ,
+                                  before_commit=(lambda s, placed: index(s, placed, hashes)) if index else None)
+        return seq
+
+    def _index_keys(self, seq0, placed, hashes):
+        """Point the key index at the new messages (writer lock held, before commit)."""
+        reg, base, n, first = self._region, self._keys_base, self._nkeys, self._ctl[F.W_FIRST_SEQ]
+        for k, h in enumerate(hashes):
+            if not h:
+                continue
+            i = h % n
+            reuse = None
+            for _ in range(n):
+                w = base + i * KEY_WORDS
+                eh = reg[w]
+                if eh == h:
+                    reuse = w
+                    break
+                if eh == 0:
+                    reuse = w if reuse is None else reuse
+                    break
+                if reuse is None and reg[w + 1] < first:  # its frame left the ring: reusable
+                    reuse = w
+                i = (i + 1) % n
+            if reuse is None:
+                raise ShmqError(f"{self.path}: key index full ({n} live keys); create the work "
+                                "queue with more keys=")
+            reg[reuse + 2] = placed[k]
+            reg[reuse + 1] = seq0 + k
+            reg[reuse] = h  # published last
+
+    def _superseded(self, h, seq):
+        """True if a newer committed message with key hash ``h`` exists."""
+        if not h:
+            return False
+        reg, base, n = self._region, self._keys_base, self._nkeys
+        i = h % n
+        for _ in range(n):
+            w = base + i * KEY_WORDS
+            eh = reg[w]
+            if eh == 0:
+                return False
+            if eh == h:
+                newer, pos = reg[w + 1], reg[w + 2]
+                if newer <= seq or newer >= self._ctl[F.W_NEXT_SEQ]:
+                    return False
+                hit = self._spool._header_at(pos)  # verify: the entry may be torn or stale
+                return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
+            i = (i + 1) % n
+        return False
+
+    def _ext(self, hit):
+        """Decode the work-queue header of the frame whose header is ``hit``."""
+        sp = self._spool
+        off = sp._base + hit[1] % sp._ring + F.FRAME_BYTES
+        if hit[3] < F.WQ_HEADER.size:
+            raise ShmqError(f"{self.path}: frame {hit[0]} is not a work queue message")
+        return F.WQ_HEADER.unpack_from(sp._mm, off)
+
+    # -- consuming ----------------------------------------------------------------
+
+    def get(self, timeout=None, lease=30.0) -> Message:
+        """Lease the next deliverable message for ``lease`` seconds.
+
+        Delivers, oldest first: messages whose retry or delay is due and
+        messages whose lease expired or whose holder died (attempt + 1),
+        then new messages in commit order.  Blocks until one is available
+        (woken by puts, nacks and due times; no polling).
+
+        :raises shmq.Empty: nothing deliverable within ``timeout``.
+        """
+        msgs = self.get_many(1, timeout=timeout, lease=lease)
+        return msgs[0]
+
+    def get_many(self, max_messages=10, timeout=None, lease=30.0) -> list:
+        """Lease up to ``max_messages`` messages (blocking only for the first)."""
+        self._check()
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise ValueError("max_messages must be a positive int")
+        lease = _check_block_timeout(True, lease)
+        if not lease:
+            raise ValueError("lease must be positive")
+        timeout = _check_block_timeout(True, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            got, next_due = self._lease_some(max_messages, lease)
+            if got:
+                return [self._message(*g) for g in got]  # unpickled outside the lock
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
+            if left is not None and left <= 0:
+                raise Empty(f"no message within {timeout} s")
+            wait = left
+            if next_due is not None:
+                wait = next_due if wait is None else min(wait, next_due)
+            wait = min(wait, self._liveness_interval) if wait is not None else self._liveness_interval
+            sp = self._spool
+            cursor = self._take_seq()
+            sp._data_bell.wait(lambda: sp._ctl[F.W_NEXT_SEQ] > cursor, max(wait, 0.001))
+
+    def _take_seq(self):
+        return self._spool._slots[self._take._w + F.S_SEQ]
+
+    def _lease_some(self, max_messages, lease):
+        """Grant up to ``max_messages`` leases; return (grants, seconds until the next due time)."""
+        sp, reg, ctl = self._spool, self._region, self._ctl
+        now_ns = time.time_ns()
+        check_live = time.monotonic() >= self._next_liveness
+        grants, next_due_ns = [], None
+        freed = False
+        with self._lock:
+            # 1. lease records that are due again (retry, delay, expired or dead holder)
+            hwm = min(ctl[F.W_WQ_LEASE_HWM], self._nleases)
+            due = []
+            for i in range(hwm):
+                w = i * LEASE_WORDS
+                state = reg[w + L_STATE]
+                if state == LEASE_FREE:
+                    continue
+                t = reg[w + L_DUE_NS]
+                if state == LEASE_LEASED:
+                    if t > now_ns and not (check_live and not holder_alive(reg[w + L_HOLDER])):
+                        next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
+                        continue
+                elif t > now_ns:
+                    next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
+                    continue
+                due.append((reg[w + L_SEQ], i))
+            for _seq, i in sorted(due)[:max_messages]:
+                g = self._redeliver(i, now_ns, lease)
+                if g is not None:
+                    grants.append(g)
+                else:
+                    freed = True
+            # 2. new frames from the take cursor
+            while len(grants) < max_messages:
+                g, more, due_ns = self._take_new(now_ns, lease)
+                if due_ns is not None:
+                    next_due_ns = due_ns if next_due_ns is None else min(next_due_ns, due_ns)
+                if g is not None:
+                    grants.append(g)
+                elif not more:
+                    break
+            if freed or grants:
+                self._update_low()
+        if check_live:
+            self._next_liveness = time.monotonic() + self._liveness_interval
+        if freed and sp._space_waiters.value:
+            sp._space_bell.ring()
+        wait = None if next_due_ns is None else max(0.0, (next_due_ns - now_ns) / _NS)
+        return grants, wait
+
+    def _free_record(self):
+        reg, ctl = self._region, self._ctl
+        for i in range(self._nleases):
+            if reg[i * LEASE_WORDS + L_STATE] == LEASE_FREE:
+                if i + 1 > ctl[F.W_WQ_LEASE_HWM]:
+                    ctl[F.W_WQ_LEASE_HWM] = i + 1
+                return i
+        return None
+
+    def _take_new(self, now_ns, lease):
+        """Move the frame at the take cursor into the lease table (lock held).
+
+        Returns (grant or None, whether to keep going, due time if it was delayed).
+        """
+        sp, slots, w = self._spool, self._spool._slots, self._take._w
+        seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
+        frame, nseq, npos, lost, codec = sp._read(seq, pos)
+        if lost:
+            slots[w + F.S_LOST] += lost  # cannot happen in block mode; counted if it does
+        if frame is None:
+            if lost:
+                slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            return None, False, None
+        fpos = sp._frame_pos(pos)
+        data = frame[2]
+        if codec != F.CODEC_WORKQ or len(data) < F.WQ_HEADER.size:
+            # not ours (written by a plain spool writer): skip it, counted as superseded
+            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            self._ctl[F.W_WQ_SUPERSEDED] += 1
+            return None, True, None
+        h, nb_ns, max_att, _flags = F.WQ_HEADER.unpack_from(data)
+        if self._superseded(h, frame[0]):
+            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            self._ctl[F.W_WQ_SUPERSEDED] += 1
+            return None, True, None
+        i = self._free_record()
+        if i is None:
+            return None, False, None  # lease table full: stop taking (documented)
+        reg, lw = self._region, i * LEASE_WORDS
+        reg[lw + L_SEQ] = frame[0]
+        reg[lw + L_POS] = fpos
+        reg[lw + L_ENQ_NS] = frame[1]
+        reg[lw + L_ATTEMPTS] = (max_att or self._max_attempts) << 32
+        if nb_ns > now_ns:
+            reg[lw + L_DUE_NS] = nb_ns
+            reg[lw + L_STATE] = LEASE_DELAYED
+            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            return None, True, nb_ns
+        grant = self._grant(i, now_ns, lease, data)
+        # the record exists before the cursor moves: a crash in between
+        # redelivers (at least once), never loses (see _recover)
+        slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+        return grant, True, None
+
+    def _grant(self, i, now_ns, lease, data):
+        reg, ctl, lw = self._region, self._ctl, i * LEASE_WORDS
+        token = ctl[F.W_WQ_TOKEN] + 1
+        ctl[F.W_WQ_TOKEN] = token
+        attempts = reg[lw + L_ATTEMPTS]
+        attempt = (attempts & 0xFFFFFFFF) + 1
+        reg[lw + L_ATTEMPTS] = (attempts & ~0xFFFFFFFF) | attempt
+        reg[lw + L_TOKEN] = token
+        reg[lw + L_HOLDER] = self._spool._holder
+        deadline = now_ns + int(lease * _NS)
+        reg[lw + L_DUE_NS] = deadline
+        reg[lw + L_STATE] = LEASE_LEASED
+        return (i, reg[lw + L_SEQ], attempt, reg[lw + L_ENQ_NS], token, deadline, data)
+
+    def _frame_payload(self, i):
+        reg, sp, lw = self._region, self._spool, i * LEASE_WORDS
+        frame, _s, _p, lost, _c = sp._read(reg[lw + L_SEQ], reg[lw + L_POS])
+        if frame is None or lost or frame[0] != reg[lw + L_SEQ]:
+            raise ShmqError(f"{self.path}: leased frame {reg[lw + L_SEQ]} is gone (ring corrupt?)")
+        return frame[2]
+
+    def _redeliver(self, i, now_ns, lease):
+        """A due record: grant it again, or drop it (superseded / out of attempts)."""
+        reg, lw = self._region, i * LEASE_WORDS
+        data = self._frame_payload(i)
+        h = F.WQ_HEADER.unpack_from(data)[0]
+        if self._superseded(h, reg[lw + L_SEQ]):
+            reg[lw + L_STATE] = LEASE_FREE
+            self._ctl[F.W_WQ_SUPERSEDED] += 1
+            return None
+        state = reg[lw + L_STATE]
+        attempts = reg[lw + L_ATTEMPTS]
+        if state == LEASE_LEASED:  # expired or holder died: counts as a failed attempt
+            if (attempts & 0xFFFFFFFF) >= attempts >> 32:
+                self._dead_letter(i, data, {"type": "LeaseExpired", "message":
+                                            "lease expired or holder died", "traceback": None})
+                return None
+            self._ctl[F.W_WQ_REDELIVERED] += 1
+        elif state == LEASE_RETRY:
+            self._ctl[F.W_WQ_REDELIVERED] += 1
+        return self._grant(i, now_ns, lease, data)
+
+    def _dead_letter(self, i, data, error):
+        reg, lw = self._region, i * LEASE_WORDS
+        record = {"message_id": reg[lw + L_SEQ], "payload": bytes(data[F.WQ_HEADER.size:]),
+                  "attempts": reg[lw + L_ATTEMPTS] & 0xFFFFFFFF, "error": error,
+                  "last_holder_pid": holder_pid(reg[lw + L_HOLDER]),
+                  "enqueued_ns": reg[lw + L_ENQ_NS], "failed_ns": time.time_ns()}
+        self._dead.put(pickle.dumps(record, 5), codec=F.CODEC_PICKLE)  # before freeing: never lost
+        reg[lw + L_STATE] = LEASE_FREE
+        self._ctl[F.W_WQ_DEAD] += 1
+
+    def _update_low(self):
+        """Publish the oldest referenced frame so writers keep it (lock held)."""
+        sp, reg, slots = self._spool, self._region, self._spool._slots
+        tw = self._take._w
+        seq, pos = slots[tw + F.S_SEQ], slots[tw + F.S_POS]
+        for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
+            lw = i * LEASE_WORDS
+            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] < seq:
+                seq, pos = reg[lw + L_SEQ], reg[lw + L_POS]
+        slots[self._low + F.S_POS] = pos
+        slots[self._low + F.S_SEQ] = seq
+
+    def _message(self, i, seq, attempt, enq_ns, token, deadline, data):
+        obj, headers, key = pickle.loads(memoryview(data)[F.WQ_HEADER.size:])
+        return Message(self, i, obj, seq, attempt, key, headers or {}, enq_ns / _NS, token,
+                       deadline / _NS)
+
+    def _owned(self, msg):
+        """Lock held: the lease record still belongs to this delivery, or LeaseLost."""
+        reg, lw = self._region, msg._slot * LEASE_WORDS
+        if (reg[lw + L_STATE] != LEASE_LEASED or reg[lw + L_TOKEN] != msg.token
+                or reg[lw + L_SEQ] != msg.id):
+            raise LeaseLost(f"message {msg.id}: lease token {msg.token} is stale (the lease expired "
+                            "and was re-granted, or the message was already settled)")
+        return lw
+
+    def _ack(self, msg):
+        self._check()
+        with self._lock:
+            lw = self._owned(msg)
+            self._region[lw + L_STATE] = LEASE_FREE
+            self._ctl[F.W_WQ_ACKED] += 1
+            self._update_low()
+        sp = self._spool
+        if sp._space_waiters.value:
+            sp._space_bell.ring()
+
+    def _nack(self, msg, delay, error):
+        self._check()
+        delay = 0.0 if delay is None else _check_block_timeout(True, delay)
+        rec = _error_record(error)
+        with self._lock:
+            lw = self._owned(msg)
+            reg = self._region
+            attempts = reg[lw + L_ATTEMPTS]
+            if (attempts & 0xFFFFFFFF) >= attempts >> 32:
+                self._dead_letter(msg._slot, self._frame_payload(msg._slot), rec)
+                self._update_low()
+            else:
+                reg[lw + L_DUE_NS] = time.time_ns() + int(delay * _NS)
+                reg[lw + L_STATE] = LEASE_RETRY
+        sp = self._spool
+        if sp._data_waiters.value:  # a consumer may be waiting for exactly this
+            sp._data_bell.ring()
+
+    def _extend(self, msg, seconds):
+        self._check()
+        seconds = _check_block_timeout(True, seconds)
+        with self._lock:
+            lw = self._owned(msg)
+            deadline = time.time_ns() + int(seconds * _NS)
+            self._region[lw + L_DUE_NS] = deadline
+        return deadline / _NS
+
+    def _recover(self, dead_pid):
+        """After breaking a dead consumer's lock: records ahead of the take cursor
+        mean it died between recording a lease and moving the cursor."""
+        sp, reg, slots, tw = self._spool, self._region, self._spool._slots, self._take._w
+        seq = slots[tw + F.S_SEQ]
+        for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
+            lw = i * LEASE_WORDS
+            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] >= seq:
+                hit = sp._header_at(reg[lw + L_POS])
+                if hit is not None and hit[0] == reg[lw + L_SEQ]:
+                    seq = hit[0] + 1
+                    slots[tw + F.S_POS] = hit[1] + hit[2]
+                    slots[tw + F.S_SEQ] = seq
+
+    # -- dead letters ---------------------------------------------------------------
+
+    def _dead_frames(self):
+        """Live (not tombstoned) dead-letter frames with their headers, oldest first."""
+        sp = self._dead
+        seq, pos = sp._first_cursor()
+        while True:
+            frame, nseq, npos, _lost, _codec = sp._read(seq, pos)
+            if frame is None:
+                return
+            hit = sp._header_at(sp._frame_pos(pos) if frame[0] == seq else npos)
+            if hit is not None and hit[0] == frame[0] and not hit[6] & F.FLAG_SUPERSEDED:
+                yield frame, hit
+            seq, pos = nseq, npos
+
+    def dead_letters(self) -> list:
+        """Messages that ran out of attempts, oldest first (replayed/purged ones excluded)."""
+        self._check()
+        out = []
+        for f, _hit in self._dead_frames():
+            rec = pickle.loads(f.data)
+            obj, headers, key = pickle.loads(rec["payload"])
+            out.append(DeadLetter(f.seq, rec["message_id"], obj, headers or {}, key, rec["attempts"],
+                                  rec["error"], rec["last_holder_pid"], rec["enqueued_ns"] / _NS,
+                                  rec["failed_ns"] / _NS))
+        return out
+
+    def _tombstone(self, hit):
+        sp = self._dead
+        off = sp._base + hit[1] % sp._ring + 28  # the frame header's flags field
+        flags = int.from_bytes(sp._mm[off:off + 2], "little") | F.FLAG_SUPERSEDED
+        sp._mm[off:off + 2] = flags.to_bytes(2, "little")
+
+    def replay_dead(self, ids=None) -> int:
+        """Re-enqueue dead letters (all, or those whose ``id`` is in ``ids``); return how many.
+
+        Replayed messages get new ids and fresh attempts.
+        """
+        self._check()
+        wanted = None if ids is None else set(ids)
+        n = 0
+        with self._dead._wlock:  # one replayer at a time; tombstones under the DLQ's lock
+            for f, hit in list(self._dead_frames()):
+                if wanted is not None and f.seq not in wanted:
+                    continue
+                rec = pickle.loads(f.data)
+                obj, headers, key = pickle.loads(rec["payload"])
+                self.put(obj, key=key, headers=headers)
+                self._tombstone(hit)
+                n += 1
+        return n
+
+    def purge_dead(self, older_than=None) -> int:
+        """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""
+        self._check()
+        cutoff = None if older_than is None else time.time() - older_than
+        n = 0
+        with self._dead._wlock:
+            for f, hit in list(self._dead_frames()):
+                rec = pickle.loads(f.data)
+                if cutoff is None or rec["failed_ns"] / _NS < cutoff:
+                    self._tombstone(hit)
+                    n += 1
+        return n
+
+    # -- statistics -----------------------------------------------------------------
+
+    def stats(self) -> WorkQueueStats:
+        """Ready, in-flight, delayed and dead counts, redeliveries, oldest age."""
+        self._check()
+        reg, ctl = self._region, self._ctl
+        counts = {LEASE_LEASED: 0, LEASE_DELAYED: 0, LEASE_RETRY: 0}
+        oldest = None
+        now_ns = time.time_ns()
+        retry_due = 0
+        for i in range(min(ctl[F.W_WQ_LEASE_HWM], self._nleases)):
+            lw = i * LEASE_WORDS
+            st = reg[lw + L_STATE]
+            if st in counts:
+                counts[st] += 1
+                if st == LEASE_RETRY and reg[lw + L_DUE_NS] <= now_ns:
+                    retry_due += 1
+                enq = reg[lw + L_ENQ_NS]
+                oldest = enq if oldest is None else min(oldest, enq)
+        ready = max(0, ctl[F.W_NEXT_SEQ] - self._take_seq())
+        if ready:
+            try:
+                head = self._spool.read_at(self._take_seq())
+                oldest = head.timestamp_ns if oldest is None else min(oldest, head.timestamp_ns)
+            except Exception:
+                pass
+        dead = sum(1 for _ in self._dead_frames())
+        return WorkQueueStats(
+            ready=ready + retry_due, in_flight=counts[LEASE_LEASED],
+            delayed=counts[LEASE_DELAYED] + counts[LEASE_RETRY] - retry_due, dead=dead,
+            redeliveries=ctl[F.W_WQ_REDELIVERED], acked=ctl[F.W_WQ_ACKED],
+            superseded=ctl[F.W_WQ_SUPERSEDED],
+            oldest_age_s=0.0 if oldest is None else max(0.0, (now_ns - oldest) / _NS),
+            lease_slots=self._nleases, lease_slots_used=sum(counts.values()))
+
+
+def _reopen(path, opts):
+    return WorkQueue(path, **opts)
