@@ -15,6 +15,14 @@ from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 __version__ = "0.1.0"
 
+import platform as _platform
+import warnings as _warnings
+
+if _platform.machine() not in ("x86_64", "AMD64"):
+    # Publication relies on x86-64's in-order stores (docs/format.md, "Platform support").
+    _warnings.warn(f"shmq supports Linux x86-64 only; on {_platform.machine()} readers may see "
+                   "frames before their bytes", RuntimeWarning, stacklevel=2)
+
 __all__ = [
     "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",

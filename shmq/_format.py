@@ -97,7 +97,6 @@ S_LAG_LOW = 12
 S_LOCK_HOLDER = 13  # group lock holder (same encoding as W_LOCK_HOLDER)
 S_LOCK_TOKEN = 15
 S_CREATED_NS = 16
-S_NAME_LEN = 17
 # liveness lock on the slot's first byte, group-lock recovery on its second
 SLOT_LIVE_BYTE = 0
 SLOT_RECOVERY_BYTE = 1

@@ -58,9 +58,22 @@ def group_sem_name(prefix: str, slot: int) -> str:
     return sem_name(prefix, f"g{slot}")
 
 
-def open_semaphore(name: str, initial: int):
-    """Open (or re-create, e.g. after a reboot kept a disk spool) a named semaphore."""
-    return posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode=0o600, initial_value=initial)
+def open_semaphore(name: str, initial: int, mode: int = 0o600):
+    """Open (or create: a group's on first use, or after a reboot kept a disk
+    spool) a named semaphore, readable and writable by whoever may use the spool."""
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode=mode, initial_value=initial)
+    _chmod_semaphore(name, mode)
+    return sem
+
+
+def _chmod_semaphore(name: str, mode: int) -> None:
+    # sem_open() applies the umask; glibc keeps named semaphores in /dev/shm.
+    try:
+        path = "/dev/shm/sem." + name.lstrip("/")
+        if os.stat(path).st_uid == os.geteuid():
+            os.chmod(path, mode)
+    except OSError:
+        pass
 
 
 def unlink_semaphores(prefix: str, slot_count: int) -> None:
@@ -76,12 +89,20 @@ def unlink_semaphores(prefix: str, slot_count: int) -> None:
 
 def _ensure_default_dir(path: str) -> None:
     parent = os.path.dirname(path)
-    if parent == DEFAULT_DIR and not os.path.isdir(parent):
-        try:
-            os.mkdir(parent, 0o1777)
-            os.chmod(parent, 0o1777)  # shared by users like /tmp: sticky, umask-proof
-        except FileExistsError:
-            pass
+    if parent != DEFAULT_DIR:
+        return
+    try:
+        os.mkdir(parent, 0o1777)
+        os.chmod(parent, 0o1777)  # shared by users like /tmp: sticky, umask-proof
+    except FileExistsError:
+        pass
+    st = os.lstat(parent)
+    # Another user could have planted it: it must be a real directory, ours or
+    # root's, and not writable by others unless sticky (as /tmp is).
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, os.geteuid())
+            or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX)):
+        raise ShmqError(f"{parent} is not a safe directory (a symlink, someone else's, or "
+                        "world-writable without the sticky bit); remove it or use a full path")
 
 
 def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: int,
@@ -112,9 +133,11 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             slot_offset=slot_offset, slot_count=slots, lease_offset=lease_offset,
             lease_count=leases, policy=policy, checksum=checksum, sem_prefix=prefix,
             created_ns=time.time_ns())
+        sem_mode = mode & 0o666  # whoever may open the spool must be able to lock it
         for which, initial in ((SEM_WRITER, 1), (SEM_READ_WAITERS, 0), (SEM_SPACE_WAITERS, 0)):
-            posix_ipc.Semaphore(sem_name(prefix, which), posix_ipc.O_CREX, mode=0o600,
+            posix_ipc.Semaphore(sem_name(prefix, which), posix_ipc.O_CREX, mode=sem_mode,
                                 initial_value=initial).close()
+            _chmod_semaphore(sem_name(prefix, which), sem_mode)
         os.pwrite(fd, geometry, 0)  # control words are all zero: seq 0, empty ring
         try:
             os.link(tmp, path)  # atomic publish; never replaces an existing file

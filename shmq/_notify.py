@@ -172,6 +172,14 @@ class Doorbell:
             if not fut.done():
                 fut.set_result(None)
 
+    def forget_after_fork(self):
+        """In a fork child: drop the inherited inotify instance without touching
+        the event loop, whose epoll set the child shares with its parent."""
+        if self._inotify is not None:
+            self._inotify.close()  # the child's copy only: the parent's stays open
+        self._inotify = self._poll = self._async_loop = None
+        self._async_waiters = set()
+
     def close(self):
         if self._inotify is not None:
             if self._async_loop is not None and not self._async_loop.is_closed():

@@ -30,7 +30,7 @@ import posix_ipc
 
 from . import _format as F
 from ._mapping import SEM_UNFINISHED, open_semaphore, resolve_path, sem_name, group_sem_name
-from .errors import Empty, Full, ShmqError, TooLarge
+from .errors import Empty, Full, ShmqError, Timeout, TooLarge
 from .spool import Spool, _check_block_timeout
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
@@ -175,6 +175,10 @@ class Queue:
             else:
                 self._spool._append((item,), _check_block_timeout(block, timeout), codec,
                                     self._backlog)
+        except Timeout as exc:  # a stuck live lock holder: the stdlib would say Full
+            if self._unfinished is not None:
+                self._unfinished.acquire(0)
+            raise Full(str(exc)) from None
         except BaseException:
             if self._unfinished is not None:
                 self._unfinished.acquire(0)
@@ -336,7 +340,8 @@ class JoinableQueue(Queue):
 
     def _attach(self, spool, trusted):
         super()._attach(spool, trusted)
-        self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0)
+        self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0,
+                                          spool._sem_mode)
 
     def task_done(self) -> None:
         """Mark one item as processed.

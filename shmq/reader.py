@@ -20,7 +20,7 @@ from posix_ipc import BusyError
 
 from ._lock import RecoverableLock, ofd_lock, ofd_unlock
 from ._mapping import group_sem_name, open_semaphore
-from .errors import Empty, ReaderBusy
+from .errors import Empty, ReaderBusy, Timeout
 from .spool import Frame, _check_block_timeout
 
 _unpack_frame = FRAME.unpack_from
@@ -163,8 +163,17 @@ class Reader:
             raise ValueError(f"max_frames must be a positive int, not {max_frames!r}")
         out = [self.get(block, timeout)]
         sp = self._spool
+        verify = self._verify
         while len(out) < max_frames:
-            frame, self._seq, self._pos, lost, _codec = sp._read(self._seq, self._pos, self._verify)
+            n0 = len(out)
+            if not verify:
+                cur = sp._read_run(self._seq, self._pos, max_frames - n0, out)
+                if cur is not None:
+                    self._seq, self._pos = cur
+                    if len(out) > n0:
+                        self._consumed_many(out, n0)
+                        continue
+            frame, self._seq, self._pos, lost, _codec = sp._read(self._seq, self._pos, verify)
             if lost:
                 self._count_lost(lost)
             if frame is None:
@@ -215,6 +224,10 @@ class Reader:
 
     def _consumed(self, frame):
         pass
+
+    def _consumed_many(self, frames, start):
+        for f in frames[start:]:
+            self._consumed(f)
 
     def _count_lost(self, n):
         self._lost += n
@@ -295,7 +308,11 @@ class _SlotReader(Reader):
 
     @property
     def lost(self) -> int:
-        """Frames skipped because they were overwritten before being read (exact, persistent)."""
+        """Frames skipped because they were overwritten before being read.
+
+        While attached: the name's cumulative count stored in the spool.
+        After close: the count of this attachment only.
+        """
         self._flush_stats()
         return self._spool._slots[self._w + F.S_LOST] if not self._closed else self._lost
 
@@ -360,6 +377,33 @@ class NamedReader(_SlotReader):
         if self._n >= STATS_FLUSH_FRAMES:
             self._flush_stats()
 
+    def _consumed_many(self, frames, start):
+        """Account frames[start:] at once: one clock read, one commit."""
+        if not self._n:
+            self._lag_peak = self._spool._ctl[W_NEXT_SEQ] - frames[start][0]
+        now = _time_ns()
+        k = len(frames) - start
+        self._n += k
+        ts_sum = nbytes = 0
+        for f in frames[start:]:
+            ts_sum += f[1]
+            nbytes += len(f[2])
+        self._bytes += nbytes
+        d = now * k - ts_sum
+        if d > 0:
+            self._dsum += d
+        d = now - frames[start][1]  # the oldest frame waited longest
+        if d > self._dmax:
+            self._dmax = d
+        if self._auto:
+            slots = self._spool._slots
+            slots[self._w + F.S_POS] = self._pos
+            slots[self._w + F.S_SEQ] = self._seq
+            if not self._spool._overwrite:
+                self._spool._notify_space()
+        if self._n >= STATS_FLUSH_FRAMES:
+            self._flush_stats()
+
     def _count_lost(self, n):
         self._lost += n
         self._lost_pending += n
@@ -390,7 +434,8 @@ class NamedReader(_SlotReader):
         self._n = self._bytes = self._dsum = self._dmax = self._lost_pending = 0
 
     def commit(self) -> None:
-        """Persist the current position in the spool (a single atomic store pair)."""
+        """Persist the current position in the spool (two aligned stores: position,
+        then seq; a crash between them is repaired on the next read)."""
         self._check()
         slots = self._spool._slots
         slots[self._w + F.S_POS] = self._pos
@@ -413,8 +458,9 @@ class GroupReader(_SlotReader):
 
     The group's cursor is advanced under a recoverable lock held for the
     copy only; each frame goes to exactly one member.  A member killed
-    while holding the lock loses at most the frame it was taking, and the
-    others resume within the lock-recovery timeout.
+    while holding the lock loses at most the frames it was taking (one for
+    ``get``, up to ``max_frames`` for ``get_many``), and the others resume
+    within the lock-recovery timeout.
     """
 
     _kind = F.SLOT_GROUP
@@ -433,7 +479,7 @@ class GroupReader(_SlotReader):
 
     def _make_lock(self):
         sp = self._spool
-        sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1)
+        sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1, sp._sem_mode)
         w = self._w
         return RecoverableLock(sem, sp._slots, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN, sp._map, sp._slot_byte(self._slot, F.SLOT_RECOVERY_BYTE),
                                recovery_timeout=sp._recovery_timeout)
@@ -468,7 +514,15 @@ class GroupReader(_SlotReader):
         try:
             sem.acquire(0)  # inlined RecoverableLock.acquire (uncontended fast path)
         except BusyError:
-            self._lock._acquire_slow(timeout)
+            # Another member is copying (microseconds): even a non-blocking get
+            # waits for it, up to the recovery timeout; a stuck live holder
+            # surfaces as Empty, as multiprocessing.Queue's busy read lock does.
+            wait = None if timeout is None else max(timeout, self._lock.recovery_timeout)
+            try:
+                self._lock._acquire_slow(wait)
+            except Timeout:
+                raise Empty("the group's lock is held by a live member that does not "
+                            "release it") from None
         slots[w + F.S_LOCK_HOLDER] = sp._holder
         try:
             seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
@@ -476,6 +530,11 @@ class GroupReader(_SlotReader):
             read = sp._read
             verify = self._verify
             while len(out) < max_frames:
+                if codecs is None and not verify and max_frames > 1:
+                    cur = sp._read_run(seq, pos, max_frames - len(out), out)
+                    if cur is not None and cur[0] != seq:
+                        seq, pos = cur
+                        continue
                 frame, seq, pos, lost, codec = read(seq, pos, verify)
                 lost_total += lost
                 if frame is None:
@@ -596,7 +655,9 @@ class GroupReader(_SlotReader):
 
     def _after_fork_in_child(self):
         # Group members may be shared with fork children: the cursor is in
-        # the spool, so the child only needs its own liveness lock.
+        # the spool, so the child only needs its own liveness lock.  The
+        # parent's unflushed counters stay the parent's.
+        self._n = self._bytes = self._dsum = self._dmax = 0
         sp = self._spool
         if not ofd_lock(sp._map.fd, sp._slot_byte(self._slot, F.SLOT_LIVE_BYTE), exclusive=False):
             self._closed = True

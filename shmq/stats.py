@@ -17,8 +17,9 @@ class ReaderStats:
     ``lag_bytes`` are what it still has to read; ``lost`` counts frames that
     were overwritten before it read them (exact).  ``high_water``/
     ``low_water`` are the largest/smallest lag seen when it read.  Counters
-    of a plain named reader are flushed every few frames, when it blocks and
-    when it closes; a group's are updated under its lock on every get.
+    are kept per handle and flushed to the spool every 64 frames, when the
+    reader blocks, and when it closes (a group's under the group lock), so
+    a killed reader's last unflushed frames are not counted.
     """
 
     name: str

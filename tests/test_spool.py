@@ -403,7 +403,7 @@ def test_pickle_handles(make_spool):
 
 
 def test_checksum_verify(make_spool):
-    sp = make_spool()
+    sp = make_spool(checksum=True)
     sp.put(b"payload")
     off = sp._base + F.FRAME_BYTES
     sp._mm[off] ^= 0xFF  # flip a payload bit behind the writer's back

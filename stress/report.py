@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Render stress/bench.py's results.json as Markdown, and update the docs with it.
+
+    python stress/report.py bench-out/results.json            # print the tables
+    python stress/report.py bench-out/results.json --update   # rewrite the marked
+        sections of docs/benchmarks.md, docs/queue.md and README.md
+
+Sections are delimited by ``<!-- bench:NAME -->`` ... ``<!-- /bench:NAME -->``
+markers, so the numbers in the docs always come from one real run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = ("mp.Queue", "faster-fifo", "faster-fifo-batch", "ring")
+
+
+def fmt_rate(r):
+    v = r["items_per_s"]
+    s = f"{v / 1e6:.3f} M/s" if v >= 1e5 else f"{v / 1e3:.1f} k/s"
+    if r["gb_per_s"]:
+        s += f" ({r['gb_per_s']:.2f} GB/s)"
+    return s
+
+
+def throughput_table(results, scenarios=None, contenders=None):
+    lines = ["| scenario | contender | median | vs mp.Queue | vs faster-fifo | vs ring |",
+             "|---|---|---|---|---|---|"]
+    for scen, row in results.items():
+        if scenarios and scen not in scenarios:
+            continue
+        for c, r in row.items():
+            if contenders and not any(c.startswith(x) for x in contenders):
+                continue
+            cells = []
+            for peer in ("mp.Queue", "faster-fifo", "ring"):
+                cand = [p for p in row if p.startswith(peer) and (peer != "faster-fifo" or
+                        ("batch" in p) == ("batch" in c))]
+                if c in cand or not cand:
+                    cells.append("")
+                else:
+                    cells.append(f"{r['items_per_s'] / row[cand[0]]['items_per_s']:.2f}x")
+            lines.append(f"| {scen} | {c} | {fmt_rate(r)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_table(targets):
+    lines = ["| target | this run | status |", "|---|---|---|"]
+    for t in targets:
+        status = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['shown']} | {status} |")
+    return "\n".join(lines)
+
+
+def latency_table(lat):
+    if not lat:
+        return "(not measured)"
+    lines = ["| channel | p50 | p90 | p99 |", "|---|---|---|---|"]
+    for k, r in lat.items():
+        lines.append(f"| {k} | {r['p50_us']:.1f} us | {r['p90_us']:.1f} us | {r['p99_us']:.1f} us |")
+    return "\n".join(lines)
+
+
+def machine_line(data):
+    m = data["machine"]
+    mode = "quick" if data.get("quick") else "full"
+    return (f"{m['cpu']} x{m['cpus']}, {m['platform']}, Python {m['python']}, shmq {m['shmq']}, "
+            f"faster-fifo {m.get('faster_fifo') or 'not installed'}; {mode} run of {m['date']}, "
+            f"median of {data['repeats']} interleaved runs")
+
+
+def readme_line(data):
+    row = data["throughput"].get("1->1 100 B", {})
+    if "spool" not in row:
+        return "(no run)"
+    sp = row["spool"]["items_per_s"]
+    parts = [f"`Spool.put`/`get`: **{sp / 1e6:.2f} M frames/s**"]
+    for peer in ("mp.Queue", "faster-fifo", "ring"):
+        if peer in row:
+            v = row[peer]["items_per_s"]
+            parts.append(f"{peer}: {v / 1e6:.2f} M/s (shmq {sp / v:.2f}x)")
+    return "; ".join(parts) + f". Machine: {machine_line(data)}."
+
+
+def sections(data):
+    t = data["throughput"]
+    misc = data.get("misc") or {}
+    extra = []
+    if data.get("syscalls"):
+        extra.append(f"- syscalls per put+get on the uncontended fast path: "
+                     f"{data['syscalls']['per_put_get']:.4f} (strace -c)")
+    if misc:
+        extra.append(f"- CPU of an idle blocked reader: {misc['idle_reader_cpu_pct']:.2f} %")
+        extra.append(f"- reader RSS growth after opening a 1 GiB spool and reading 1 MB: "
+                     f"{misc['reader_rss_growth_mb_1gib_spool']:.1f} MB")
+        extra.append(f"- per-frame overhead (header + 8-byte alignment) by payload size: "
+                     f"{misc['frame_overhead_bytes']}")
+    return {
+        "machine": machine_line(data),
+        "throughput": throughput_table(t),
+        "targets": targets_table(data.get("targets", [])),
+        "latency": latency_table(data.get("latency")),
+        "extras": "\n".join(extra) or "(not measured)",
+        "readme": readme_line(data),
+        "queue": throughput_table(t, contenders=("shmq.Queue", "mp.Queue", "faster-fifo")),
+    }
+
+
+def update(path, secs):
+    with open(path) as f:
+        text = f.read()
+    for name, body in secs.items():
+        text = re.sub(rf"(<!-- bench:{name} -->\n).*?(\n<!-- /bench:{name} -->)",
+                      lambda m: m.group(1) + body + m.group(2), text, flags=re.S)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results")
+    ap.add_argument("--update", action="store_true", help="rewrite the marked doc sections")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
+        data = json.load(f)
+    secs = sections(data)
+    if args.update:
+        for doc in ("docs/benchmarks.md", "docs/queue.md", "README.md"):
+            update(os.path.join(ROOT, doc), secs)
+    else:
+        for name, body in secs.items():
+            print(f"## {name}\n\n{body}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""One regression test per bug found in review, named after it."""
+
+import asyncio
+import multiprocessing as mp
+import os
+import stat
+import time
+
+import pytest
+
+import shmq
+from shmq import _format as F
+from helpers import hold_group_lock_forever, hold_writer_lock_forever, put_after_event
+from conftest import join_all
+
+
+def test_pad_covering_the_whole_ring_does_not_hang(make_spool):
+    sp = make_spool(capacity=4096)
+    sp.put(b"x")
+    # forge: frame 0 becomes a pad that spans the whole ring, pointing at itself
+    F.FRAME.pack_into(sp._mm, sp._base, 0, 4096, 0, 0, 0, F.FLAG_PAD, 0, 0)
+    for call in (lambda: sp.reader().get(block=False), lambda: sp.reader().get_many(5, block=False),
+                 lambda: sp.read_at(0)):
+        with pytest.raises(shmq.SpoolFormatError):
+            call()
+
+
+def test_semaphores_follow_the_spool_mode(spool_dir):
+    sp = shmq.Spool.create(os.path.join(spool_dir, "shared"), capacity=4096, mode=0o666)
+    sp.reader("g", group=True)  # group semaphore created lazily
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{sp._sem_prefix}.")]
+    assert len(names) >= 4
+    for n in names:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) == 0o666
+    sp.close()
+
+
+def test_group_get_nowait_with_busy_lock_raises_empty_not_timeout(make_spool):
+    sp = make_spool(capacity=4096, recovery_timeout=0.2)
+    sp.put(b"x")
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=hold_group_lock_forever, args=(sp.path, "g", ready))
+    p.start()
+    try:
+        assert ready.wait(30)
+        g = sp.reader("g", group=True)
+        with pytest.raises(shmq.Empty):
+            g.get(block=False)  # waits for the (live, stuck) holder, then Empty
+    finally:
+        p.kill()
+        p.join(10)
+
+
+def test_queue_put_nowait_with_stuck_writer_lock_raises_full(spool_dir):
+    q = shmq.Queue(path=os.path.join(spool_dir, "q"))
+    q._spool._recovery_timeout = 0.2
+    q._spool._wlock.recovery_timeout = 0.2
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=hold_writer_lock_forever, args=(q.path, ready))
+    p.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(shmq.Full):
+            q.put_nowait(1)
+    finally:
+        p.kill()
+        p.join(10)
+        q.close()
+
+
+def test_fork_child_does_not_unregister_parents_async_reader(make_spool):
+    from shmq import _notify
+
+    sp = make_spool(capacity=4096)
+    r = sp.reader()
+    ctx = mp.get_context("fork")
+    old = _notify.SAFETY_NET_S
+    _notify.SAFETY_NET_S = 30.0  # a lost registration would now cost 30 s
+
+    async def main():
+        first = asyncio.ensure_future(r.get_async(timeout=20))
+        await asyncio.sleep(0.05)  # parked: the loop watches the inotify fd
+        child = ctx.Process(target=os._exit, args=(0,))
+        child.start()  # the fork hook runs in the child
+        child.join(10)
+        go = ctx.Event()
+        writer = ctx.Process(target=put_after_event, args=(sp.path, go, b"wake"))
+        writer.start()
+        t = time.monotonic()
+        go.set()
+        frame = await first
+        join_all([writer])
+        return frame, time.monotonic() - t
+
+    try:
+        frame, waited = asyncio.run(main())
+    finally:
+        _notify.SAFETY_NET_S = old
+    assert frame.data == b"wake" and waited < 10
+
+
+def test_writer_killed_between_first_pos_and_first_seq_still_opens(spool_path):
+    sp = shmq.Spool.create(spool_path, capacity=4096)
+    for i in range(40):
+        sp.put(bytes([i]) * 100)
+    first_seq, first_pos = sp._first_cursor()
+    sp._ctl[F.W_FIRST_POS] = first_pos + F.frame_stored_bytes(100)  # killed before FIRST_SEQ
+    sp.close()
+    sp = shmq.Spool.open(spool_path)  # not refused as corrupt
+    frames = sp.reader().get_many(100, block=False)
+    assert [f.seq for f in frames] == list(range(first_seq + 1, 40))
+    sp.close()
+
+
+def test_read_at_negative_seq_is_value_error(make_spool):
+    with pytest.raises(ValueError):
+        make_spool().read_at(-1)
+
+
+def test_default_dir_must_be_safe(monkeypatch, spool_dir):
+    from shmq import _mapping
+
+    bad = os.path.join(spool_dir, "planted")
+    os.symlink("/tmp", bad)
+    monkeypatch.setattr(_mapping, "DEFAULT_DIR", bad)
+    with pytest.raises(shmq.ShmqError, match="not a safe directory"):
+        shmq.Spool.create(os.path.join(bad, "x"), capacity=4096)
