@@ -46,6 +46,14 @@ _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 _MAX_COUNTER = 1 << 62
 _MASK64 = (1 << 64) - 1
 
+#: Test hook for the fault-injection harness (stress/kill9.py): when set, it is
+#: called as hook(point, spool) inside the writer's critical section, on the
+#: general (batch) write path only, at points "evicting" (between the FIRST_POS
+#: and FIRST_SEQ stores), "frame-written" (after each frame of a batch) and
+#: "committed" (between the NEXT_SEQ and NEXT_POS stores).  Never set in
+#: production; the check costs one global lookup per batch.
+_crash_hook = None
+
 
 class _NoRoom(Exception):
     """Internal: the fast path found the ring full; retry on the general path."""
@@ -526,9 +534,13 @@ class Spool:
                 mm[o:o + n] = v
             seq += 1
             nbytes += n
+            if _crash_hook is not None:
+                _crash_hook("frame-written", self)
         if self._sync:
             self._msync(placed[0], end)  # frames durable before they are published
         ctl[W_NEXT_SEQ] = seq  # <- the commit point (NEXT_POS is re-derived on recovery)
+        if _crash_hook is not None:
+            _crash_hook("committed", self)
         ctl[W_NEXT_POS] = end
         if self._sync:
             self._mm.flush(0, F.HEADER_BYTES)  # ... and the commit itself
@@ -641,6 +653,8 @@ class Spool:
         if seq >= next_seq:
             pos = batch_pos  # everything evicted: the ring restarts at this batch
         ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
+        if _crash_hook is not None:
+            _crash_hook("evicting", self)
         ctl[W_FIRST_SEQ] = seq
         ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & _MASK64
         return True

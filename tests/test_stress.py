@@ -1,0 +1,37 @@
+"""The fault-injection and fuzzing programs in stress/, in their quick modes.
+
+They fail on any violation, and on a run that killed or checked nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+STRESS = os.path.join(os.path.dirname(__file__), "..", "stress")
+
+
+@pytest.mark.parametrize("scenario", ["fanout", "queue", "lock", "restart", "soak"])
+def test_kill9_quick(scenario, tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "kill9.py"), "--quick", "--seed", "3",
+                           "--scenario", scenario, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    res = json.loads(out.read_text())[scenario]
+    assert res["violations"] == 0 and res["frames_checked"] > 0
+    if scenario != "soak":
+        assert res["kills"] > 0
+    print(proc.stdout)
+
+
+def test_fuzz_quick(tmp_path):
+    out = tmp_path / "fuzz.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "fuzz.py"), "--quick", "--seed", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["outcomes"]["violation"] == 0
+    assert rep["outcomes"]["ok"] > 0 and rep["outcomes"]["shmq_error"] > 0  # both paths exercised
