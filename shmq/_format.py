@@ -81,7 +81,10 @@ MAX_SLOTS = 4096
 NAME_OFFSET = 192  # name bytes within a slot
 NAME_MAX_BYTES = SLOT_BYTES - NAME_OFFSET - 1
 
-SLOT_FREE, SLOT_READER, SLOT_GROUP = 0, 1, 2
+SLOT_FREE, SLOT_READER, SLOT_GROUP, SLOT_PIN = 0, 1, 2, 3
+#: S_POS of a pin slot that pins nothing (a pin slot holds one handle's
+#: zero-copy views: S_POS is the oldest frame position they reference)
+NO_PIN = 1 << 62
 S_STATE = 0
 S_SEQ = 1  # committed cursor (stored after S_POS)
 S_POS = 2

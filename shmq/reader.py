@@ -152,11 +152,18 @@ class Reader:
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
-    def get_many(self, max_frames=100, block=True, timeout=None):
+    def get_many(self, max_frames=100, block=True, timeout=None, as_array=False):
         """Return a list of 1..``max_frames`` frames, blocking only for the first.
+
+        ``as_array=True`` (record-stream mode): concatenate up to
+        ``max_frames`` consecutive numpy frames of one dtype into one array.
 
         :raises shmq.Empty: nothing arrived in time.
         """
+        if as_array:
+            from .columnar import get_records
+
+            return get_records(self, max_frames, block, timeout)
         if self._closed:
             self._check()
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
@@ -206,6 +213,28 @@ class Reader:
         """Blocking iteration: yields frames forever (until the reader is closed)."""
         while not self._closed:
             yield self.get()
+
+    def get_array(self, block=True, timeout=None, copy=True):
+        """The next frame as a numpy array (it must be a numpy frame).
+
+        ``copy=True``: a writable array over one private copy.  ``copy=False``:
+        a :class:`shmq.columnar.PinnedView` whose ``.array`` is a read-only
+        view into the spool; the frame is not overwritten until it is
+        released (``with r.get_array(copy=False) as v: ...``).
+
+        :raises shmq.Empty: nothing arrived in time.
+        :raises shmq.ShmqError: the frame is not a numpy frame (it is consumed).
+        """
+        from .columnar import get_array
+
+        return get_array(self, block, timeout, copy)
+
+    def get_arrow(self, block=True, timeout=None, copy=True):
+        """The next frame as a pyarrow Table (zero-copy over the mapping with ``copy=False``,
+        as a PinnedView); see :meth:`get_array`."""
+        from .columnar import get_arrow
+
+        return get_arrow(self, block, timeout, copy)
 
     def seek(self, where) -> None:
         """Move the cursor to "earliest", "latest" or a seq (the next frame returned).
@@ -617,7 +646,11 @@ class GroupReader(_SlotReader):
             if out:
                 return out[0]
 
-    def get_many(self, max_frames=100, block=True, timeout=None, _codecs=None):
+    def get_many(self, max_frames=100, block=True, timeout=None, _codecs=None, as_array=False):
+        if as_array:
+            from .columnar import get_records
+
+            return get_records(self, max_frames, block, timeout)
         if self._closed:
             self._check()
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:

@@ -21,7 +21,10 @@ from ._format import (
     W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES,
     CODEC_PICKLE_OOB, W_LOCK_HOLDER, W_RATE, RATE_SECONDS, RATE_WORDS,
 )
-from ._lock import RecoverableLock, LOCK_RECOVERY_TIMEOUT_S, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
+from ._lock import (
+    LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word, ofd_lock, ofd_locked_by_other,
+    ofd_unlock,
+)
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
     read_geometry, resolve_path, sem_name, unlink_semaphores,
@@ -159,6 +162,8 @@ class Spool:
         self._slot_refs = {}  # slot -> readers of this handle attached to it
         self._locate_hint = None
         self._full_marker = None
+        self._pin_slot = None  # this handle's slot in the table for zero-copy pins
+        self._pins = {}  # pinned position -> views referencing it
         self._rate_until = 0  # end of the second self._rate_word counts
         self._rate_word = W_RATE + 1
         self._pid = os.getpid()
@@ -256,6 +261,10 @@ class Spool:
             return
         for r in list(self._readers):
             r.close()
+        if self._pin_slot is not None:  # views still alive keep their mapping, not their pins
+            self._slots[self._pin_slot * F.SLOT_WORDS + F.S_STATE] = F.SLOT_FREE
+            ofd_unlock(self._map.fd, self._slot_byte(self._pin_slot, F.SLOT_LIVE_BYTE))
+            self._pin_slot = None
         self._data_bell.close()
         self._space_bell.close()
         for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
@@ -290,6 +299,8 @@ class Spool:
         self._space_bell.forget_after_fork()
         self._pid = os.getpid()
         self._holder = holder_word()
+        self._pin_slot = None  # the parent's pins stay the parent's
+        self._pins = {}
         for r in list(self._readers):
             r._after_fork_in_child()
 
@@ -402,10 +413,16 @@ class Spool:
         """Append several frames as one atomic, contiguous batch; return the first seq.
 
         Readers see all of the batch or none of it, with consecutive seqs and
-        no other writer's frame in between.
+        no other writer's frame in between.  A 1-d numpy array (e.g. of a
+        structured dtype) is written in record-stream mode: whole records in
+        as few numpy frames as fit (see :mod:`shmq.columnar`).
 
         :raises shmq.TooLarge: the batch can never fit in this ring.
         """
+        if type(items).__module__ == "numpy" and getattr(items, "ndim", 0) == 1:
+            from .columnar import put_records
+
+            return put_records(self, items, block=block, timeout=timeout)
         views = tuple(_as_view(d) for d in items)
         if not views:
             raise ValueError("put_many() needs at least one item")
@@ -572,6 +589,29 @@ class Spool:
             ctl[b + 1] = 0
             ctl[b + 2] = 0
 
+    def put_array(self, arr, *, block=True, timeout=None) -> int:
+        """Append a numpy array as one frame (dtype and shape travel in a descriptor).
+
+        The data is copied once, into the ring; a non-contiguous array is made
+        contiguous first (an extra copy).
+
+        :raises TypeError: not an array, or an object dtype.
+        :raises shmq.TooLarge: it can never fit.
+        """
+        from .columnar import put_array
+
+        return put_array(self, arr, block=block, timeout=timeout)
+
+    def put_arrow(self, data, *, block=True, timeout=None) -> int:
+        """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).
+
+        :raises ImportError: pyarrow is not installed.
+        :raises TypeError: not a RecordBatch or Table.
+        """
+        from .columnar import put_arrow
+
+        return put_arrow(self, data, block=block, timeout=timeout)
+
     def _msync(self, start, end):
         ring, base = self._ring, self._base
         a, b = start % ring, end % ring or ring
@@ -586,7 +626,7 @@ class Spool:
         floor = None
         for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
-            if slots[w + F.S_STATE] != F.SLOT_FREE:
+            if F.SLOT_FREE < slots[w + F.S_STATE] < F.SLOT_PIN:
                 p = slots[w + F.S_POS]
                 if floor is None or p < floor:
                     floor = p
@@ -598,7 +638,7 @@ class Spool:
         floor = None
         for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
-            if slots[w + F.S_STATE] != F.SLOT_FREE:
+            if F.SLOT_FREE < slots[w + F.S_STATE] < F.SLOT_PIN:
                 s = slots[w + F.S_SEQ]
                 if floor is None or s < floor:
                     floor = s
@@ -607,7 +647,69 @@ class Spool:
     def _room_marker(self):
         """What must change before a writer blocked on a full spool retries."""
         floor = self._floor_pos()
-        return self._ctl[W_FIRST_POS] if floor is None else floor
+        return (self._ctl[W_FIRST_POS] if floor is None else floor, self._pin_floor(None))
+
+    # -- pins: frames referenced by zero-copy views (shmq.columnar) ----------------
+
+    def _pin_floor(self, limit):
+        """Oldest pinned position (below ``limit``, if given), reclaiming dead holders' pins.
+
+        Liveness (an fcntl lock per pin slot) is checked only for pins that
+        are in the way, so the common case costs a scan of the table.
+        """
+        slots, floor = self._slots, None
+        for i in range(self._slot_hwm()):
+            w = i * F.SLOT_WORDS
+            if slots[w + F.S_STATE] != F.SLOT_PIN:
+                continue
+            p = slots[w + F.S_POS]
+            if limit is not None:
+                if p >= limit:
+                    continue
+                if i != self._pin_slot and not ofd_locked_by_other(
+                        self._map.fd, self._slot_byte(i, F.SLOT_LIVE_BYTE)):
+                    slots[w + F.S_STATE] = F.SLOT_FREE  # its process died: release its pins
+                    continue
+            if floor is None or p < floor:
+                floor = p
+        return floor
+
+    def _pin(self, pos) -> bool:
+        """Pin the frame at ``pos`` against eviction; False if it is already gone.
+
+        Done under the writer lock, so no writer can be between checking the
+        pins and evicting (no store/load reordering window).
+        """
+        if self._pin_slot is None:
+            name = f"pin.{os.getpid()}.{id(self):x}"
+            i = self._attach_slot(name, F.SLOT_PIN, "latest")
+            if not ofd_lock(self._map.fd, self._slot_byte(i, F.SLOT_LIVE_BYTE)):
+                raise ShmqError(f"{self.path}: pin slot {name} is in use")
+            self._slots[i * F.SLOT_WORDS + F.S_POS] = F.NO_PIN
+            self._pin_slot = i
+        self._wlock.acquire()
+        try:
+            if self._ctl[W_FIRST_POS] > pos:
+                return False
+            self._pins[pos] = self._pins.get(pos, 0) + 1
+            w = self._pin_slot * F.SLOT_WORDS
+            if pos < self._slots[w + F.S_POS]:
+                self._slots[w + F.S_POS] = pos
+            return True
+        finally:
+            self._wlock.release()
+
+    def _unpin(self, pos) -> None:
+        if self._mm is None or self._pin_slot is None:
+            return
+        left = self._pins.get(pos, 0) - 1
+        if left > 0:
+            self._pins[pos] = left
+        else:
+            self._pins.pop(pos, None)
+        # raising the floor needs no lock: it only frees room
+        self._slots[self._pin_slot * F.SLOT_WORDS + F.S_POS] = min(self._pins, default=F.NO_PIN)
+        self._notify_space()
 
     def _record_high_water(self):
         """Fold the current fill into the high-water marks (fill only shrinks by eviction)."""
@@ -626,12 +728,15 @@ class Spool:
         consumed is evicted; returns False if that leaves too little room.
         """
         ctl = self._ctl
+        if self._pin_floor(limit) is not None:  # a zero-copy view still reads that frame
+            self._full_marker = self._room_marker()
+            return False
         if not self._overwrite:
             floor = self._floor_pos()
             if floor is None:
                 floor = ctl[W_FIRST_POS]  # no consumers registered: keep everything
             if floor < limit and floor < ctl[W_NEXT_POS]:
-                self._full_marker = floor
+                self._full_marker = self._room_marker()
                 return False  # unconsumed frames in the way (all consumed: evict all)
         mm, ring, base = self._mm, self._ring, self._base
         seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
@@ -789,8 +894,8 @@ class Spool:
                                                f"(ring offset {off}); run 'shmq fsck'")
                     pos += stored
                 continue
-            if codec == CODEC_PICKLE_OOB:
-                # one copy into a writable buffer: arrays unpickled over it are writable
+            if codec == CODEC_PICKLE_OOB or codec == F.CODEC_NUMPY:
+                # one copy into a writable buffer: arrays rebuilt over it are writable
                 data = bytearray(self._view[o + FRAME_BYTES:o + FRAME_BYTES + length])
             else:
                 data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
@@ -986,7 +1091,8 @@ class Spool:
             if i is not None:
                 have = self._slots[i * F.SLOT_WORDS + F.S_STATE]
                 if have != kind:
-                    what = {F.SLOT_READER: "a named reader", F.SLOT_GROUP: "a group"}
+                    what = {F.SLOT_READER: "a named reader", F.SLOT_GROUP: "a group",
+                            F.SLOT_PIN: "a pin slot"}
                     raise ShmqError(f"{name!r} is {what.get(have, 'in use')} in {self.path}, "
                                     f"not {what[kind]}")
                 return i
@@ -1075,7 +1181,7 @@ class Spool:
         for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
             state = slots[w + F.S_STATE]
-            if state == F.SLOT_FREE:
+            if state == F.SLOT_FREE or state == F.SLOT_PIN:
                 continue
             name = self._slot_name(i)
             if name is None:

@@ -1,0 +1,374 @@
+"""Columnar frames: numpy arrays and Arrow record batches, read zero-copy.
+
+A numpy frame (codec "numpy") is::
+
+    u32 descriptor length, u32 reserved, descriptor (JSON: dtype descr, shape),
+    zero padding to a multiple of 8, the array's bytes (C order)
+
+An Arrow frame (codec "arrow") is one Arrow IPC *stream* (schema + one record
+batch per put), so any Arrow implementation can read it.
+
+``copy=False`` returns a :class:`PinnedView`: a read-only view straight into
+the mapping whose frame is *pinned*: writers do not overwrite it (they wait,
+in every ``on_full`` mode, or raise ``Full`` after their timeout) until the
+view is released (``with``, ``release()``, or garbage collection).  Pins
+live in the spool's reader table with an fcntl liveness lock, so the pins
+of a process that dies are released by the next writer that needs the room.
+
+``seq`` stays per frame (per batch): a batch of 1,000 records is one frame
+with one seq, so ``lost``, ``stats()`` and the CLI count batches.  Per-record
+seqs would cost a 32-byte header per record (a third of a 100-byte record)
+or a second numbering the lock-free readers could not check cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+from . import _format as F
+from .errors import Empty, ShmqError, TooLarge
+
+__all__ = ["PinnedView", "encode_array", "decode_array"]
+
+_HEAD = struct.Struct("<II")
+
+
+def encode_array(arr) -> tuple:
+    """Frame segments for ``arr``: ``(header, data)``; the data is not copied if contiguous.
+
+    :raises TypeError: not an array, or an object dtype (it would need pickling).
+    """
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"put_array() takes a numpy array, not {type(arr).__name__}")
+    if arr.dtype.hasobject:
+        raise TypeError(f"dtype {arr.dtype} holds Python objects; put_array() moves raw bytes only "
+                        "(use shmq.Queue, which pickles, or convert the column)")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # one extra copy, documented
+    desc = json.dumps({"descr": np.lib.format.dtype_to_descr(arr.dtype),
+                       "shape": list(arr.shape)}).encode()
+    head = _HEAD.pack(len(desc), 0) + desc
+    head += bytes(F.align(len(head)) - len(head))
+    # as bytes: some dtypes (datetime64, ...) do not export the buffer protocol
+    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+    return head, data
+
+
+def decode_array(buf, writable=False):
+    """The array stored in a numpy frame's payload ``buf`` (a view over it, no copy).
+
+    :raises shmq.ShmqError: not a numpy frame payload, or inconsistent sizes.
+    """
+    mv = memoryview(buf)
+    if len(mv) < _HEAD.size:
+        raise ShmqError("numpy frame too short")
+    n, _r = _HEAD.unpack_from(mv)
+    try:
+        desc = json.loads(bytes(mv[_HEAD.size:_HEAD.size + n]))
+        dtype = np.lib.format.descr_to_dtype(
+            [tuple(x) for x in desc["descr"]] if isinstance(desc["descr"], list) else desc["descr"])
+        shape = tuple(int(x) for x in desc["shape"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShmqError(f"numpy frame with a corrupt descriptor: {exc}") from None
+    off = F.align(_HEAD.size + n)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if off + count * dtype.itemsize != len(mv):
+        raise ShmqError("numpy frame: descriptor and payload sizes disagree")
+    arr = np.frombuffer(mv[off:], dtype=dtype, count=count).reshape(shape)
+    if not writable:
+        arr.flags.writeable = False
+    return arr
+
+
+def _descr_of(head_view):
+    n, _r = _HEAD.unpack_from(head_view)
+    return bytes(head_view[_HEAD.size:_HEAD.size + n])
+
+
+class PinnedView:
+    """A zero-copy view into a spool; its frame cannot be overwritten until released.
+
+    Use as a context manager, or call :meth:`release`.  ``obj`` is the numpy
+    array (read-only) or the pyarrow object.  After release, using ``obj``
+    is undefined (the bytes may be overwritten): copy what you keep.
+    """
+
+    __slots__ = ("obj", "seq", "_spool", "_pos", "_view", "__weakref__")
+
+    def __init__(self, obj, seq, spool, pos, view):
+        self.obj, self.seq, self._spool, self._pos, self._view = obj, seq, spool, pos, view
+
+    @property
+    def array(self):
+        return self.obj
+
+    @property
+    def batch(self):
+        return self.obj
+
+    def release(self) -> None:
+        """Unpin the frame (idempotent)."""
+        if self._spool is not None:
+            sp, self._spool = self._spool, None
+            self.obj = None
+            self._view.release() if hasattr(self._view, "release") else None
+            sp._unpin(self._pos)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "released" if self._spool is None else "pinned"
+        return f"<shmq.PinnedView seq={self.seq} {state}>"
+
+
+# --- spool / reader operations (bound as methods in spool.py and reader.py) ---------
+
+
+def put_array(spool, arr, *, block=True, timeout=None):
+    """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
+    from .spool import _check_block_timeout
+
+    head, data = encode_array(arr)
+    return spool._append(((head, data),), _check_block_timeout(block, timeout), F.CODEC_NUMPY)
+
+
+def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
+    """Append a structured (or any 1-d) array as consecutive frames of whole records, atomically.
+
+    Frames hold at most ``max_frame_bytes`` of records (default: a quarter of
+    the ring); returns the first seq.
+    """
+    from .spool import _check_block_timeout
+
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+        raise TypeError("put_many() of records takes a 1-d numpy array")
+    limit = max_frame_bytes or max(arr.dtype.itemsize, spool.capacity // 4)
+    per = max(1, limit // max(1, arr.dtype.itemsize))
+    parts = tuple(encode_array(arr[i:i + per]) for i in range(0, max(len(arr), 1), per))
+    return spool._append(parts, _check_block_timeout(block, timeout), F.CODEC_NUMPY)
+
+
+def _arrow():
+    try:
+        import pyarrow as pa
+    except ImportError:  # optional dependency
+        raise ImportError("Arrow frames need pyarrow: pip install 'shmq[spark]' or pyarrow") from None
+    return pa
+
+
+def put_arrow(spool, data, *, block=True, timeout=None):
+    """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
+    from .spool import _check_block_timeout
+
+    pa = _arrow()
+    if isinstance(data, pa.Table):
+        batches = data.to_batches()
+        schema = data.schema
+    elif isinstance(data, pa.RecordBatch):
+        batches, schema = [data], data.schema
+    else:
+        raise TypeError(f"put_arrow() takes a pyarrow RecordBatch or Table, not {type(data).__name__}")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        for b in batches:
+            writer.write_batch(b)
+    buf = sink.getvalue()  # IPC encoding (pyarrow copies the buffers once here)
+    return spool._append((memoryview(buf),), _check_block_timeout(block, timeout), F.CODEC_ARROW)
+
+
+def decode_arrow(buf):
+    pa = _arrow()
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(buf)).read_all()
+    except pa.ArrowInvalid as exc:
+        raise ShmqError(f"corrupt Arrow frame: {exc}") from None
+
+
+def next_frame(reader, block, timeout, copy, want_codec):
+    """The next frame of ``reader`` as ``(seq, payload, codec)``; pinned if ``copy=False``.
+
+    With ``copy=False`` the payload is a memoryview into the mapping and
+    the frame is pinned; the caller wraps it in a PinnedView.
+    """
+    from .reader import GroupReader
+    from .spool import _check_block_timeout
+
+    if timeout is not None or not block:
+        timeout = _check_block_timeout(block, timeout)
+    sp = reader._spool
+    deadline = None
+    while True:
+        if reader._closed:
+            reader._check()
+        if isinstance(reader, GroupReader):
+            got = _take_group(reader, copy, timeout)
+        else:
+            got = _take_cursor(reader, copy)
+        if got is not None:
+            seq, payload, codec, pos = got
+            if codec != want_codec:
+                if pos is not None:
+                    sp._unpin(pos)
+                name = F.CODEC_NAMES.get(codec, codec)
+                raise ShmqError(f"frame {seq} is a {name} frame, not {F.CODEC_NAMES[want_codec]} "
+                                "(it was consumed; read mixed spools with get())")
+            return seq, payload, codec, pos
+        deadline = reader._wait(timeout, deadline)
+
+
+def _pinned_read(sp, seq, pos):
+    """Pin and map the frame at cursor ``(seq, pos)``; None if it is gone or not plain."""
+    fpos = sp._frame_pos(pos)
+    hit = sp._header_at(fpos)
+    if hit is None or hit[0] != seq or hit[6] & F.FLAG_PAD:
+        return None
+    if not sp._pin(fpos):
+        return None
+    hit2 = sp._header_at(fpos)  # re-read under the pin: it cannot change any more
+    if hit2 != hit:
+        sp._unpin(fpos)
+        return None
+    o = sp._base + fpos % sp._ring + F.FRAME_BYTES
+    return sp._view[o:o + hit[3]], hit[7], fpos, fpos + hit[2]
+
+
+def _take_cursor(reader, copy):
+    sp = reader._spool
+    seq, pos = reader._seq, reader._pos
+    if not copy and seq < sp._ctl[F.W_NEXT_SEQ]:
+        got = _pinned_read(sp, seq, pos)
+        if got is not None:
+            view, codec, fpos, npos = got
+            reader._seq, reader._pos = seq + 1, npos
+            reader._consumed(_frame(sp, seq, fpos, view))
+            return seq, view, codec, fpos
+    frame, reader._seq, reader._pos, lost, codec = sp._read(seq, pos)
+    if lost:
+        reader._count_lost(lost)
+    if frame is None:
+        return None
+    reader._consumed(frame)
+    return frame[0], frame[2], codec, None
+
+
+def _frame(sp, seq, fpos, view):
+    from .spool import Frame
+
+    ts = F.FRAME.unpack_from(sp._mm, sp._base + fpos % sp._ring)[3]
+    return tuple.__new__(Frame, (seq, ts, view))
+
+
+def _take_group(reader, copy, timeout):
+    if copy:
+        codecs = []
+        out = reader._take(1, codecs, timeout)
+        return (out[0][0], out[0][2], codecs[0], None) if out else None
+    sp, slots, w = reader._spool, reader._spool._slots, reader._w
+    reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
+    try:
+        seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
+        if seq >= sp._ctl[F.W_NEXT_SEQ]:
+            return None
+        got = _pinned_read(sp, seq, pos)
+        if got is None:
+            frame, nseq, npos, lost, codec = sp._read(seq, pos)
+            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            if lost:
+                slots[w + F.S_LOST] += lost
+            return None if frame is None else (frame[0], frame[2], codec, None)
+        view, codec, fpos, npos = got
+        slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, seq + 1
+        return seq, view, codec, fpos
+    finally:
+        reader._lock.release()
+
+
+def get_array(reader, block=True, timeout=None, copy=True):
+    """The next frame as a numpy array: a writable copy, or (``copy=False``) a PinnedView."""
+    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, F.CODEC_NUMPY)
+    if pos is None:
+        return decode_array(payload, writable=isinstance(payload, bytearray))
+    try:
+        arr = decode_array(payload)
+    except BaseException:
+        reader._spool._unpin(pos)
+        raise
+    return PinnedView(arr, seq, reader._spool, pos, payload)
+
+
+def get_arrow(reader, block=True, timeout=None, copy=True):
+    """The next frame as a pyarrow Table: over a private copy, or (``copy=False``) a PinnedView."""
+    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, F.CODEC_ARROW)
+    if pos is None:
+        return decode_arrow(payload)
+    try:
+        table = decode_arrow(payload)
+    except BaseException:
+        reader._spool._unpin(pos)
+        raise
+    return PinnedView(table, seq, reader._spool, pos, payload)
+
+
+def get_records(reader, max_frames=100, block=True, timeout=None):
+    """Concatenate up to ``max_frames`` consecutive numpy frames of one dtype into one array.
+
+    Blocks only for the first frame; stops early at a frame of another dtype
+    (left for the next call) or another codec.
+    """
+    first = get_array(reader, block, timeout)
+    parts = [first.reshape(-1)]
+    while len(parts) < max_frames:
+        try:
+            nxt = _peek_dtype(reader)
+        except Empty:
+            break
+        if nxt != first.dtype:
+            break
+        parts.append(get_array(reader, block=False).reshape(-1))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _peek_dtype(reader):
+    """dtype of the next frame, without consuming it (anonymous/named readers only)."""
+    from .reader import GroupReader
+
+    sp = reader._spool
+    if isinstance(reader, GroupReader):
+        seq, pos = sp._slots[reader._w + F.S_SEQ], sp._slots[reader._w + F.S_POS]
+    else:
+        seq, pos = reader._seq, reader._pos
+    if seq >= sp._ctl[F.W_NEXT_SEQ]:
+        raise Empty
+    hit = sp._header_at(sp._frame_pos(pos))
+    if hit is None or hit[0] != seq or hit[7] != F.CODEC_NUMPY:
+        raise Empty
+    o = sp._base + hit[1] % sp._ring + F.FRAME_BYTES
+    return _dtype_of(sp._view[o:o + hit[3]])
+
+
+def _dtype_of(mv):
+    """dtype from a numpy frame's descriptor alone (the data is not touched)."""
+    try:
+        n, _r = _HEAD.unpack_from(mv)
+        desc = json.loads(bytes(mv[_HEAD.size:_HEAD.size + n]))
+        d = desc["descr"]
+        return np.lib.format.descr_to_dtype([tuple(x) for x in d] if isinstance(d, list) else d)
+    except (ValueError, KeyError, TypeError, struct.error):
+        raise Empty from None
+
+
+__all__ += ["put_array", "put_records", "put_arrow", "get_array", "get_arrow", "get_records",
+            "TooLarge"]

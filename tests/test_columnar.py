@@ -1,0 +1,149 @@
+"""numpy and Arrow frames: fidelity, zero-copy pinned views, record-stream mode, bad input."""
+
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import shmq
+from conftest import join_all
+
+DTYPES = [np.int8, np.uint16, np.float32, np.complex128, "<M8[ns]", "S5", "U3",
+          np.dtype([("id", "<i8"), ("v", "<f8"), ("tag", "S4")]),
+          np.dtype([("xy", "<f4", (2,)), ("n", ">i4")])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 4), (2, 3, 2)])
+def test_array_fidelity(make_spool, dtype, shape):
+    sp = make_spool()
+    arr = np.zeros(shape, dtype=dtype)
+    if arr.size:  # deterministic, non-zero bytes in every field
+        raw = (np.arange(arr.nbytes) % 251).astype(np.uint8).tobytes()
+        arr = np.frombuffer(raw, dtype=arr.dtype).reshape(shape)
+    sp.put_array(arr)
+    got = sp.reader().get_array(timeout=1)
+    assert got.dtype == arr.dtype and got.shape == arr.shape
+    assert got.tobytes() == arr.tobytes()
+    assert got.flags.writeable  # one private copy
+
+
+def test_non_contiguous_is_made_contiguous(make_spool):
+    sp = make_spool()
+    base = np.arange(100, dtype=np.int64).reshape(10, 10)
+    for view in (base[:, 3], base.T, base[::2, ::3]):
+        sp.put_array(view)
+        assert np.array_equal(sp.reader(start=sp.next_seq - 1).get_array(timeout=1), view)
+
+
+@pytest.mark.parametrize("bad", [np.array([object(), 1]), [1, 2, 3], b"bytes"])
+def test_bad_arrays_refused(make_spool, bad):
+    sp = make_spool()
+    with pytest.raises(TypeError):
+        sp.put_array(bad)
+    assert sp.next_seq == 0
+
+
+def test_wrong_codec(make_spool):
+    sp = make_spool()
+    sp.put(b"not an array")
+    with pytest.raises(shmq.ShmqError, match="raw frame, not numpy"):
+        sp.reader().get_array(timeout=1)
+
+
+def test_record_stream_mode(make_spool):
+    sp = make_spool(capacity="1MiB")
+    dt = np.dtype([("id", "<i8"), ("value", "<f8"), ("name", "S84")])  # 100-byte records
+    recs = np.zeros(5000, dtype=dt)
+    recs["id"] = np.arange(5000)
+    first = sp.put_many(recs)  # whole records, in frames of at most a quarter ring
+    frames = sp.next_seq - first
+    assert frames == -(-recs.nbytes // (sp.capacity // 4))
+    sp.put_many(np.arange(3, dtype=np.int32))  # another dtype: a separate run
+    r = sp.reader()
+    got = r.get_many(1000, as_array=True, timeout=1)
+    assert got.dtype == dt and np.array_equal(got["id"], np.arange(5000))
+    assert np.array_equal(r.get_many(10, as_array=True, timeout=1), np.arange(3, dtype=np.int32))
+
+
+def test_pinned_view_blocks_overwrite_until_released(make_spool):
+    sp = make_spool(capacity=64 * 1024, on_full="overwrite")
+    big = np.arange(4096, dtype=np.float64)  # 32 KiB: half the ring
+    sp.put_array(big)
+    r = sp.reader()
+    view = r.get_array(copy=False)
+    assert not view.array.flags.writeable
+    assert np.shares_memory(view.array, np.frombuffer(sp._view, dtype=np.uint8))  # truly zero-copy
+    with pytest.raises(shmq.Full):  # even in overwrite mode, the pinned frame is kept
+        for _ in range(4):
+            sp.put(bytes(20000), timeout=0.1)
+    assert np.array_equal(view.array, big)
+    view.release()
+    sp.put(bytes(20000), timeout=1)
+    sp.put(bytes(20000), timeout=1)  # now it may be overwritten
+
+
+def test_pinned_view_context_manager_and_group(make_spool):
+    sp = make_spool(capacity="1MiB")
+    g = sp.reader("g", group=True)
+    sp.put_array(np.ones(1000))
+    sp.put_array(np.zeros(10))
+    with g.get_array(copy=False) as v:
+        assert v.array.sum() == 1000 and v.seq == 0
+        assert sp._pins
+    assert not sp._pins
+    assert np.array_equal(g.get_array(), np.zeros(10))
+
+
+def _pin_and_die(path, ready):
+    sp = shmq.Spool.open(path)
+    r = sp.reader()
+    v = r.get_array(copy=False)  # noqa: F841 (held until death)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_crashed_readers_pin_is_released(make_spool):
+    sp = make_spool(capacity=64 * 1024, on_full="overwrite")
+    sp.put_array(np.arange(4096, dtype=np.float64))
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_pin_and_die, args=(sp.path, ready))
+    p.start()
+    assert ready.wait(30)
+    join_all([p])
+    for _ in range(6):  # the dead process's pin does not hold the writer
+        sp.put(bytes(20000), timeout=5)
+
+
+def test_arrow_roundtrip_nulls_and_nested(make_spool):
+    pa = pytest.importorskip("pyarrow")
+    sp = make_spool(capacity="4MiB")
+    table = pa.table({
+        "i": pa.array([1, None, 3], pa.int64()),
+        "s": ["a", None, "ccc"],
+        "l": [[1, 2], None, []],
+        "st": [{"x": 1.5, "y": "p"}, None, {"x": None, "y": "q"}],
+        "m": pa.array([[("k", 1)], None, []], pa.map_(pa.string(), pa.int32())),
+    })
+    sp.put_arrow(table)
+    sp.put_arrow(table.to_batches()[0])
+    r = sp.reader()
+    assert r.get_arrow(timeout=1).equals(table)
+    with r.get_arrow(copy=False, timeout=1) as v:
+        assert v.batch.equals(table)
+    with pytest.raises(TypeError):
+        sp.put_arrow({"not": "arrow"})
+
+
+def test_queue_carries_arrays_out_of_band():
+    q = shmq.Queue()
+    try:
+        a = np.arange(1 << 16, dtype=np.int32)
+        q.put(a)
+        b = q.get(timeout=1)
+        assert np.array_equal(a, b) and b.flags.writeable
+    finally:
+        q.close()
