@@ -34,6 +34,8 @@ from .errors import Empty, ShmqError, TooLarge
 __all__ = ["PinnedView", "encode_array", "decode_array"]
 
 _HEAD = struct.Struct("<II")
+_HEADS = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
+_DESCS = {}  # descriptor bytes -> (dtype, shape)
 
 
 def encode_array(arr) -> tuple:
@@ -48,10 +50,16 @@ def encode_array(arr) -> tuple:
                         "(use shmq.Queue, which pickles, or convert the column)")
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # one extra copy, documented
-    desc = json.dumps({"descr": np.lib.format.dtype_to_descr(arr.dtype),
-                       "shape": list(arr.shape)}).encode()
-    head = _HEAD.pack(len(desc), 0) + desc
-    head += bytes(F.align(len(head)) - len(head))
+    key = (arr.dtype, arr.shape)
+    head = _HEADS.get(key)
+    if head is None:
+        desc = json.dumps({"descr": np.lib.format.dtype_to_descr(arr.dtype),
+                           "shape": list(arr.shape)}).encode()
+        head = _HEAD.pack(len(desc), 0) + desc
+        head += bytes(F.align(len(head)) - len(head))
+        if len(_HEADS) > 256:
+            _HEADS.clear()
+        _HEADS[key] = head
     # as bytes: some dtypes (datetime64, ...) do not export the buffer protocol
     data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
     return head, data
@@ -66,13 +74,20 @@ def decode_array(buf, writable=False):
     if len(mv) < _HEAD.size:
         raise ShmqError("numpy frame too short")
     n, _r = _HEAD.unpack_from(mv)
-    try:
-        desc = json.loads(bytes(mv[_HEAD.size:_HEAD.size + n]))
-        dtype = np.lib.format.descr_to_dtype(
-            [tuple(x) for x in desc["descr"]] if isinstance(desc["descr"], list) else desc["descr"])
-        shape = tuple(int(x) for x in desc["shape"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ShmqError(f"numpy frame with a corrupt descriptor: {exc}") from None
+    raw = bytes(mv[_HEAD.size:_HEAD.size + n])
+    parsed = _DESCS.get(raw)
+    if parsed is None:
+        try:
+            desc = json.loads(raw)
+            d = desc["descr"]
+            dtype = np.lib.format.descr_to_dtype([tuple(x) for x in d] if isinstance(d, list) else d)
+            shape = tuple(int(x) for x in desc["shape"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShmqError(f"numpy frame with a corrupt descriptor: {exc}") from None
+        if len(_DESCS) > 256:
+            _DESCS.clear()
+        parsed = _DESCS[raw] = (dtype, shape)
+    dtype, shape = parsed
     off = F.align(_HEAD.size + n)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if off + count * dtype.itemsize != len(mv):
@@ -181,12 +196,24 @@ def put_arrow(spool, data, *, block=True, timeout=None):
         batches, schema = [data], data.schema
     else:
         raise TypeError(f"put_arrow() takes a pyarrow RecordBatch or Table, not {type(data).__name__}")
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        for b in batches:
-            writer.write_batch(b)
-    buf = sink.getvalue()  # IPC encoding (pyarrow copies the buffers once here)
-    return spool._append((memoryview(buf),), _check_block_timeout(block, timeout), F.CODEC_ARROW)
+    from .spool import Deferred
+
+    def write(sink):
+        with pa.ipc.new_stream(sink, schema) as writer:
+            for b in batches:
+                writer.write_batch(b)
+
+    mock = pa.MockOutputStream()  # measures the IPC size without copying data
+    write(mock)
+    size = mock.size()
+
+    def fill(view):  # under the writer lock: the IPC stream goes straight into the ring
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(view))
+        write(sink)
+        if sink.tell() != size:
+            raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
+
+    return spool._append((Deferred(size, fill),), _check_block_timeout(block, timeout), F.CODEC_ARROW)
 
 
 def decode_arrow(buf):
@@ -326,10 +353,22 @@ def get_records(reader, max_frames=100, block=True, timeout=None):
     """Concatenate up to ``max_frames`` consecutive numpy frames of one dtype into one array.
 
     Blocks only for the first frame; stops early at a frame of another dtype
-    (left for the next call) or another codec.
+    or codec (left for the next call).  For anonymous and named readers the
+    records are copied once, straight from the mapping into the result.
     """
+    from .reader import GroupReader
+
+    if not isinstance(reader, GroupReader) and not reader._closed:
+        out = _records_run(reader, max_frames, None)
+        if out is not None:
+            return out
     first = get_array(reader, block, timeout)
     parts = [first.reshape(-1)]
+    if not isinstance(reader, GroupReader) and max_frames > 1:
+        rest = _records_run(reader, max_frames - 1, first.dtype)
+        if rest is not None:
+            parts.append(rest)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
     while len(parts) < max_frames:
         try:
             nxt = _peek_dtype(reader)
@@ -339,6 +378,48 @@ def get_records(reader, max_frames=100, block=True, timeout=None):
             break
         parts.append(get_array(reader, block=False).reshape(-1))
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _records_run(reader, max_frames, dtype):
+    """Copy a run of plain numpy frames at the cursor into one array; None if none.
+
+    Lock-free like Spool._read_run: views over the mapping are concatenated
+    (the one copy), then FIRST_POS is re-checked against the run's start.
+    """
+    from .spool import Frame
+
+    sp = reader._spool
+    seq, pos = reader._seq, reader._pos
+    nxt = sp._ctl[F.W_NEXT_SEQ]
+    arrays, frames, start = [], [], None
+    while len(arrays) < max_frames and seq < nxt:
+        fpos = sp._frame_pos(pos)
+        hit = sp._header_at(fpos)
+        if hit is None or hit[0] != seq or hit[6] & F.FLAG_PAD or hit[7] != F.CODEC_NUMPY:
+            break
+        o = sp._base + fpos % sp._ring + F.FRAME_BYTES
+        view = sp._view[o:o + hit[3]]
+        try:
+            arr = decode_array(view)
+        except ShmqError:
+            break
+        if dtype is None:
+            dtype = arr.dtype
+        elif arr.dtype != dtype:
+            break
+        if start is None:
+            start = fpos
+        arrays.append(arr.reshape(-1))
+        frames.append(tuple.__new__(Frame, (seq, hit[4], view)))
+        seq, pos = seq + 1, fpos + hit[2]
+    if not arrays:
+        return None
+    out = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
+    if sp._ctl[F.W_FIRST_POS] > start:  # overwritten while copying: take the slow path
+        return None
+    reader._seq, reader._pos = seq, pos
+    reader._consumed_many(frames, 0)
+    return out
 
 
 def _peek_dtype(reader):

@@ -447,6 +447,8 @@ class Spool:
         for v in views:
             if type(v) is tuple:
                 n = sum(len(x) if type(x) is not memoryview else x.nbytes for x in v)
+            elif type(v) is Deferred:
+                n = v.nbytes
             else:
                 n = len(v) if type(v) is not memoryview else v.nbytes
             if n > self._max_payload:
@@ -547,6 +549,11 @@ class Spool:
                     k = len(part) if type(part) is not memoryview else part.nbytes
                     mm[o:o + k] = part
                     o += k
+            elif type(v) is Deferred:
+                v.fill(self._view[o:o + n])  # e.g. Arrow IPC written straight into the ring
+                if crcs:
+                    _pack_frame(mm, o - FRAME_BYTES, seq, need, n, ts, _crc(self._view[o:o + n]),
+                                flags, codec, 0)
             else:
                 mm[o:o + n] = v
             seq += 1
@@ -1245,7 +1252,23 @@ class Spool:
         self._mm.flush()
 
 
+class Deferred:
+    """A frame payload of known size written by ``fill(memoryview)`` under the writer lock.
+
+    Lets a serializer (Arrow IPC) write straight into the ring instead of
+    into a buffer that is then copied.  ``fill`` must write exactly ``nbytes``
+    and must not touch the spool.
+    """
+
+    __slots__ = ("nbytes", "fill")
+
+    def __init__(self, nbytes, fill):
+        self.nbytes, self.fill = nbytes, fill
+
+
 def _crc_parts(v):
+    if type(v) is Deferred:
+        return 0  # computed after fill(), under the lock
     if type(v) is not tuple:
         return _crc(v)
     crc = 0

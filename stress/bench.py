@@ -57,10 +57,27 @@ def payload(kind, size):
         return {"id": 12345, "name": "sensor-7", "value": 3.25, "ok": True, "tags": ["a", "b"]}
     if kind == "numpy":
         return np.ones(size // 8, dtype=np.float64)
+    if kind == "records":  # a batch of 1000 100-byte records
+        recs = np.zeros(1000, dtype=RECORD)
+        recs["id"] = np.arange(1000)
+        return recs
+    if kind == "arrow":  # 64k rows x 10 columns
+        import pyarrow as pa
+
+        return pa.record_batch({f"c{i}": (np.arange(65536, dtype=np.int64) if i % 2 else
+                                          np.random.default_rng(i).random(65536)) for i in range(10)})
     raise ValueError(kind)
 
 
+RECORD = np.dtype([("id", "<i8"), ("ts", "<i8"), ("value", "<f8"), ("name", "S76")])
+assert RECORD.itemsize == 100
+
+
 def nbytes_of(kind, size):
+    if kind == "records":
+        return 100
+    if kind == "arrow":
+        return 65536 * 10 * 8
     return size if kind in ("bytes", "numpy") else 0
 
 
@@ -268,6 +285,151 @@ class Ring:
         os.unlink(path)
 
 
+class SpoolRecords(Spool):
+    """Record-stream mode: put_many(structured array) / get_many(as_array=True)."""
+
+    name = "spool-records"
+
+    def __init__(self):
+        super().__init__()
+        self.name = "spool-records"
+
+    def producer(self, path, item, n, batch):
+        sp = shmq.Spool.open(path)
+        for _ in range(n // len(item)):
+            sp.put_many(item)
+        sp.close()
+
+    def consumer(self, path, n, batch, index, consumers, fanout):
+        sp = shmq.Spool.open(path)
+        r = sp.reader(f"r{index}")
+        got = 0
+        while got < n:
+            got += len(r.get_many(64, as_array=True))
+        sp.close()
+
+
+class FasterFifoRecords(FasterFifo):
+    """The same records as 100-byte bytes objects, 1000 per put_many."""
+
+    def __init__(self):
+        super().__init__(batch=True)
+        self.name = "faster-fifo-batch"
+
+    def producer(self, q, item, n, batch):
+        items = [r.tobytes() for r in item]
+        for _ in range(n // len(items)):
+            q.put_many(items, timeout=1e9)
+
+    def consumer(self, q, n, batch, index, consumers, fanout):
+        got = 0
+        while got < n:
+            got += len(q.get_many(timeout=1e9, max_messages_to_get=1000))
+
+
+class NumpyRing(Ring):
+    """The ceiling for batches: the inline ring moving each batch as one array copy."""
+
+    name = "numpy-ring"
+
+    def producer(self, path, item, n, batch):
+        raw = item.view(np.uint8)
+        super().producer(path, raw.data, n // len(item), 1)
+
+    def consumer(self, path, n, batch, index, consumers, fanout):
+        import mmap
+
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 0)
+        ctl = memoryview(mm)[:64].cast("Q")
+        cap = len(mm) - 4096
+        tail = 0
+        batches = n // 1000
+        for _ in range(batches):
+            while ctl[0] <= tail:
+                pass
+            off = 4096 + tail % cap
+            length = int.from_bytes(mm[off:off + 8], "little")
+            if length == 0 or off + 8 + length > len(mm):
+                tail += len(mm) - off
+                while ctl[0] <= tail:
+                    pass
+                off = 4096
+                length = int.from_bytes(mm[off:off + 8], "little")
+            np.frombuffer(mm, dtype=RECORD, count=length // 100, offset=off + 8).copy()
+            tail += (8 + length + 7) & ~7
+            ctl[1] = tail
+        ctl.release()
+
+
+class SpoolView(Spool):
+    """put_array / get_array(copy=False): the reader maps the frame, no copy."""
+
+    def __init__(self, copy=False):
+        super().__init__()
+        self.copy = copy
+        self.name = "spool-array" if copy else "spool-array-view"
+
+    def producer(self, path, item, n, batch):
+        sp = shmq.Spool.open(path)
+        for _ in range(n):
+            sp.put_array(item)
+        sp.close()
+
+    def consumer(self, path, n, batch, index, consumers, fanout):
+        sp = shmq.Spool.open(path)
+        r = sp.reader(f"r{index}")
+        for _ in range(n):
+            if self.copy:
+                r.get_array()
+            else:
+                with r.get_array(copy=False) as v:
+                    v.array[0]  # touch it
+        sp.close()
+
+
+class SpoolArrow(Spool):
+    def __init__(self):
+        super().__init__()
+        self.name = "spool-arrow-view"
+
+    def producer(self, path, item, n, batch):
+        sp = shmq.Spool.open(path)
+        for _ in range(n):
+            sp.put_arrow(item)
+        sp.close()
+
+    def consumer(self, path, n, batch, index, consumers, fanout):
+        sp = shmq.Spool.open(path)
+        r = sp.reader(f"r{index}")
+        for _ in range(n):
+            with r.get_arrow(copy=False) as v:
+                v.batch.num_rows
+        sp.close()
+
+
+class Memcpy:
+    """Not a channel: one process copying the same bytes, for the bandwidth ceiling."""
+
+    name = "memcpy"
+    batch = False
+
+    def setup(self, tmp, consumers, fanout):
+        return None
+
+    def producer(self, chan, item, n, batch):
+        pass
+
+    def consumer(self, chan, n, batch, index, consumers, fanout):
+        src = np.ones(65536 * 10, dtype=np.int64)
+        dst = np.empty_like(src)
+        for _ in range(n):
+            np.copyto(dst, src)
+
+    def teardown(self, chan):
+        pass
+
+
 # --- one measured run ----------------------------------------------------------------
 
 
@@ -337,6 +499,13 @@ SCENARIOS = {
     "1->1 1 MiB": ("bytes", 1 << 20, 2_000, 1, 1, 1, False, contenders(*ALL)),
     "1->1 1 MiB numpy": ("numpy", 1 << 20, 2_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
     "1->4 fan-out 100 B": ("bytes", 100, 100_000, 1, 4, 1, True, contenders("spool")),
+    # columnar (docs/columnar.md)
+    "records 100 B x1000": ("records", 100, 5_000_000, 1, 1, 1000, False,
+                            [SpoolRecords(), NumpyRing()] + ([FasterFifoRecords()] if faster_fifo else [])),
+    "1->1 1 MiB numpy array": ("numpy", 1 << 20, 2_000, 1, 1, 1, False,
+                               [SpoolView(copy=False), SpoolView(copy=True)] +
+                               contenders("shmq.Queue", "faster-fifo")),
+    "arrow 64k rows x 10 cols": ("arrow", 0, 400, 1, 1, 1, False, [SpoolArrow(), Memcpy()]),
 }
 
 
@@ -347,6 +516,11 @@ def run_throughput(quick, repeats, only, out):
         for name, (kind, size, n, prods, cons, batch, fanout, cands) in SCENARIOS.items():
             if only and only not in name:
                 continue
+            if kind == "arrow":
+                try:
+                    import pyarrow  # noqa: F401
+                except ImportError:
+                    continue
             if quick:
                 n = max(n // 20, 100 * prods * cons * batch)
             n -= n % (prods * cons * batch)
@@ -563,6 +737,17 @@ def targets(results, lat, sys_, misc):
     add("shmq.Queue batches of 100 >= 4x faster-fifo batches",
         ratio(results, "1->1 small dict batch 100", "shmq.Queue-batch", "faster-fifo-batch"), 4)
     add("1 MiB bytes >= 1.5x faster-fifo GB/s", ratio(results, "1->1 1 MiB", "spool", "faster-fifo"), 1.5)
+    add("records 100 B x1000 >= 10 M records/s",
+        (results.get("records 100 B x1000", {}).get("spool-records", {}).get("items_per_s", 0) / 1e6) or None,
+        10, "{:.2f} M/s")
+    add("records >= 40% of the inline numpy ring",
+        ratio(results, "records 100 B x1000", "spool-records", "numpy-ring"), 0.4, "{:.0%}")
+    add("records >= 50x faster-fifo put_many/get_many",
+        ratio(results, "records 100 B x1000", "spool-records", "faster-fifo-batch"), 50)
+    add("1 MiB numpy copy=False >= 3x faster-fifo",
+        ratio(results, "1->1 1 MiB numpy array", "spool-array-view", "faster-fifo"), 3)
+    add("Arrow 64k x 10 >= 50% of memcpy bandwidth",
+        ratio(results, "arrow 64k rows x 10 cols", "spool-arrow-view", "memcpy"), 0.5, "{:.0%}")
     if sys_:
         rows.append({"target": "zero syscalls per put+get with nobody waiting", "value": sys_["per_put_get"],
                      "goal": 0, "met": sys_["per_put_get"] < 0.01, "shown": f"{sys_['per_put_get']:.4f}/op"})
