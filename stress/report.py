@@ -109,6 +109,8 @@ def sections(data):
         "extras": "\n".join(extra) or "(not measured)",
         "readme": readme_line(data),
         "queue": throughput_table(t, contenders=("shmq.Queue", "mp.Queue", "faster-fifo")),
+        "columnar": throughput_table(t, scenarios=("records 100 B x1000", "1->1 1 MiB numpy array",
+                                                   "arrow 64k rows x 10 cols")),
     }
 
 
@@ -131,7 +133,7 @@ def main(argv=None):
         data = json.load(f)
     secs = sections(data)
     if args.update:
-        for doc in ("docs/benchmarks.md", "docs/queue.md", "README.md"):
+        for doc in ("docs/benchmarks.md", "docs/queue.md", "docs/columnar.md", "README.md"):
             update(os.path.join(ROOT, doc), secs)
     else:
         for name, body in secs.items():
