@@ -609,6 +609,39 @@ def run(names, seed, duration, quick, out=sys.stdout):
     return report
 
 
+def markdown(report, fuzz=None):
+    """A table of the figures of a run (docs/guarantees.md)."""
+    rows = ["| scenario | processes killed | frames checked | violations | notes |", "|---|---|---|---|---|"]
+    for name in SCENARIOS:
+        res = report.get(name)
+        if not res:
+            continue
+        notes = ""
+        if name == "fanout":
+            w = res["worst_put_wait_s"]
+            notes = (f"{res['frames_committed']} frames committed; lost per reader {res['lost_per_reader']} "
+                     f"(exact); {res['lock_breaks']} lock recoveries; slowest put after a kill: "
+                     f"p50 {w['p50']:.3f} s, p99 {w['p99']:.3f} s, max {w['max']:.3f} s")
+        elif name == "queue":
+            a, b = res["at_most_once_phase"], res["exactly_once_phase"]
+            notes = (f"at most once: {a['puts_returned']} puts returned, {a['received']} received; "
+                     f"exactly once: {b['puts_returned']} puts returned, {b['received']} received")
+        elif name == "lock":
+            w = res["recovery_s"]
+            notes = (f"lock recovery (timeout 0.3 s): p50 {w['p50']:.3f} s, p99 {w['p99']:.3f} s, "
+                     f"max {w['max']:.3f} s; token advanced and verify passed every time")
+        elif name == "restart":
+            notes = f"{res['generations']} generations killed at once and restarted"
+        elif name == "soak":
+            notes = f"{res['seconds']} s; RSS and fds flat in steady state"
+        rows.append(f"| {name} | {res['kills']} | {res['frames_checked']} | {res['violations']} | {notes} |")
+    if fuzz:
+        o = fuzz["outcomes"]
+        rows.append(f"| fuzz | - | {fuzz['cases']} damaged files | {o['violation']} | {o['ok']} read "
+                    f"correctly, {o['shmq_error']} refused with a shmq error |")
+    return "\n".join(rows)
+
+
 def failures(report):
     bad = []
     for name, res in report.items():
