@@ -35,6 +35,11 @@ _LAG_NONE = (1 << 64) - 1
 STATS_FLUSH_FRAMES = 64
 
 
+def _check_max_frames(max_frames):
+    if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+        raise ValueError(f"max_frames must be a positive int, not {max_frames!r}")
+
+
 def _add(words, i, n):
     """Add to a shared statistics counter, wrapping at 2**64 like a C counter."""
     words[i] = (words[i] + n) & 0xFFFFFFFFFFFFFFFF
@@ -166,8 +171,7 @@ class Reader:
             return get_records(self, max_frames, block, timeout)
         if self._closed:
             self._check()
-        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
-            raise ValueError(f"max_frames must be a positive int, not {max_frames!r}")
+        _check_max_frames(max_frames)
         out = [self.get(block, timeout)]
         sp = self._spool
         verify = self._verify
@@ -653,8 +657,7 @@ class GroupReader(_SlotReader):
             return get_records(self, max_frames, block, timeout)
         if self._closed:
             self._check()
-        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
-            raise ValueError(f"max_frames must be a positive int, not {max_frames!r}")
+        _check_max_frames(max_frames)
         if timeout is not None or not block:
             timeout = _check_block_timeout(block, timeout)
         deadline = None

@@ -627,29 +627,25 @@ class Spool:
             lo_page = (base + lo) // F.PAGE * F.PAGE
             self._mm.flush(lo_page, base + hi - lo_page)
 
-    def _floor_pos(self):
-        """Oldest committed position any named reader or group still needs (None: no slots)."""
+    def _floor(self, word):
+        """Minimum of slot ``word`` (S_POS or S_SEQ) over named readers and groups; None if none."""
         slots = self._slots
         floor = None
         for i in range(self._slot_hwm()):
             w = i * F.SLOT_WORDS
             if F.SLOT_FREE < slots[w + F.S_STATE] < F.SLOT_PIN:
-                p = slots[w + F.S_POS]
-                if floor is None or p < floor:
-                    floor = p
+                v = slots[w + word]
+                if floor is None or v < floor:
+                    floor = v
         return floor
+
+    def _floor_pos(self):
+        """Oldest committed position any named reader or group still needs (None: no slots)."""
+        return self._floor(F.S_POS)
 
     def _floor_seq(self):
         """Oldest committed seq any named reader or group still needs (None: no slots)."""
-        slots = self._slots
-        floor = None
-        for i in range(self._slot_hwm()):
-            w = i * F.SLOT_WORDS
-            if F.SLOT_FREE < slots[w + F.S_STATE] < F.SLOT_PIN:
-                s = slots[w + F.S_SEQ]
-                if floor is None or s < floor:
-                    floor = s
-        return floor
+        return self._floor(F.S_SEQ)
 
     def _room_marker(self):
         """What must change before a writer blocked on a full spool retries."""

@@ -3,6 +3,7 @@
 import os
 import signal
 import struct
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -142,26 +143,8 @@ def test_corrupt_frame_header_reported(spool_path):
 # --- fuzzing -----------------------------------------------------------------
 
 _TEMPLATE = {}
-
-
-def _template(spool_dir):
-    """A spool with wrapped frames, a named reader and a group, as raw bytes."""
-    path = os.path.join(spool_dir, "template")
-    sp = shmq.Spool.create(path, capacity=8192, readers=4, leases=0)
-    r = sp.reader("named")
-    g = sp.reader("grp", group=True)
-    for i in range(150):
-        sp.put(bytes([i % 256]) * (i % 97))
-        if i % 3 == 0:
-            r.get()
-            g.get()
-    r.close()
-    g.close()
-    sp.close()
-    with open(path, "rb") as f:
-        raw = f.read()
-    shmq.Spool.destroy(path)
-    return raw
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "stress"))
+from fuzz import exercise as _exercise, template as _template  # noqa: E402  (the long mode's own code)
 
 
 class _Hang(Exception):
@@ -170,29 +153,6 @@ class _Hang(Exception):
 
 def _alarm(_sig, _frame):
     raise _Hang()
-
-
-def _exercise(path):
-    """Open and read everything; only shmq errors (or success) are acceptable."""
-    sp = shmq.Spool.open(path, recovery_timeout=0.05)
-    try:
-        sp.stats()
-        for name, group in ((None, False), ("named", False), ("grp", True)):
-            try:
-                r = sp.reader(name, group=group)
-                while True:
-                    frames = r.get_many(64, block=False)
-                    assert all(isinstance(f.data, bytes) for f in frames)
-            except shmq.Empty:
-                pass
-        for seq in (sp.first_seq, sp.next_seq - 1):
-            try:
-                sp.read_at(seq)
-            except shmq.FrameLost:
-                pass
-        sp.put(b"after corruption", block=False)
-    finally:
-        sp.close()
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -219,7 +179,7 @@ def test_fuzzed_spool_never_crashes_or_hangs(spool_dir, data):
     path = os.path.join(spool_dir, "fuzz")
     # Geometry is CRC-protected, so keep the original header: fresh semaphores
     # come from a new create, the fuzzed body is copied over it.
-    shmq.Spool.create(path, capacity=8192, readers=4, leases=0).close()
+    shmq.Spool.create(path, capacity=8192, readers=4, leases=8).close()
     with open(path, "r+b") as f:
         head = f.read(128)
         f.seek(0)
