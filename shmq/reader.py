@@ -25,6 +25,7 @@ from .spool import Frame, _check_block_timeout
 
 _unpack_frame = FRAME.unpack_from
 _new_frame = tuple.__new__
+_WRITABLE = (F.CODEC_PICKLE_OOB, F.CODEC_NUMPY)  # read into bytearrays by Spool._read
 
 __all__ = ["Reader", "NamedReader", "GroupReader"]
 
@@ -559,6 +560,37 @@ class GroupReader(_SlotReader):
         slots[w + F.S_LOCK_HOLDER] = sp._holder
         try:
             seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
+            if max_frames == 1 and not self._verify:
+                # Fast path (one plain frame), inlined from Spool._read as in Reader.get.
+                ctl = sp._ctl
+                if seq >= ctl[W_NEXT_SEQ]:
+                    return out
+                ring = sp._ring
+                off = pos % ring
+                if ring - off >= FRAME_BYTES:
+                    o = sp._base + off
+                    hseq, stored, length, ts, _crc, flags, codec, _x = _unpack_frame(sp._mm, o)
+                    if (hseq == seq and not flags & FLAG_PAD and off + stored <= ring
+                            and stored >= FRAME_BYTES + length and codec not in _WRITABLE):
+                        data = sp._mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
+                        if ctl[W_FIRST_POS] <= pos:
+                            slots[w + F.S_POS] = pos + stored
+                            slots[w + F.S_SEQ] = seq + 1
+                            if codecs is not None:
+                                codecs.append(codec)
+                            d = _time_ns() - ts
+                            if d > 0:
+                                self._dsum += d
+                                if d > self._dmax:
+                                    self._dmax = d
+                            if not self._n:
+                                self._lag_peak = ctl[W_NEXT_SEQ] - seq
+                            self._bytes += length
+                            self._n += 1
+                            if self._n >= STATS_FLUSH_FRAMES:
+                                self._flush_locked()
+                            out.append(_new_frame(Frame, (seq, ts, data)))
+                            return out
             lost_total = 0
             read = sp._read
             verify = self._verify
@@ -584,13 +616,13 @@ class GroupReader(_SlotReader):
                     self._account(out)
                     if self._n >= STATS_FLUSH_FRAMES:
                         self._flush_locked()
+            return out
         finally:
             slots[w + F.S_LOCK_HOLDER] = 0
             sem.release()
-        # Outside the lock: wake writers blocked on a full spool.
-        if out and not sp._overwrite and sp._space_waiters.value:
-            sp._space_bell.ring()
-        return out
+            # Outside the lock: wake writers blocked on a full spool.
+            if out and not sp._overwrite and sp._space_waiters.value:
+                sp._space_bell.ring()
 
     def _account(self, frames):
         now = _time_ns()
