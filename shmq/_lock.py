@@ -27,6 +27,9 @@ import psutil
 from ._format import pack_flock, unpack_flock
 from .errors import Timeout
 
+#: Linux's largest possible pid (PID_MAX_LIMIT, include/linux/threads.h).
+PID_MAX_LIMIT = 4 * 1024 * 1024
+
 #: How long a waiter trusts a lock holder before checking whether it is alive.
 LOCK_RECOVERY_TIMEOUT_S = 1.0
 
@@ -77,7 +80,7 @@ def process_alive(pid: int, start: int | None = None) -> bool:
     ``os.kill(pid, 0)`` is the cheap probe (0.5 us); psutil (25-50 us)
     confirms the start time so a recycled pid is not mistaken for the holder.
     """
-    if pid <= 0:
+    if not 0 < pid <= PID_MAX_LIMIT:  # a corrupt holder word is not a live process
         return False
     try:
         os.kill(pid, 0)

@@ -115,7 +115,10 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     slot_offset, lease_offset, ring_offset, ring_bytes, file_bytes = F.ring_geometry(
         ring_bytes, slots, leases)
     prefix = secrets.token_hex(6)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{prefix}.creating")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, "no such directory for the spool", parent)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{prefix}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     linked = False
     try:

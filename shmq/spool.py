@@ -172,21 +172,29 @@ class Spool:
         self._space_waiters = self._space_bell.sem
 
     def _check_control(self):
-        """Refuse control words no writer could have left (bit rot, foreign writes)."""
+        """Refuse control words no writer could have left (bit rot, foreign writes).
+
+        Read lock-free while writers may be running: FIRST_* before NEXT_*
+        (both only grow), and a suspicious reading is re-read a few times
+        before it is believed, so a live spool is never called corrupt.
+        """
         ctl, ring = self._ctl, self._ring
-        nseq, npos, fseq, fpos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS], ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
-        problems = []
-        if max(nseq, npos, fseq, fpos) >= _MAX_COUNTER:
-            problems.append("counter out of range")
-        elif fseq > nseq:
-            problems.append(f"first seq {fseq} > next seq {nseq}")
-        elif npos - fpos > ring if npos >= fpos else fpos - npos > ring:
-            problems.append(f"positions {fpos}..{npos} span more than the ring")
-        # (finer consistency, e.g. frames vs bytes, is fsck's job: a writer killed
-        # between two control stores legitimately leaves them briefly out of step)
-        if problems:
-            raise SpoolFormatError(f"{self.path}: control block is corrupt ({problems[0]}); "
-                                   "run 'shmq fsck --repair' or recreate the spool")
+        for attempt in range(5):
+            fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+            nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+            if max(nseq, npos, fseq, fpos) >= _MAX_COUNTER:
+                problem = "counter out of range"
+            elif fseq > nseq:
+                problem = f"first seq {fseq} > next seq {nseq}"
+            elif npos - fpos > ring if npos >= fpos else fpos - npos > ring:
+                problem = f"positions {fpos}..{npos} span more than the ring"
+            else:
+                return
+            # (finer consistency, e.g. frames vs bytes, is fsck's job: a writer
+            # killed between two control stores leaves them briefly out of step)
+            time.sleep(0.001 * attempt)
+        raise SpoolFormatError(f"{self.path}: control block is corrupt ({problem}); "
+                               "run 'shmq fsck --repair' or recreate the spool")
 
     # ------------------------------------------------------------ lifecycle
 

@@ -127,3 +127,10 @@ def test_default_dir_must_be_safe(monkeypatch, spool_dir):
     monkeypatch.setattr(_mapping, "DEFAULT_DIR", bad)
     with pytest.raises(shmq.ShmqError, match="not a safe directory"):
         shmq.Spool.create(os.path.join(bad, "x"), capacity=4096)
+
+
+def test_corrupt_holder_word_with_huge_pid_is_not_alive():
+    from shmq._lock import holder_alive, process_alive
+
+    assert not process_alive(1 << 40)
+    assert not holder_alive((1 << 64) - 1)

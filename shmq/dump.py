@@ -1,0 +1,476 @@
+"""Reading frames with their codec tags, and a portable dump: ``shmq export`` / ``shmq import``.
+
+Dump format (version 1), little-endian::
+
+    preamble   8s magic b"SHMQDUMP", u32 version, u32 header_len
+    header     header_len bytes of UTF-8 JSON: the source spool's geometry,
+               its seq range at export time and its named readers/groups
+    records    b"F" + u64 seq, u64 timestamp_ns, u32 length, u32 crc32(payload),
+                      u16 flags, u8 codec, then ``length`` payload bytes
+               (any number, in seq order; seqs may jump where frames were
+               overwritten during the export)
+    trailer    b"E" + u64 frames, u64 payload bytes, u64 frames lost during export
+
+The dump is independent of the spool format version and of the ring's
+geometry: it is the migration path between hosts and format versions.
+A reader whose newer shmq sees a dump version it does not know refuses it
+with a message.  Everything is streamed: memory use does not grow with
+the dump's size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import struct
+import sys
+import time
+import zlib
+from typing import NamedTuple
+
+from . import _format as F
+from .errors import Empty, FrameLost, Full, ShmqError
+from .spool import Spool
+
+__all__ = ["Record", "iter_records", "record_at", "export_spool", "import_dump", "DumpError",
+           "DUMP_MAGIC", "DUMP_VERSION"]
+
+DUMP_MAGIC = b"SHMQDUMP"
+DUMP_VERSION = 1
+_PREAMBLE = struct.Struct("<8sII")
+_FRAME_REC = struct.Struct("<QQIIHB")
+_TRAILER = struct.Struct("<QQQ")
+_TAG_FRAME = b"F"
+_TAG_END = b"E"
+#: Import writes frames in atomic batches of at most this many bytes / frames.
+BATCH_BYTES = 1 << 20
+BATCH_FRAMES = 1024
+_TS_WORD = 2  # timestamp_ns is the third u64 of a frame header (seq, lengths, ts)
+
+
+class DumpError(ShmqError, ValueError):
+    """Not a shmq dump, a newer dump version, or a truncated/damaged dump."""
+
+
+class Record(NamedTuple):
+    """A frame with its header fields: ``codec``/``flags`` are None if the header was lost."""
+
+    seq: int
+    timestamp_ns: int
+    codec: int | None
+    flags: int | None
+    data: bytes
+
+
+# --- reading frames with their codec tag ----------------------------------
+
+
+def _peek(sp, seq, pos):
+    """The header of frame ``seq`` at cursor ``pos`` (skipping a pad), or None."""
+    hit = sp._header_at(pos)
+    if hit is not None and hit[6] & F.FLAG_PAD:
+        hit = sp._header_at(hit[1] + hit[2])
+    if hit is None or hit[0] != seq:
+        return None
+    return hit
+
+
+def _header_of(sp, seq):
+    """``(codec, flags)`` of committed frame ``seq``, or ``(None, None)`` if it is gone."""
+    try:
+        pos = sp._locate(seq)
+    except (FrameLost, ShmqError):
+        return None, None
+    hit = sp._header_at(pos)
+    if hit is None or hit[0] != seq or sp._ctl[F.W_FIRST_POS] > pos:
+        return None, None
+    return hit[7], hit[6]
+
+
+def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None, info=None,
+                 clamp=False):
+    """Yield :class:`Record` s from ``start`` up to (not including) seq ``stop``.
+
+    Reads through an anonymous reader (it never holds writers back and
+    leaves no trace in the spool).  Without ``follow`` it stops when it
+    catches up; with ``follow`` it waits for new frames (``timeout``: stop
+    after that many seconds without one).  Frames overwritten before they
+    were read are skipped and counted in ``info["lost"]`` if ``info`` is a
+    dict.  With ``clamp``, a ``start`` seq already overwritten starts at
+    the oldest frame instead of raising :class:`shmq.FrameLost`.
+    """
+    skipped = 0
+    try:
+        r = sp.reader(start=start)
+    except FrameLost:
+        if not clamp or not isinstance(start, int):
+            raise
+        r = sp.reader(start="earliest")
+        skipped = max(0, r.position - start)
+    ctl = sp._ctl
+    try:
+        while stop is None or r.position < stop:
+            hit = _peek(sp, r._seq, r._pos)  # the header is read before the payload copy
+            try:
+                f = r.get(block=True, timeout=timeout) if follow else r.get(block=False)
+            except Empty:
+                return
+            if stop is not None and f.seq >= stop:
+                return
+            if hit is not None and hit[0] == f.seq and ctl[F.W_FIRST_POS] <= hit[1]:
+                codec, flags = hit[7], hit[6]  # not overwritten since we read it
+            else:
+                codec, flags = _header_of(sp, f.seq)
+            yield Record(f.seq, f.timestamp_ns, codec, flags, bytes(f.data))
+    finally:
+        if info is not None:
+            info["lost"] = r.lost + skipped
+        r.close()
+
+
+def record_at(sp, seq) -> Record:
+    """Frame ``seq`` with its codec (``Spool.read_at``: lock-free, moves no cursor).
+
+    :raises shmq.FrameLost: overwritten or not written yet.
+    """
+    f = sp.read_at(seq)
+    codec, flags = _header_of(sp, seq)
+    return Record(f.seq, f.timestamp_ns, codec, flags, bytes(f.data))
+
+
+# --- progress -------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress report on ``stream`` (redrawn at most 5 times a second)."""
+
+    def __init__(self, label, total=None, stream=None, enabled=False):
+        self.label, self.total = label, total
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.frames = self.bytes = 0
+        self._last = 0.0
+        self._drawn = False
+
+    def update(self, frames=1, nbytes=0):
+        self.frames += frames
+        self.bytes += nbytes
+        if self.enabled:
+            now = time.monotonic()
+            if now - self._last >= 0.2:
+                self._last = now
+                self._draw()
+
+    def _draw(self):
+        if self.total:
+            pct = min(100.0, 100.0 * self.frames / self.total)
+            done = f"{self.frames:,}/{self.total:,} frames ({pct:3.0f}%)"
+        else:
+            done = f"{self.frames:,} frames"
+        self.stream.write(f"\r{self.label}: {done}, {self.bytes / 1e6:,.1f} MB ")
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self):
+        if self.enabled:
+            self._draw()
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# --- export ---------------------------------------------------------------
+
+
+def _open_out(dest):
+    if dest == "-":
+        return sys.stdout.buffer, False
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return io.BufferedWriter(io.FileIO(fd, "wb"), 1 << 20), True
+
+
+def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
+    """Write every frame of spool ``path`` and its readers' positions to ``dest``.
+
+    ``dest`` is a file path (created, mode 0600, never overwritten) or "-"
+    for stdout.  The spool is read through an anonymous reader from its
+    oldest frame to the ``next_seq`` seen at the start; live writers are
+    not held back, and frames they overwrite before the export reaches them
+    are counted as ``lost``.  Returns a summary dict.
+
+    :raises FileExistsError: ``dest`` exists.
+    """
+    with Spool.open(path) as sp:
+        readers = sp.readers()
+        first, stop = sp.first_seq, sp.next_seq
+        st = os.fstat(sp._map.fd)
+        header = {
+            "format": "shmq-dump", "version": DUMP_VERSION, "spool_format_version": F.FORMAT_VERSION,
+            "source": sp.path, "host": socket.gethostname(), "exported_ns": time.time_ns(),
+            "geometry": {"capacity": sp.capacity, "on_full": sp.on_full,
+                         "checksum": bool(sp._checksum), "readers": sp._geo["slot_count"],
+                         "leases": sp._geo["lease_count"], "mode": st.st_mode & 0o7777},
+            "first_seq": first, "next_seq": stop,
+            "readers": [{"name": r.name, "kind": r.kind, "position": r.position, "lost": r.lost}
+                        for r in readers],
+        }
+        raw = json.dumps(header, sort_keys=True).encode()
+        out, close = _open_out(dest)
+        prog = Progress(f"exporting {sp.path}", stop - first, progress_stream, progress)
+        frames = nbytes = 0
+        info = {}
+        try:
+            out.write(_PREAMBLE.pack(DUMP_MAGIC, DUMP_VERSION, len(raw)) + raw)
+            for rec in iter_records(sp, "earliest", stop, info=info):
+                data = rec.data
+                out.write(_TAG_FRAME + _FRAME_REC.pack(
+                    rec.seq, rec.timestamp_ns, len(data), zlib.crc32(data),
+                    (rec.flags or 0) & ~(F.FLAG_PAD | F.FLAG_CRC),
+                    F.CODEC_RAW if rec.codec is None else rec.codec))
+                out.write(data)
+                frames += 1
+                nbytes += len(data)
+                prog.update(1, len(data))
+            out.write(_TAG_END + _TRAILER.pack(frames, nbytes, info.get("lost", 0)))
+            out.flush()
+        finally:
+            prog.close()
+            if close:
+                out.close()
+    return {"source": header["source"], "dest": dest, "frames": frames, "bytes": nbytes,
+            "first_seq": first, "next_seq": stop, "lost": info.get("lost", 0),
+            "readers": len(readers)}
+
+
+# --- import ---------------------------------------------------------------
+
+
+def _read_exact(f, n, what):
+    b = f.read(n)
+    if len(b) != n:
+        raise DumpError(f"dump is truncated (in {what}); export it again")
+    return b
+
+
+def read_dump_header(f) -> dict:
+    """Read and check a dump's preamble and JSON header from binary stream ``f``.
+
+    :raises DumpError: not a dump, a newer dump version, or damaged.
+    """
+    pre = f.read(_PREAMBLE.size)
+    if len(pre) < _PREAMBLE.size or pre[:8] != DUMP_MAGIC:
+        raise DumpError("not a shmq dump (bad magic); it must come from 'shmq export'")
+    _magic, version, hlen = _PREAMBLE.unpack(pre)
+    if version > DUMP_VERSION:
+        raise DumpError(f"dump version {version} is newer than this shmq supports "
+                        f"({DUMP_VERSION}); upgrade shmq")
+    if hlen > 64 << 20:
+        raise DumpError(f"dump header length {hlen} is implausible: damaged dump")
+    try:
+        header = json.loads(_read_exact(f, hlen, "the header"))
+        if not isinstance(header, dict) or header.get("format") != "shmq-dump":
+            raise ValueError("wrong format field")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DumpError(f"dump header is damaged ({exc})") from None
+    return header
+
+
+def iter_dump(f):
+    """Yield ``(seq, timestamp_ns, codec, flags, data)`` from the records of ``f``;
+    return the trailer's ``(frames, bytes, lost)`` (via StopIteration.value).
+
+    :raises DumpError: damaged or truncated.
+    """
+    frames = nbytes = 0
+    while True:
+        tag = f.read(1)
+        if tag == _TAG_FRAME:
+            seq, ts, length, crc, flags, codec = _FRAME_REC.unpack(
+                _read_exact(f, _FRAME_REC.size, f"the record after {frames} frames"))
+            data = _read_exact(f, length, f"frame {seq}")
+            if zlib.crc32(data) != crc:
+                raise DumpError(f"dump is damaged: frame {seq} fails its checksum")
+            frames += 1
+            nbytes += length
+            yield seq, ts, codec, flags, data
+        elif tag == _TAG_END:
+            tf, tb, lost = _TRAILER.unpack(_read_exact(f, _TRAILER.size, "the trailer"))
+            if (tf, tb) != (frames, nbytes):
+                raise DumpError(f"dump is damaged: the trailer counts {tf} frames, "
+                                f"{frames} were read")
+            return tf, tb, lost
+        elif not tag:
+            raise DumpError(f"dump is truncated after {frames} frames (no trailer); "
+                            "export it again")
+        else:
+            raise DumpError(f"dump is damaged: unknown record tag {tag!r} after {frames} frames")
+
+
+def _patch_timestamps(sp, seq0, stamps):
+    """Give the frames ``seq0..`` the exported timestamps (writer lock held; one aligned
+    8-byte store each, so a concurrent reader sees the old or the new value)."""
+    ring, base = sp._ring, sp._base
+    view = memoryview(sp._mm)
+    try:
+        words = view[base:base + ring].cast("Q")
+        try:
+            sp._wlock.acquire()
+            try:
+                try:
+                    pos = sp._locate(seq0)
+                except FrameLost:
+                    return  # already overwritten (tiny target ring)
+                seq = seq0
+                for ts in stamps:
+                    hit = sp._header_at(pos)
+                    if hit is None:
+                        return
+                    if hit[6] & F.FLAG_PAD:
+                        pos = hit[1] + hit[2]
+                        hit = sp._header_at(pos)
+                        if hit is None:
+                            return
+                    if hit[0] != seq or sp._ctl[F.W_FIRST_POS] > hit[1]:
+                        return
+                    words[(hit[1] % ring) // 8 + _TS_WORD] = ts
+                    pos = hit[1] + hit[2]
+                    seq += 1
+            finally:
+                sp._wlock.release()
+        finally:
+            words.release()
+    finally:
+        view.release()
+
+
+def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=False,
+                keep_timestamps=True, timeout=10.0, progress=False, progress_stream=None) -> dict:
+    """Load a dump (file path or "-" for stdin) into spool ``path``.
+
+    Without ``append`` a new spool is created with the source's geometry
+    (``capacity``/``on_full``/``mode`` override it; mode defaults to 0600);
+    with ``append`` the frames go after the existing ones of ``path``.
+    Frames get new seqs, in order; codec tags are kept and so are the
+    timestamps unless ``keep_timestamps`` is false.  Named readers and
+    groups are then registered at the new seq of the frame they were
+    about to read (``lost`` counts restored); in append mode a name that
+    already exists is left as it is.  Returns a summary dict.
+
+    :raises DumpError: not a dump, newer, damaged or truncated.
+    :raises FileExistsError: ``path`` exists (without ``append``).
+    :raises shmq.Full: the target spool ran out of room (``block``/``error`` policy).
+    """
+    f = sys.stdin.buffer if src == "-" else open(src, "rb")
+    try:
+        header = read_dump_header(f)
+        geo = header.get("geometry", {})
+        wanted = header.get("readers", [])
+        if append:
+            sp = Spool.open(path)
+        else:
+            sp = Spool.create(
+                path, capacity=capacity or geo.get("capacity", "64MiB"),
+                on_full=on_full or geo.get("on_full", "overwrite"),
+                mode=0o600 if mode is None else mode,
+                readers=max(int(geo.get("readers", F.DEFAULT_SLOTS)), len(wanted), 1),
+                leases=int(geo.get("leases", F.DEFAULT_LEASES)),
+                checksum=bool(geo.get("checksum", True)))
+        try:
+            return _load(sp, f, header, wanted, append, keep_timestamps, timeout,
+                         Progress(f"importing into {sp.path}",
+                                  max(0, header.get("next_seq", 0) - header.get("first_seq", 0)),
+                                  progress_stream, progress))
+        finally:
+            sp.close()
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+
+
+def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog):
+    positions = sorted({r["position"] for r in wanted})
+    mapped = {}
+    k = 0
+    frames = nbytes = 0
+    batch, codec, size = [], None, 0
+    limit = min(BATCH_BYTES, sp.capacity // 2)
+    skipped_flags = 0
+    first_new = None
+
+    def flush():
+        nonlocal k, frames, nbytes, batch, size, first_new
+        if not batch:
+            return
+        datas = [b[4] for b in batch]
+        try:
+            seq0 = sp.put_many(datas, timeout=timeout, codec=batch[0][2])
+        except Full:
+            raise Full(f"{sp.path} is full after importing {frames} frames: create it with a "
+                       "larger --capacity or --on-full overwrite") from None
+        if first_new is None:
+            first_new = seq0
+        if keep_timestamps:
+            _patch_timestamps(sp, seq0, [b[1] for b in batch])
+        for j, b in enumerate(batch):
+            while k < len(positions) and positions[k] <= b[0]:
+                mapped[positions[k]] = seq0 + j
+                k += 1
+        payload = sum(len(d) for d in datas)
+        frames += len(batch)
+        nbytes += payload
+        prog.update(len(batch), payload)
+        batch, size = [], 0
+
+    gen = iter_dump(f)
+    try:
+        while True:
+            try:
+                rec = next(gen)
+            except StopIteration as stop:
+                trailer = stop.value
+                break
+            seq, ts, c, flags, data = rec
+            if flags & ~(F.FLAG_PAD | F.FLAG_CRC):
+                skipped_flags += 1
+            need = F.frame_stored_bytes(len(data))
+            if batch and (c != codec or size + need > limit or len(batch) >= BATCH_FRAMES):
+                flush()
+            codec = c
+            batch.append(rec)
+            size += need
+        flush()
+    finally:
+        prog.close()
+    end = sp.next_seq
+    for p in positions[k:]:
+        mapped[p] = end
+    restored, kept = [], []
+    existing = {r.name for r in sp.readers()}
+    for rd in wanted:
+        name, group = rd["name"], rd.get("kind") == "group"
+        if name in existing:
+            kept.append(name)
+            continue
+        start = mapped.get(rd["position"], end)
+        if start < sp.first_seq:
+            start = "earliest"  # overwritten in a smaller target ring
+        r = sp.reader(name, group=group, start=start)
+        r.close()
+        i = sp._find_slot(name)
+        if i is not None and rd.get("lost"):
+            sp._slots[i * F.SLOT_WORDS + F.S_LOST] = int(rd["lost"])
+        restored.append({"name": name, "kind": rd.get("kind", "reader"),
+                         "source_position": rd["position"], "position": _position(sp, name)})
+    return {"path": sp.path, "frames": frames, "bytes": nbytes,
+            "first_seq": first_new if first_new is not None else end,
+            "next_seq": end, "source": header.get("source"), "source_lost": trailer[2],
+            "readers": restored, "readers_kept": kept, "flags_dropped": skipped_flags,
+            "appended": bool(append)}
+
+
+def _position(sp, name):
+    for r in sp.readers():
+        if r.name == name:
+            return r.position
+    return None

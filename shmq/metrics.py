@@ -1,0 +1,277 @@
+"""Spool metrics: the Prometheus text exposition, a prometheus_client collector,
+and read-only helpers that find spools and summarize their rate series.
+
+``prometheus_client`` is optional: it is imported only by
+:class:`ShmqCollector`, so ``import shmq.metrics`` works without it.
+
+Metric names (every sample carries ``spool="<path>"``; reader metrics also
+``reader="<name>"`` and ``kind="reader"|"group"``) are listed in
+:data:`SPOOL_METRICS` and :data:`READER_METRICS` and in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import os
+import stat as _stat
+import time
+
+from . import _format as F
+from ._lock import holder_pid
+
+__all__ = ["prometheus_text", "ShmqCollector", "SPOOL_METRICS", "READER_METRICS",
+           "spool_paths", "peek", "rate_at", "series_window"]
+
+_NS = 1e-9
+
+#: (name, type, help, getter(SpoolStats)); counter names end in ``_total``.
+SPOOL_METRICS = (
+    ("shmq_capacity_bytes", "gauge", "Size of the data ring in bytes.", lambda s: s.capacity),
+    ("shmq_used_bytes", "gauge", "Ring bytes holding frames.", lambda s: s.used_bytes),
+    ("shmq_fill_ratio", "gauge", "used_bytes / capacity_bytes.", lambda s: s.fill),
+    ("shmq_frames", "gauge", "Frames resident in the ring.", lambda s: s.frames),
+    ("shmq_first_seq", "gauge", "Seq of the oldest frame in the ring.", lambda s: s.first_seq),
+    ("shmq_next_seq", "gauge", "Seq the next committed frame gets.", lambda s: s.next_seq),
+    ("shmq_puts_total", "counter", "Frames ever put.", lambda s: s.puts),
+    ("shmq_put_bytes_total", "counter", "Payload bytes ever put.", lambda s: s.put_bytes),
+    ("shmq_gets_total", "counter", "Frames read by named readers and groups.", lambda s: s.gets),
+    ("shmq_get_bytes_total", "counter", "Payload bytes read by named readers and groups.",
+     lambda s: s.get_bytes),
+    ("shmq_lost_total", "counter", "Frames named readers and groups lost to overwrites.",
+     lambda s: s.lost),
+    ("shmq_evicted_total", "counter", "Frames pushed out of the ring to make room.",
+     lambda s: s.evicted),
+    ("shmq_high_water_frames", "gauge", "Most frames ever resident.", lambda s: s.high_water_frames),
+    ("shmq_high_water_bytes", "gauge", "Most ring bytes ever in use.", lambda s: s.high_water_bytes),
+    ("shmq_last_put_timestamp_seconds", "gauge", "Unix time of the last put (0: never).",
+     lambda s: s.last_put_ns * _NS),
+    ("shmq_last_get_timestamp_seconds", "gauge", "Unix time of the last named get (0: never).",
+     lambda s: s.last_get_ns * _NS),
+    ("shmq_delay_avg_seconds", "gauge", "Average put-to-get delay of named readers.",
+     lambda s: s.avg_delay_ns * _NS),
+    ("shmq_delay_max_seconds", "gauge", "Largest put-to-get delay of named readers.",
+     lambda s: s.max_delay_ns * _NS),
+    ("shmq_lock_held", "gauge", "1 while a writer holds the writer lock.",
+     lambda s: int(bool(s.lock_pid))),
+    ("shmq_lock_token", "gauge", "Writer lock fencing token (bumped when a dead holder's lock "
+     "is broken).", lambda s: s.lock_token),
+    ("shmq_lock_breaks_total", "counter", "Writer locks recovered from dead holders.",
+     lambda s: s.lock_breaks),
+)
+
+#: (name, type, help, getter(ReaderStats)).
+READER_METRICS = (
+    ("shmq_reader_position", "gauge", "Committed cursor: the next seq the reader returns.",
+     lambda r: r.position),
+    ("shmq_reader_lag", "gauge", "Frames the reader has still to read.", lambda r: r.lag),
+    ("shmq_reader_lag_bytes", "gauge", "Ring bytes the reader has still to read.",
+     lambda r: r.lag_bytes),
+    ("shmq_reader_lost_total", "counter", "Frames overwritten before the reader got them.",
+     lambda r: r.lost),
+    ("shmq_reader_gets_total", "counter", "Frames read.", lambda r: r.gets),
+    ("shmq_reader_get_bytes_total", "counter", "Payload bytes read.", lambda r: r.get_bytes),
+    ("shmq_reader_delay_avg_seconds", "gauge", "Average put-to-get delay.",
+     lambda r: r.avg_delay_ns * _NS),
+    ("shmq_reader_delay_max_seconds", "gauge", "Largest put-to-get delay.",
+     lambda r: r.max_delay_ns * _NS),
+    ("shmq_reader_alive", "gauge", "1 while a process has the reader attached.",
+     lambda r: int(r.alive)),
+)
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        return repr(v) if v == v and v not in (float("inf"), float("-inf")) else str(v)
+    return str(int(v))
+
+
+def prometheus_text(stats_list) -> str:
+    """The Prometheus text exposition (format 0.0.4) of some :class:`shmq.SpoolStats`.
+
+    One ``# HELP``/``# TYPE`` pair per metric, then one sample per spool
+    (and per named reader/group for the ``shmq_reader_*`` metrics).
+    Pure: reads only the snapshots given.
+    """
+    stats_list = list(stats_list)
+    out = []
+    for name, kind, doc, get in SPOOL_METRICS:
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} {kind}")
+        for s in stats_list:
+            out.append(f"{name}{_labels([('spool', s.path)])} {_num(get(s))}")
+    out.append("# HELP shmq_info Static facts about a spool (value is always 1).")
+    out.append("# TYPE shmq_info gauge")
+    for s in stats_list:
+        out.append(f"shmq_info{_labels([('spool', s.path), ('on_full', s.on_full), ('checksum', str(s.checksum).lower())])} 1")
+    for name, kind, doc, get in READER_METRICS:
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} {kind}")
+        for s in stats_list:
+            for r in s.readers:
+                labels = _labels([("spool", s.path), ("reader", r.name), ("kind", r.kind)])
+                out.append(f"{name}{labels} {_num(get(r))}")
+    return "\n".join(out) + "\n"
+
+
+class ShmqCollector:
+    """A ``prometheus_client`` collector for spools (paths of spools or of directories).
+
+    Each scrape opens the spools, snapshots :meth:`shmq.Spool.stats` and
+    closes them, so spools created or removed later are picked up.
+    ``shmq_up{spool=...}`` is 0 for a path that cannot be read.  Usage::
+
+        from prometheus_client import REGISTRY
+        REGISTRY.register(ShmqCollector(["/dev/shm/shmq"]))
+
+    :raises ImportError: prometheus_client is not installed (at construction).
+    """
+
+    def __init__(self, paths):
+        import importlib
+
+        importlib.import_module("prometheus_client.core")  # optional dependency: fail early
+
+        self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+
+    def describe(self):
+        return []  # do not scrape at registration time
+
+    def _snapshots(self):
+        from .spool import Spool
+
+        out, failed = [], []
+        for path in spool_paths(self.paths):
+            try:
+                with Spool.open(path) as sp:
+                    out.append(sp.stats())
+            except Exception:  # one bad spool must not break the scrape
+                failed.append(path)
+        return out, failed
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snaps, failed = self._snapshots()
+        up = GaugeMetricFamily("shmq_up", "1 if the spool could be read.", labels=["spool"])
+        for s in snaps:
+            up.add_metric([s.path], 1)
+        for path in failed:
+            up.add_metric([path], 0)
+        yield up
+
+        def family(name, kind, doc, labels):
+            if kind == "counter":
+                return CounterMetricFamily(name[:-len("_total")], doc, labels=labels)
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        for name, kind, doc, get in SPOOL_METRICS:
+            fam = family(name, kind, doc, ["spool"])
+            for s in snaps:
+                fam.add_metric([s.path], get(s))
+            yield fam
+        info = GaugeMetricFamily("shmq_info", "Static facts about a spool (value is always 1).",
+                                 labels=["spool", "on_full", "checksum"])
+        for s in snaps:
+            info.add_metric([s.path, s.on_full, str(s.checksum).lower()], 1)
+        yield info
+        for name, kind, doc, get in READER_METRICS:
+            fam = family(name, kind, doc, ["spool", "reader", "kind"])
+            for s in snaps:
+                for r in s.readers:
+                    fam.add_metric([s.path, r.name, r.kind], get(r))
+            yield fam
+
+
+# --- finding spools and reading their header without attaching ------------
+
+
+def spool_paths(paths):
+    """Expand ``paths`` (spool files or directories) into spool file paths.
+
+    Directory entries are kept when they are regular files (not symlinks,
+    not hidden) whose geometry validates; anything else is skipped silently.
+    """
+    from ._mapping import read_geometry
+
+    out = []
+    for p in paths:
+        p = os.fspath(p)
+        if os.path.isdir(p) and not os.path.islink(p):
+            try:
+                names = sorted(os.listdir(p))
+            except OSError:
+                continue
+            for name in names:
+                if name.startswith("."):
+                    continue
+                full = os.path.join(p, name)
+                try:
+                    st = os.lstat(full)
+                    if not _stat.S_ISREG(st.st_mode) or st.st_size < F.HEADER_BYTES:
+                        continue
+                    read_geometry(full)
+                except Exception:
+                    continue
+                out.append(full)
+        else:
+            out.append(os.path.abspath(p))
+    return out
+
+
+def peek(path) -> dict:
+    """Geometry and control words of a spool, read with ``pread`` (no mapping, no semaphores).
+
+    Works on spools the caller can read but not write.  The words are a
+    racy snapshot: fine for listings, not for decisions.
+
+    :raises OSError: cannot read the file.
+    :raises shmq.SpoolFormatError: not a spool.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, F.HEADER_BYTES, 0)
+        geo = F.unpack_geometry(head[:F.GEOMETRY.size], size, path)
+    finally:
+        os.close(fd)
+    ctl = memoryview(head).cast("Q")
+    series = []
+    now = int(time.time())
+    for k in range(F.RATE_SECONDS):
+        b = F.W_RATE + k * F.RATE_WORDS
+        if ctl[b] and now - ctl[b] < F.RATE_SECONDS:
+            series.append((ctl[b], ctl[b + 1], ctl[b + 2]))
+    series.sort()
+    nxt, first = ctl[F.W_NEXT_SEQ], ctl[F.W_FIRST_SEQ]
+    used = max(0, ctl[F.W_NEXT_POS] - ctl[F.W_FIRST_POS])
+    return {
+        "path": path, "capacity": geo["ring_bytes"], "file_bytes": geo["file_bytes"],
+        "on_full": geo["policy"], "checksum": geo["checksum"], "slots": geo["slot_count"],
+        "created_ns": geo["created_ns"], "first_seq": first, "next_seq": nxt,
+        "frames": max(0, nxt - first), "used_bytes": used,
+        "fill": min(1.0, used / geo["ring_bytes"]), "put_bytes": ctl[F.W_PUT_BYTES],
+        "last_put_ns": ctl[F.W_LAST_PUT_NS], "lock_pid": holder_pid(ctl[F.W_LOCK_HOLDER]),
+        "write_rate": [(s, p) for s, p, _g in series], "read_rate": [(s, g) for s, _p, g in series],
+    }
+
+
+def rate_at(series, second) -> int:
+    """Frames counted in unix ``second`` by a ``(second, frames)`` series (0 if absent)."""
+    for s, n in series:
+        if s == second:
+            return n
+    return 0
+
+
+def series_window(series, seconds, now=None) -> list:
+    """Per-second counts for the ``seconds`` complete seconds before ``now``, oldest first."""
+    now = int(time.time() if now is None else now)
+    d = dict(series)
+    return [d.get(s, 0) for s in range(now - seconds, now)]

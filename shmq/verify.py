@@ -1,0 +1,758 @@
+"""fsck for spools: :func:`verify` checks a spool, :func:`repair` fixes what it safely can.
+
+:func:`verify` maps the file read-only and never writes: it checks the
+geometry, the control words, the writer lock (a holder word naming a dead
+process is a stale lock), every frame header from ``FIRST_POS``/``FIRST_SEQ``
+to ``NEXT_POS``/``NEXT_SEQ`` (seq continuity, lengths within the ring,
+padding rules, the CRC-32 of every payload whose frame has ``FLAG_CRC``),
+and the reader/group table (state values, decodable unique names, cursors
+within the ring and pointing at the frame they name, stale group locks).
+
+:func:`repair` breaks a lock held by a dead process (as the engine's own
+lock recovery would: under the recovery region lock, bumping the fencing
+token, then posting the semaphore), finishes a commit a dead writer left
+half-done, and resets damaged reader slots to the earliest frame (or frees
+slots that are not readers at all).  It never rewrites a frame: damaged
+frames are reported and left for ``shmq export`` + recreate.
+
+Checking a live spool is safe; a walk overtaken by writers that evict
+frames is restarted a few times and then reported as a warning, never as a
+problem.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+from . import _format as F
+from ._format import (
+    FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ,
+    W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
+)
+from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
+from ._mapping import SEM_WRITER, group_sem_name, resolve_path, sem_name
+from .errors import ShmqError, SpoolFormatError
+
+__all__ = ["Report", "verify", "repair"]
+
+_MAX_COUNTER = 1 << 62
+_KNOWN_FLAGS = FLAG_PAD | FLAG_SUPERSEDED | FLAG_CRC | FLAG_EXT
+#: A walk overtaken by eviction this many times is abandoned (with a warning).
+WALK_ATTEMPTS = 5
+#: How long "writer semaphore taken, no holder recorded" must persist to be reported.
+ORPHAN_LOCK_CHECK_S = 0.25
+
+
+@dataclass
+class Report:
+    """What :func:`verify` (or :func:`repair`) found.
+
+    ``problems`` are precise, one line each; ``ok`` is true when there are
+    none.  ``warnings`` and ``notes`` never make a spool "not ok".
+    ``repaired`` lists what :func:`repair` did.
+    """
+
+    path: str
+    problems: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    repaired: list = field(default_factory=list)
+    frames_checked: int = 0
+    crc_verified: int = 0
+    pads_checked: int = 0
+    bytes_checked: int = 0
+    readers_checked: int = 0
+    first_seq: int | None = None
+    next_seq: int | None = None
+    capacity: int | None = None
+    on_full: str | None = None
+    lock_pid: int = 0
+    lock_token: int = 0
+    readers: list = field(default_factory=list)
+    #: slot index -> "reset" (bad cursor) | "free" (not a reader) | "hwm" (beyond the scan bound)
+    damaged_slots: dict = field(default_factory=dict)
+    stale_writer_lock: bool = False
+    stale_group_locks: list = field(default_factory=list)
+    orphan_writer_lock: bool = False
+    #: the control words need the engine's post-crash re-derivation (repair does it)
+    control_fix: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["damaged_slots"] = {str(k): v for k, v in self.damaged_slots.items()}
+        return d
+
+
+class _View:
+    """A spool file mapped for checking: read-only unless ``write``."""
+
+    def __init__(self, path, write=False):
+        self.path = path
+        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ShmqError(f"{path}: is a symbolic link; refusing to follow it") from None
+            if exc.errno == errno.ENOENT:
+                raise FileNotFoundError(errno.ENOENT, "no spool at this path", path) from None
+            raise
+        self.fd = fd
+        self.mm = None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SpoolFormatError(f"{path}: not a shmq spool (not a regular file)")
+            self.size = st.st_size
+            self.head = os.pread(fd, F.GEOMETRY.size, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.write = write
+
+    def map(self, geo):
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.write else 0)
+        self.geo = geo
+        self.mm = mmap.mmap(self.fd, geo["file_bytes"], mmap.MAP_SHARED, prot)
+        self._view = memoryview(self.mm)
+        self.ctl = self._view[:F.HEADER_BYTES].cast("Q")
+        so, n = geo["slot_offset"], geo["slot_count"]
+        self.slots = self._view[so:so + n * F.SLOT_BYTES].cast("Q")
+        self.ring = geo["ring_bytes"]
+        self.base = geo["ring_offset"]
+
+    def slot_name(self, i):
+        off = self.geo["slot_offset"] + i * F.SLOT_BYTES + F.NAME_OFFSET
+        return F.unpack_name(self.mm[off:off + F.NAME_MAX_BYTES + 1])
+
+    def slot_byte(self, i, which):
+        return self.geo["slot_offset"] + i * F.SLOT_BYTES + which
+
+    def close(self):
+        if self.mm is not None:
+            self.slots.release()
+            self.ctl.release()
+            self._view.release()
+            self.mm.close()
+            self.mm = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _open_geometry(view, rep):
+    """Decode the geometry; foreign files raise, damaged spools become problems."""
+    try:
+        return F.unpack_geometry(view.head, view.size, view.path)
+    except SpoolFormatError as exc:
+        if "not a shmq spool" in str(exc):
+            raise  # a foreign file: not ours to judge (or to touch)
+        rep.problems.append(f"geometry: {exc}".replace(f"{view.path}: ", ""))
+        return None
+
+
+def _semaphore(name):
+    import posix_ipc
+
+    try:
+        return posix_ipc.Semaphore(name)
+    except posix_ipc.Error:  # missing, or not ours to open (read-only fsck by another user)
+        return None
+
+
+def verify(path) -> Report:
+    """Check a spool without modifying it; return a :class:`Report`.
+
+    :raises FileNotFoundError: nothing at ``path``.
+    :raises PermissionError: the file cannot be read.
+    :raises shmq.SpoolFormatError: the file is not a spool at all (foreign
+        magic, too small, not a regular file); a spool whose header is
+        damaged is reported as a problem instead.
+    :raises shmq.ShmqError: ``path`` is a symbolic link.
+    """
+    path = resolve_path(path)
+    rep = Report(path)
+    with _View(path) as v:
+        geo = _open_geometry(v, rep)
+        if geo is None:
+            return rep
+        v.map(geo)
+        rep.capacity, rep.on_full = geo["ring_bytes"], geo["policy"]
+        control_ok = _check_control(v, rep)
+        _check_writer_lock(v, rep)
+        cursors = _check_table(v, rep, control_ok)
+        if control_ok:
+            _walk_ring(v, rep, cursors)
+    return rep
+
+
+# --- control words and locks ----------------------------------------------
+
+
+def _control_problems(ctl, ring):
+    # FIRST_* before NEXT_*: both only grow and FIRST_SEQ <= NEXT_SEQ at every
+    # instant, so this order never sees a live writer's words out of order.
+    fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+    nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+    bad = []
+    for name, value in (("NEXT_SEQ", nseq), ("NEXT_POS", npos), ("FIRST_SEQ", fseq),
+                        ("FIRST_POS", fpos)):
+        if value >= _MAX_COUNTER:
+            bad.append(f"control word {name} = {value} is out of range")
+    if not bad:
+        if fseq > nseq:
+            bad.append(f"control words: FIRST_SEQ {fseq} > NEXT_SEQ {nseq}")
+        if fpos > npos and fseq != nseq:
+            bad.append(f"control words: FIRST_POS {fpos} > NEXT_POS {npos}")
+        elif npos - fpos > ring:
+            bad.append(f"control words: positions {fpos}..{npos} span {npos - fpos} bytes, "
+                       f"more than the ring's {ring}")
+        elif fseq <= nseq and nseq - fseq > max(0, npos - fpos) // FRAME_BYTES + 1:
+            bad.append(f"control words: {nseq - fseq} frames cannot fit in "
+                       f"{max(0, npos - fpos)} bytes")
+    return fseq, nseq, bad
+
+
+def _check_control(v, rep) -> bool:
+    ctl = v.ctl
+    for attempt in range(3):
+        fseq, nseq, bad = _control_problems(ctl, v.ring)
+        if not bad:
+            break
+        time.sleep(0.01)  # a live writer between two stores: a damaged word stays damaged
+    rep.first_seq, rep.next_seq = fseq, nseq
+    hwm = ctl[F.W_SLOT_HWM]
+    rep.problems.extend(bad)
+    if hwm > v.geo["slot_count"]:
+        rep.problems.append(f"control word SLOT_HWM = {hwm} exceeds the table's "
+                            f"{v.geo['slot_count']} slots")
+    return not bad
+
+
+def _check_writer_lock(v, rep):
+    ctl = v.ctl
+    prefix = v.geo["sem_prefix"]
+    sem = _semaphore(sem_name(prefix, SEM_WRITER))
+    word = ctl[W_LOCK_HOLDER]
+    rep.lock_pid, rep.lock_token = holder_pid(word), ctl[W_LOCK_TOKEN]
+    try:
+        if sem is None:
+            rep.notes.append("writer semaphore is missing or not accessible (the next open "
+                             "of the spool re-creates a missing one)")
+        value = sem.value if sem is not None else None
+        if word:
+            if holder_alive(word):
+                rep.notes.append(f"writer lock held by live pid {holder_pid(word)}")
+            elif ctl[W_LOCK_HOLDER] == word:  # still the same (dead) holder
+                rep.stale_writer_lock = True
+                rep.problems.append(
+                    f"writer lock: held by pid {holder_pid(word)}, which is dead (stale lock; "
+                    f"writers stall until it is broken; token {ctl[W_LOCK_TOKEN]})")
+        elif value == 0:
+            # Held with no holder recorded: normal for nanoseconds (between
+            # sem_wait and recording the holder); a problem if it persists.
+            deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
+            while time.monotonic() < deadline:
+                if ctl[W_LOCK_HOLDER] or sem.value:
+                    break
+                time.sleep(0.02)
+            else:
+                rep.orphan_writer_lock = True
+                rep.problems.append("writer lock: taken but no holder recorded for "
+                                    f"{ORPHAN_LOCK_CHECK_S} s (a writer died between taking it "
+                                    "and recording itself)")
+        if value is not None and value > 1:
+            rep.problems.append(f"writer lock: semaphore value is {value} (> 1): writers are "
+                                "not mutually excluded")
+        if not word and ctl[W_FIRST_SEQ] == ctl[W_NEXT_SEQ]:
+            fpos, npos = ctl[W_FIRST_POS], ctl[W_NEXT_POS]
+            if fpos != npos and fpos < _MAX_COUNTER and not ctl[W_LOCK_HOLDER]:
+                rep.control_fix = True
+                rep.problems.append(f"control words: the ring is empty but FIRST_POS {fpos} != "
+                                    f"NEXT_POS {npos}")
+    finally:
+        if sem is not None:
+            sem.close()
+
+
+# --- reader table ---------------------------------------------------------
+
+
+def _check_table(v, rep, control_ok):
+    """Check every slot; return ``{seq: [(slot, name, pos)]}`` of cursors for the walk."""
+    ctl, slots = v.ctl, v.slots
+    n = v.geo["slot_count"]
+    hwm = min(ctl[F.W_SLOT_HWM], n)
+    nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+    fseq, fpos = _first_cursor(v) if control_ok else (ctl[W_FIRST_SEQ], ctl[W_FIRST_POS])
+    seen = {}
+    cursors = {}
+    for i in range(n):
+        w = i * F.SLOT_WORDS
+        state = slots[w + F.S_STATE]
+        if state == F.SLOT_FREE:
+            continue
+        rep.readers_checked += 1
+        if state not in (F.SLOT_READER, F.SLOT_GROUP):
+            rep.problems.append(f"reader table: slot {i} has invalid state {state}")
+            rep.damaged_slots[i] = "free"
+            continue
+        kind = "group" if state == F.SLOT_GROUP else "reader"
+        name = v.slot_name(i)
+        if name is None:
+            rep.problems.append(f"reader table: slot {i} ({kind}) has an undecodable name")
+            rep.damaged_slots[i] = "free"
+            continue
+        if name in seen:
+            rep.problems.append(f"reader table: {kind} {name!r} appears in slots {seen[name]} "
+                                f"and {i}")
+            rep.damaged_slots[i] = "free"
+            continue
+        seen[name] = i
+        label = f"{kind} {name!r} (slot {i})"
+        if i >= hwm:
+            rep.problems.append(f"reader table: {label} lies beyond the scan bound SLOT_HWM "
+                                f"{hwm}: writers ignore it")
+            rep.damaged_slots[i] = "hwm"
+        seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
+        alive = ofd_locked_by_other(v.fd, v.slot_byte(i, F.SLOT_LIVE_BYTE))
+        rep.readers.append({"slot": i, "name": name, "kind": kind, "position": seq,
+                            "byte_position": pos, "pid": slots[w + F.S_PID], "alive": alive})
+        if kind == "group":
+            hw = slots[w + F.S_LOCK_HOLDER]
+            if hw and not holder_alive(hw) and slots[w + F.S_LOCK_HOLDER] == hw:
+                rep.stale_group_locks.append(i)
+                rep.problems.append(f"reader table: {label}: group lock held by pid "
+                                    f"{holder_pid(hw)}, which is dead (stale lock)")
+        if not control_ok:
+            continue
+        nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]  # fresh: the cursor was read first
+        if seq > nseq or pos > npos or seq >= _MAX_COUNTER or pos >= _MAX_COUNTER:
+            rep.problems.append(f"reader table: {label}: cursor (seq {seq}, position {pos}) is "
+                                f"beyond the ring's end (next seq {nseq}, position {npos})")
+            rep.damaged_slots[i] = "reset"
+        elif seq < fseq:
+            behind = fseq - seq
+            if pos > fpos and fseq != nseq:
+                rep.warnings.append(f"{label}: cursor position {pos} is ahead of its seq {seq} "
+                                    "(a reader stopped between its two stores; it self-heals)")
+            msg = (f"{label} is {behind} frame(s) behind the oldest frame {fseq}; it will "
+                   "count them as lost")
+            (rep.notes if v.geo["policy"] == "overwrite" else rep.warnings).append(msg)
+        elif pos < fpos and seq == fseq:
+            pass  # in the padding the writer evicted before the oldest frame: harmless
+        elif pos < fpos:
+            rep.problems.append(f"reader table: {label}: cursor position {pos} lies before the "
+                                f"oldest frame (position {fpos}) but its seq {seq} does not")
+            rep.damaged_slots[i] = "reset"
+        else:
+            cursors.setdefault(seq, []).append((i, label, pos))
+    return cursors
+
+
+# --- the ring ---------------------------------------------------------------
+
+
+class _Overtaken(Exception):
+    pass
+
+
+def _walk_ring(v, rep, cursors):
+    ctl = v.ctl
+    for _attempt in range(WALK_ATTEMPTS):
+        # The writer stores NEXT_SEQ (the commit) then NEXT_POS: the pair read
+        # here may be mid-update, so NEXT_POS is only compared at the end.
+        nseq = ctl[W_NEXT_SEQ]
+        npos = ctl[W_NEXT_POS]
+        fseq, fpos = _first_cursor(v)
+        local = Report(rep.path)
+        try:
+            _walk(v, local, cursors, fseq, fpos, nseq, npos)
+        except _Overtaken:
+            continue
+        if local.problems and ctl[W_FIRST_POS] != fpos:
+            continue  # the damage may be eviction racing the walk: look again
+        rep.problems.extend(local.problems)
+        rep.warnings.extend(local.warnings)
+        for k in ("frames_checked", "crc_verified", "pads_checked", "bytes_checked"):
+            setattr(rep, k, getattr(local, k))
+        rep.damaged_slots.update(local.damaged_slots)
+        rep.control_fix = rep.control_fix or local.control_fix
+        rep.first_seq, rep.next_seq = fseq, nseq
+        return
+    rep.warnings.append(f"the ring was overwritten faster than it could be checked "
+                        f"({WALK_ATTEMPTS} attempts); stop the writers for a full check")
+
+
+def _walk(v, rep, cursors, fseq, fpos, nseq, npos):
+    ctl, mm, ring, base = v.ctl, v.mm, v.ring, v.base
+    seq, pos = fseq, fpos
+    gap_start = pos
+    wanted = {p for entries in cursors.values() for _i, _l, p in entries}
+    at = {}  # cursor position -> seq of the frame that starts (or whose gap starts) there
+    suspects = []
+
+    def check_cursors(s, lo, hi):
+        for i, label, p in cursors.get(s, ()):
+            if not lo <= p <= hi:
+                suspects.append((i, label, s, p, lo, hi))
+
+    limit = fpos + ring
+    while seq < nseq:
+        if pos >= limit:
+            rep.problems.append(f"ring: frames {seq}..{nseq - 1} are missing: the walk went "
+                                "round the whole ring")
+            return
+        off = pos % ring
+        if ring - off < FRAME_BYTES:
+            pos += ring - off  # short tail: skipped without a header
+            continue
+        hseq, stored, length, _ts, crc, flags, codec, _x = FRAME.unpack_from(mm, base + off)
+        if ctl[W_FIRST_POS] > pos:
+            raise _Overtaken
+        where = f"ring offset {off}, position {pos}"
+        if not F.valid_frame_header(stored, length, off, ring):
+            rep.problems.append(
+                f"ring: frame {seq} ({where}): header lengths out of bounds (stored {stored}, "
+                f"length {length}, {ring - off} bytes to the ring's end); frames {seq}.."
+                f"{nseq - 1} cannot be reached")
+            return
+        if flags & FLAG_PAD:
+            if off + stored != ring:
+                rep.problems.append(f"ring: padding before frame {seq} ({where}) ends at offset "
+                                    f"{off + stored}, not at the ring's end {ring}")
+            if hseq != seq:
+                rep.problems.append(f"ring: padding before frame {seq} ({where}) says seq {hseq}")
+            if length:
+                rep.problems.append(f"ring: padding before frame {seq} ({where}) has length "
+                                    f"{length} (must be 0)")
+            rep.pads_checked += 1
+            pos += stored
+            continue
+        if hseq != seq:
+            rep.problems.append(f"ring: expected frame {seq} at {where}, the header says seq "
+                                f"{hseq}; frames {seq}..{nseq - 1} cannot be reached")
+            return
+        if flags & ~_KNOWN_FLAGS:
+            rep.problems.append(f"ring: frame {seq} ({where}) has unknown flag bits "
+                                f"0x{flags & ~_KNOWN_FLAGS:x}")
+        if codec not in F.CODEC_NAMES:
+            rep.warnings.append(f"frame {seq} has codec tag {codec}, unknown to this shmq")
+        for p in (gap_start, pos):
+            if p in wanted:
+                at[p] = seq
+        check_cursors(seq, gap_start, pos)
+        if flags & FLAG_CRC:
+            o = base + off + FRAME_BYTES
+            actual = zlib.crc32(mm[o:o + length])
+            if ctl[W_FIRST_POS] > pos:
+                raise _Overtaken
+            if actual != crc:
+                rep.problems.append(f"ring: frame {seq} ({where}, {length} bytes): CRC mismatch "
+                                    f"(header 0x{crc:08x}, payload 0x{actual:08x}): its payload "
+                                    "is damaged")
+            else:
+                rep.crc_verified += 1
+        rep.frames_checked += 1
+        rep.bytes_checked += stored
+        seq += 1
+        pos += stored
+        gap_start = pos
+    if nseq > fseq and pos != npos:
+        npos = _settled_next_pos(ctl, nseq, pos)
+        if npos is not None and pos > npos:
+            rep.control_fix = True
+            rep.problems.append(f"ring: the frames up to {nseq - 1} end at position {pos}, past "
+                                f"NEXT_POS {npos} (a writer died between committing and storing "
+                                "NEXT_POS)")
+        elif npos is not None:
+            rep.control_fix = True
+            rep.problems.append(f"ring: the last frame ends at position {pos}, NEXT_POS is "
+                                f"{npos}")
+        else:
+            npos = pos  # a writer committed meanwhile: our snapshot is simply older
+    check_cursors(nseq, min(gap_start, npos), npos)
+    for i, label, s, p, lo, hi in suspects:
+        if s < at.get(p, -1) < nseq:
+            rep.warnings.append(f"{label}: cursor position {p} is that of frame {at[p]}, ahead of "
+                                f"its seq {s} (a reader stopped between its two stores; it "
+                                "self-heals)")
+        else:
+            rep.problems.append(f"reader table: {label}: cursor position {p} does not point at "
+                                f"frame {s} (expected a position in {lo}..{hi})")
+            rep.damaged_slots[i] = "reset"
+
+
+def _settled_next_pos(ctl, nseq, end):
+    """NEXT_POS if it stays different from ``end`` while NEXT_SEQ stays ``nseq`` and no live
+    writer holds the lock (one stores NEXT_POS right after NEXT_SEQ, lock held); else None."""
+    for _ in range(5):
+        word = ctl[W_LOCK_HOLDER]
+        if ctl[W_NEXT_SEQ] != nseq or ctl[W_NEXT_POS] == end or word and holder_alive(word):
+            return None
+        time.sleep(0.002)
+    npos = ctl[W_NEXT_POS]
+    return None if ctl[W_NEXT_SEQ] != nseq or npos == end else npos
+
+
+# --- repair -------------------------------------------------------------------
+
+
+def repair(path, *, lock_timeout=2.0) -> Report:
+    """Fix what can be fixed without rewriting frames; return the report of a fresh verify.
+
+    * a writer or group lock held by a dead process is broken: under the
+      recovery region lock, the holder word is replaced, the fencing token
+      bumped (and ``LOCK_BREAKS``), a commit the dead writer left half-done
+      is finished, then the holder word is cleared and the semaphore posted;
+    * a writer semaphore taken with no holder recorded is posted; a value
+      above 1 is brought back to 1;
+    * reader slots whose cursor is damaged are reset to the earliest frame;
+      slots that are not valid readers (bad state, undecodable or duplicate
+      name) are freed; a valid slot beyond the scan bound is made visible.
+
+    ``Report.repaired`` lists the actions; remaining ``problems`` (damaged
+    frames, corrupt control words) need ``shmq export`` and a new spool.
+
+    :raises: as :func:`verify`; also PermissionError if the file is read-only to us.
+    """
+    path = resolve_path(path)
+    before = verify(path)
+    if before.capacity is None:  # geometry unreadable: nothing is safe to touch
+        return before
+    actions = []
+    with _View(path, write=True) as v:
+        v.map(F.unpack_geometry(v.head, v.size, path))
+        if before.stale_writer_lock or before.orphan_writer_lock:
+            _break_writer_lock(v, actions)
+        _fix_semaphore_value(v, actions)
+        if before.control_fix:
+            _with_writer_lock(v, actions, lock_timeout, lambda: _finish_commit(v, actions))
+        for i in before.stale_group_locks:
+            _break_group_lock(v, i, actions)
+        if before.damaged_slots:
+            _with_writer_lock(v, actions, lock_timeout,
+                              lambda: _fix_slots(v, before.damaged_slots, actions))
+    after = verify(path)
+    after.repaired = actions
+    return after
+
+
+def _break_writer_lock(v, actions):
+    import posix_ipc
+
+    ctl = v.ctl
+    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
+                              mode=0o600, initial_value=1)
+    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
+    try:
+        word = ctl[W_LOCK_HOLDER]
+        if sem.value > 0:
+            if word and not holder_alive(word):
+                ctl[W_LOCK_HOLDER] = 0
+                actions.append(f"cleared the stale holder record of dead pid {holder_pid(word)} "
+                               "(the lock itself was free)")
+            return
+        if word and holder_alive(word):
+            return  # taken over by a live process meanwhile
+        if not word:
+            # Held, nobody recorded: re-confirm it persists (a live writer
+            # records itself nanoseconds after taking the lock).
+            deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
+            while time.monotonic() < deadline:
+                if ctl[W_LOCK_HOLDER] or sem.value:
+                    return
+                time.sleep(0.02)
+        token = ctl[W_LOCK_TOKEN]
+        # Inherit the dead holder's acquisition, repair, then release it.
+        ctl[W_LOCK_HOLDER] = holder_word()
+        ctl[W_LOCK_TOKEN] = token + 1
+        ctl[F.W_LOCK_BREAKS] += 1
+        _recover_control(v, actions)
+        ctl[W_LOCK_HOLDER] = 0
+        sem.release()
+        who = f"dead pid {holder_pid(word)}" if word else "a writer that died unrecorded"
+        actions.append(f"broke the writer lock of {who}; fencing token {token} -> {token + 1}")
+    finally:
+        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
+        sem.close()
+
+
+def _fix_semaphore_value(v, actions):
+    sem = _semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER))
+    if sem is None:
+        return
+    import posix_ipc
+
+    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)
+    try:
+        before = sem.value
+        while sem.value > 1:
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                break
+        if before > 1:
+            actions.append(f"writer semaphore value {before} -> {sem.value}")
+    finally:
+        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
+        sem.close()
+
+
+def _recover_control(v, actions):
+    """The engine's post-crash re-derivation of the control words (writer lock held).
+
+    Mirrors ``Spool._recover_writer``: FIRST_SEQ is re-read from the header
+    at FIRST_POS, NEXT_POS from walking the headers up to NEXT_SEQ.  Unlike
+    the engine, a ring that cannot be walked is left alone (its contents are
+    never dropped by fsck): that stays a reported problem.
+    """
+    ctl = v.ctl
+    nseq = ctl[W_NEXT_SEQ]
+    if ctl[W_FIRST_SEQ] >= nseq:
+        if ctl[W_FIRST_POS] != ctl[W_NEXT_POS]:
+            actions.append(f"reset the empty ring's head from position {ctl[W_FIRST_POS]} to "
+                           f"NEXT_POS {ctl[W_NEXT_POS]}")
+            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
+            ctl[W_FIRST_SEQ] = nseq
+        return
+    pos = ctl[W_FIRST_POS]
+    hit = _header_at(v, pos)
+    if hit is None or not ctl[W_FIRST_SEQ] <= hit[0] < nseq:
+        actions.append("left the control words alone: the oldest frame's header is unreadable")
+        return
+    if ctl[W_FIRST_SEQ] != hit[0]:
+        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit[0]} (a writer died while evicting)")
+        ctl[W_FIRST_SEQ] = hit[0]
+    seq, limit = hit[0], pos + v.ring
+    while seq < nseq:
+        h = _header_at(v, pos)
+        if h is None or h[0] != seq or h[1] + h[2] > limit:
+            actions.append(f"left NEXT_POS alone: frame {seq}'s header is unreadable")
+            return
+        pos = h[1] + h[2]
+        if not h[3] & FLAG_PAD:
+            seq += 1
+    if ctl[W_NEXT_POS] != pos:
+        actions.append(f"NEXT_POS {ctl[W_NEXT_POS]} -> {pos} (re-derived from the frame headers)")
+        ctl[W_NEXT_POS] = pos
+
+
+def _finish_commit(v, actions):
+    _recover_control(v, actions)
+
+
+def _header_at(v, pos):
+    """``(seq, pos, stored, flags)`` of a header with in-bounds lengths at/after ``pos``."""
+    off = pos % v.ring
+    if v.ring - off < FRAME_BYTES:
+        pos += v.ring - off
+        off = 0
+    hseq, stored, length, _ts, _crc, flags, _codec, _x = FRAME.unpack_from(v.mm, v.base + off)
+    if not F.valid_frame_header(stored, length, off, v.ring):
+        return None
+    return hseq, pos, stored, flags
+
+
+def _with_writer_lock(v, actions, timeout, fn):
+    import posix_ipc
+
+    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
+                              mode=0o600, initial_value=1)
+    try:
+        try:
+            sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            actions.append(f"skipped a repair: the writer lock stayed busy for {timeout} s")
+            return
+        v.ctl[W_LOCK_HOLDER] = holder_word()
+        try:
+            fn()
+        finally:
+            v.ctl[W_LOCK_HOLDER] = 0
+            sem.release()
+    finally:
+        sem.close()
+
+
+def _break_group_lock(v, i, actions):
+    import posix_ipc
+
+    slots, w = v.slots, i * F.SLOT_WORDS
+    byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
+    sem = posix_ipc.Semaphore(group_sem_name(v.geo["sem_prefix"], i), posix_ipc.O_CREAT,
+                              mode=0o600, initial_value=1)
+    ofd_lock(v.fd, byte, wait=True)
+    try:
+        word = slots[w + F.S_LOCK_HOLDER]
+        if not word or holder_alive(word):
+            return
+        token = slots[w + F.S_LOCK_TOKEN]
+        slots[w + F.S_LOCK_TOKEN] = token + 1
+        slots[w + F.S_LOCK_HOLDER] = 0
+        if sem.value == 0:
+            sem.release()
+        actions.append(f"broke the lock of group {v.slot_name(i)!r} held by dead pid "
+                       f"{holder_pid(word)}; fencing token {token} -> {token + 1}")
+    finally:
+        ofd_unlock(v.fd, byte)
+        sem.close()
+
+
+def _first_cursor(v):
+    """``(FIRST_SEQ, FIRST_POS)`` as a pair: an evicting writer stores POS then SEQ, so a
+    SEQ read first may lag; the header at POS names the frame (as Spool._first_cursor)."""
+    ctl = v.ctl
+    seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+    if seq < ctl[W_NEXT_SEQ] and pos < _MAX_COUNTER:
+        hit = _header_at(v, pos)
+        if hit is not None and seq <= hit[0] < ctl[W_NEXT_SEQ]:
+            seq = hit[0]
+    return seq, pos
+
+
+def _fix_slots(v, damaged, actions):
+    """Reset or free damaged slots (writer lock held: FIRST_* cannot move under us)."""
+    slots = v.slots
+    ofd_lock(v.fd, F.TABLE_LOCK_BYTE, wait=True)
+    try:
+        for i, how in sorted(damaged.items()):
+            w = i * F.SLOT_WORDS
+            name = v.slot_name(i)
+            if how == "free":
+                slots[w + F.S_STATE] = F.SLOT_FREE
+                v.mm[v.slot_byte(i, F.NAME_OFFSET)] = 0
+                actions.append(f"freed damaged slot {i}" + (f" ({name!r})" if name else ""))
+            elif how == "hwm":
+                if i + 1 > v.ctl[F.W_SLOT_HWM]:
+                    v.ctl[F.W_SLOT_HWM] = i + 1
+                actions.append(f"made slot {i} ({name!r}) visible to writers (SLOT_HWM -> "
+                               f"{v.ctl[F.W_SLOT_HWM]})")
+            else:
+                if i + 1 > v.ctl[F.W_SLOT_HWM]:
+                    v.ctl[F.W_SLOT_HWM] = i + 1
+                seq, pos = _first_cursor(v)
+                old = slots[w + F.S_SEQ], slots[w + F.S_POS]
+                slots[w + F.S_POS] = pos  # position first, as readers commit
+                slots[w + F.S_SEQ] = seq
+                actions.append(f"reset reader {name!r} (slot {i}) from seq {old[0]} / position "
+                               f"{old[1]} to the earliest frame (seq {seq})")
+    finally:
+        ofd_unlock(v.fd, F.TABLE_LOCK_BYTE)
