@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -393,8 +394,26 @@ def stat_text(st, now_ns=None) -> str:
     return "\n".join(lines)
 
 
+def _workqueue_text(wq) -> str:
+    return (f"work queue: ready {wq.ready}, in flight {wq.in_flight}, delayed {wq.delayed}, "
+            f"dead {wq.dead}; acked {wq.acked}, redelivered {wq.redeliveries}, superseded "
+            f"{wq.superseded}; oldest {wq.oldest_age_s:.1f} s; lease records "
+            f"{wq.lease_slots_used}/{wq.lease_slots}")
+
+
+def _workqueue_prometheus(path, wq) -> str:
+    lines = []
+    for field in ("ready", "in_flight", "delayed", "dead", "redeliveries", "acked", "superseded",
+                  "oldest_age_s", "lease_slots_used"):
+        name = f"shmq_workqueue_{field}"
+        lines.append(f"# TYPE {name} gauge")
+        lines.append(f'{name}{{spool="{path}"}} {getattr(wq, field)}')
+    return "\n".join(lines) + "\n"
+
+
 def _cmd_stat(a) -> int:
     from .metrics import prometheus_text
+    from .workqueue import WorkQueue
 
     fmt = "json" if a.json else a.format
     clear = a.watch and fmt == "text" and sys.stdout.isatty()
@@ -403,12 +422,20 @@ def _cmd_stat(a) -> int:
     try:
         while True:
             st = sp.stats()
+            wq = WorkQueue.stats_of(sp)
             if fmt == "json":
-                _print_json(stat_dict(st), compact=bool(a.watch))
+                d = stat_dict(st)
+                if wq is not None:
+                    d["workqueue"] = dataclasses.asdict(wq)
+                _print_json(d, compact=bool(a.watch))
             elif fmt == "prometheus":
                 sys.stdout.write(prometheus_text([st]))
+                if wq is not None:
+                    sys.stdout.write(_workqueue_prometheus(st.path, wq))
             else:
                 text = stat_text(st)
+                if wq is not None:
+                    text += "\n" + _workqueue_text(wq)
                 if clear:
                     sys.stdout.write("\x1b[H\x1b[2J")
                 elif n:
@@ -641,7 +668,44 @@ def render_payload(codec, data, unsafe_pickle=False) -> str:
     if codec in (F.CODEC_RAW, F.CODEC_UTF8, None):
         s = _text(data)
         return s if s is not None else repr(data)
+    if codec == F.CODEC_NUMPY:
+        return _render_numpy(data)
+    if codec == F.CODEC_ARROW:
+        return _render_arrow(data)
+    if codec == F.CODEC_WORKQ:
+        return f"<work queue message: {len(data)} bytes; pickled, see 'shmq stat' for the queue>"
     return f"<{name}: {len(data)} bytes>"
+
+
+def _render_numpy(data) -> str:
+    """dtype, shape and the first rows of a numpy frame (no pickle involved)."""
+    from .columnar import decode_array
+
+    try:
+        arr = decode_array(data)
+    except Exception as exc:
+        return f"<numpy: {len(data)} bytes; undecodable: {_one_line(exc)}>"
+    import numpy as np
+
+    head = np.array2string(arr.reshape(-1)[:3] if arr.ndim != 1 else arr[:3], threshold=6,
+                           max_line_width=200)
+    more = " ..." if arr.size > 3 else ""
+    return f"<numpy {arr.dtype} shape {tuple(arr.shape)}: {head}{more}>"
+
+
+def _render_arrow(data) -> str:
+    """Schema and the first rows of an Arrow frame (needs pyarrow)."""
+    try:
+        from .columnar import decode_arrow
+
+        table = decode_arrow(bytes(data))
+    except ImportError:
+        return f"<arrow: {len(data)} bytes; install pyarrow to show it>"
+    except Exception as exc:
+        return f"<arrow: {len(data)} bytes; undecodable: {_one_line(exc)}>"
+    schema = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+    first = table.slice(0, 2).to_pylist()
+    return f"<arrow {table.num_rows} rows [{schema}]: {first}{' ...' if table.num_rows > 2 else ''}>"
 
 
 def _hexdump(data, indent="    ") -> str:

@@ -699,35 +699,66 @@ class WorkQueue:
     def stats(self) -> WorkQueueStats:
         """Ready, in-flight, delayed and dead counts, redeliveries, oldest age."""
         self._check()
-        reg, ctl = self._region, self._ctl
-        counts = {LEASE_LEASED: 0, LEASE_DELAYED: 0, LEASE_RETRY: 0}
-        oldest = None
-        now_ns = time.time_ns()
-        retry_due = 0
-        for i in range(min(ctl[F.W_WQ_LEASE_HWM], self._nleases)):
-            lw = i * LEASE_WORDS
-            st = reg[lw + L_STATE]
-            if st in counts:
-                counts[st] += 1
-                if st == LEASE_RETRY and reg[lw + L_DUE_NS] <= now_ns:
-                    retry_due += 1
-                enq = reg[lw + L_ENQ_NS]
-                oldest = enq if oldest is None else min(oldest, enq)
-        ready = max(0, ctl[F.W_NEXT_SEQ] - self._take_seq())
-        if ready:
+        return _stats(self._spool, self._region, self._take_seq(),
+                      sum(1 for _ in self._dead_frames()))
+
+    @staticmethod
+    def stats_of(spool) -> WorkQueueStats | None:
+        """Work-queue statistics of an open spool handle (None if it is not a work queue).
+
+        Reads only: attaches nothing, so ``shmq stat`` can show them.
+        """
+        ctl = spool._ctl
+        if not ctl[F.W_WQ_LEASE_SLOTS]:
+            return None
+        i = spool._find_slot(TAKE_SLOT)
+        take = spool._slots[i * F.SLOT_WORDS + F.S_SEQ] if i is not None else ctl[F.W_NEXT_SEQ]
+        lo = spool._geo["lease_offset"]
+        region = spool._view[lo:lo + spool._geo["lease_count"] * F.LEASE_BYTES].cast("Q")
+        dead = 0
+        if os.path.exists(spool.path + ".dead"):
+            dq = WorkQueue.__new__(WorkQueue)
+            dq._dead = Spool.open(spool.path + ".dead")
             try:
-                head = self._spool.read_at(self._take_seq())
-                oldest = head.timestamp_ns if oldest is None else min(oldest, head.timestamp_ns)
-            except Exception:
-                pass
-        dead = sum(1 for _ in self._dead_frames())
-        return WorkQueueStats(
-            ready=ready + retry_due, in_flight=counts[LEASE_LEASED],
-            delayed=counts[LEASE_DELAYED] + counts[LEASE_RETRY] - retry_due, dead=dead,
-            redeliveries=ctl[F.W_WQ_REDELIVERED], acked=ctl[F.W_WQ_ACKED],
-            superseded=ctl[F.W_WQ_SUPERSEDED],
-            oldest_age_s=0.0 if oldest is None else max(0.0, (now_ns - oldest) / _NS),
-            lease_slots=self._nleases, lease_slots_used=sum(counts.values()))
+                dead = sum(1 for _ in WorkQueue._dead_frames(dq))
+            finally:
+                dq._dead.close()
+        try:
+            return _stats(spool, region, take, dead)
+        finally:
+            region.release()
+
+
+def _stats(spool, reg, take_seq, dead) -> WorkQueueStats:
+    ctl = spool._ctl
+    nleases = ctl[F.W_WQ_LEASE_SLOTS]
+    counts = {LEASE_LEASED: 0, LEASE_DELAYED: 0, LEASE_RETRY: 0}
+    oldest = None
+    now_ns = time.time_ns()
+    retry_due = 0
+    for i in range(min(ctl[F.W_WQ_LEASE_HWM], nleases)):
+        lw = i * LEASE_WORDS
+        st = reg[lw + L_STATE]
+        if st in counts:
+            counts[st] += 1
+            if st == LEASE_RETRY and reg[lw + L_DUE_NS] <= now_ns:
+                retry_due += 1
+            enq = reg[lw + L_ENQ_NS]
+            oldest = enq if oldest is None else min(oldest, enq)
+    ready = max(0, ctl[F.W_NEXT_SEQ] - take_seq)
+    if ready:
+        try:
+            head = spool.read_at(take_seq)
+            oldest = head.timestamp_ns if oldest is None else min(oldest, head.timestamp_ns)
+        except ShmqError:
+            pass
+    return WorkQueueStats(
+        ready=ready + retry_due, in_flight=counts[LEASE_LEASED],
+        delayed=counts[LEASE_DELAYED] + counts[LEASE_RETRY] - retry_due, dead=dead,
+        redeliveries=ctl[F.W_WQ_REDELIVERED], acked=ctl[F.W_WQ_ACKED],
+        superseded=ctl[F.W_WQ_SUPERSEDED],
+        oldest_age_s=0.0 if oldest is None else max(0.0, (now_ns - oldest) / _NS),
+        lease_slots=nleases, lease_slots_used=sum(counts.values()))
 
 
 def _reopen(path, opts):

@@ -341,7 +341,7 @@ def test_tail_auto_decodes_by_codec(capsys, codec_spool):
     assert lines[2].endswith('json  13 B  {"k":[1,2]}')
     assert "<pickle:" in lines[3] and "--unsafe-pickle" in lines[3] and "secret" not in lines[3]
     assert lines[4].endswith("b'\\x00\\x01\\x02\\xff'")
-    assert "<numpy: 9 bytes>" in lines[5]
+    assert "<numpy: 9 bytes; undecodable" in lines[5]  # not a real numpy payload
     code, out, _ = run(capsys, "tail", codec_spool.path, "--unsafe-pickle", "--from", "3", "-n", "1")
     assert out.rstrip().endswith("{'secret': 42}")
 
@@ -878,3 +878,37 @@ def test_broken_pipe_is_quiet(make_spool):
                          timeout=60)
     assert res.stdout.startswith("0  ")
     assert "Traceback" not in res.stderr and res.returncode in (0, cli.EXIT_PIPE)
+
+
+def test_tail_shows_numpy_and_arrow_frames(capsys, make_spool):
+    import numpy as np
+
+    sp = make_spool()
+    sp.put_array(np.arange(10.0))
+    sp.put_many(np.zeros(5, dtype=[("a", "<i4"), ("b", "S3")]))
+    rc, out, _err = run(capsys, "tail", sp.path, "-n", "5")
+    assert rc == 0
+    lines = out.splitlines()
+    assert "numpy float64 shape (10,): [0. 1. 2.] ..." in lines[0]
+    assert "shape (5,)" in lines[1] and "('a', '<i4')" in lines[1]
+    pa = pytest.importorskip("pyarrow")
+    sp.put_arrow(pa.table({"x": [1, 2, 3], "y": ["a", None, "c"]}))
+    rc, out, _err = run(capsys, "tail", sp.path, "--from", "2")
+    assert "arrow 3 rows [x: int64, y: string]" in out
+
+
+def test_stat_shows_work_queue(capsys, spool_dir):
+    path = os.path.join(spool_dir, "wq")
+    wq = shmq.WorkQueue(path, capacity="1MiB")
+    wq.put_many(range(5))
+    wq.get(timeout=1)
+    try:
+        rc, out, _err = run(capsys, "stat", path)
+        assert rc == 0 and "work queue: ready 4, in flight 1" in out
+        rc, out, _err = run(capsys, "stat", "--json", path)
+        assert json.loads(out)["workqueue"]["in_flight"] == 1
+        rc, out, _err = run(capsys, "stat", "--format", "prometheus", path)
+        assert f'shmq_workqueue_in_flight{{spool="{path}"}} 1' in out
+    finally:
+        wq.close()
+        shmq.WorkQueue.destroy(path)
