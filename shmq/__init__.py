@@ -26,6 +26,15 @@ if _platform.machine() not in ("x86_64", "AMD64"):
 __all__ = [
     "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
-    "ReaderBusy", "LeaseLost", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
+    "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "FORMAT_VERSION",
 ]
+
+
+def __getattr__(name):
+    # The dispatcher (threads, sockets, multiprocessing) loads only when used.
+    if name in ("Dispatcher", "Context"):
+        from . import dispatch
+
+        return getattr(dispatch, name)
+    raise AttributeError(f"module 'shmq' has no attribute {name!r}")

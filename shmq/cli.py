@@ -235,6 +235,15 @@ def _open(path):
 # --- create / rm / ls ----------------------------------------------------------
 
 
+def _cmd_dispatch(a) -> int:
+    from .dispatch import main as dispatch_main
+
+    try:
+        return dispatch_main(a.args)
+    except SystemExit as exc:  # its argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+
+
 def _cmd_create(a) -> int:
     from .spool import Spool
 
@@ -427,6 +436,10 @@ def _cmd_stat(a) -> int:
                 d = stat_dict(st)
                 if wq is not None:
                     d["workqueue"] = dataclasses.asdict(wq)
+                if os.path.exists(st.path + ".dispatch"):
+                    from .dispatch import status
+
+                    d["dispatcher"] = status(st.path)
                 _print_json(d, compact=bool(a.watch))
             elif fmt == "prometheus":
                 sys.stdout.write(prometheus_text([st]))
@@ -436,6 +449,10 @@ def _cmd_stat(a) -> int:
                 text = stat_text(st)
                 if wq is not None:
                     text += "\n" + _workqueue_text(wq)
+                if os.path.exists(st.path + ".dispatch"):
+                    from .dispatch import format_status, status
+
+                    text += "\n" + format_status(status(st.path))
                 if clear:
                     sys.stdout.write("\x1b[H\x1b[2J")
                 elif n:
@@ -1139,6 +1156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_create)
 
+    p = add("dispatch", "control a running shmq.Dispatcher: scale PATH TYPE N | status PATH | stop PATH",
+            epilog="example: shmq dispatch scale jobs resize 8  (see docs/dispatcher.md)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the dispatcher's control CLI")
+    p.set_defaults(func=_cmd_dispatch)
+
     p = add("rm", "remove spools (file and semaphores)",
             description="Remove spools: the file and its semaphores (Spool.destroy).  Processes "
             "that have it open keep working on the unlinked file.  A file that is not a spool "
@@ -1381,6 +1403,8 @@ def main(argv=None) -> int:
         use, argv = extra[argv[1]], argv[2:]
     if argv[:1] == ["put"]:
         use, argv = parser.put_parser, argv[1:]
+    if argv[:1] == ["dispatch"]:  # everything after it is the dispatcher CLI's
+        return _cmd_dispatch(argparse.Namespace(args=argv[1:]))
     try:
         args = use.parse_intermixed_args(argv) if use is parser.put_parser else use.parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error (2)

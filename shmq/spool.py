@@ -9,6 +9,7 @@ overwrite that raced with the copy (seqlock style).  See docs/format.md.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -157,6 +158,14 @@ class Spool:
             sem_name(prefix, SEM_READ_WAITERS), 0, mode))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
             sem_name(prefix, SEM_SPACE_WAITERS), 0, mode))
+        if os.fstat(m.fd).st_nlink == 0:
+            # Destroyed while we opened it: our O_CREAT may have re-created
+            # semaphores that destroy() had just unlinked; do not leak them.
+            for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
+                sem.close()
+            unlink_semaphores(prefix, 0)
+            raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
+                                    m.path)
         self._check_control()
         self._readers = weakref.WeakSet()
         self._slot_refs = {}  # slot -> readers of this handle attached to it
@@ -228,6 +237,11 @@ class Spool:
         if isinstance(leases, bool) or not isinstance(leases, int) or not 0 <= leases <= 1 << 20:
             raise ValueError("leases must be an int in 0..1048576")
         resolved = resolve_path(path)
+        if exist_ok and os.path.lexists(resolved):
+            try:  # attach without first allocating (and discarding) a full-size file
+                return cls(resolved, sync=sync, recovery_timeout=recovery_timeout)
+            except FileNotFoundError:
+                pass  # removed meanwhile: create it
         try:
             create_file(resolved, ring_bytes=ring, policy=on_full, mode=mode, slots=readers,
                         leases=leases, checksum=checksum)

@@ -245,7 +245,8 @@ class WorkQueue:
 
     # -- producing ----------------------------------------------------------------
 
-    def put(self, obj, key=None, delay=None, headers=None, *, not_before=None, max_attempts=None) -> int:
+    def put(self, obj, key=None, delay=None, headers=None, *, not_before=None, max_attempts=None,
+            timeout=None) -> int:
         """Enqueue ``obj``; return its message id (its seq in the spool).
 
         ``key``: a newer message replaces an older one with the same key
@@ -256,12 +257,14 @@ class WorkQueue:
         :raises TypeError: ``headers`` not a dict, ``key`` not str/bytes.
         :raises shmq.TooLarge: the message can never fit.
         :raises shmq.ShmqError: the key index is full.
+        :raises shmq.Full: no room within ``timeout`` (consumers hold the ring: the
+            spool's ``block`` policy; None waits as long as it takes).
         """
         return self.put_many([obj], key=key, delay=delay, headers=headers, not_before=not_before,
-                             max_attempts=max_attempts)
+                             max_attempts=max_attempts, timeout=timeout)
 
     def put_many(self, objs, key=None, delay=None, headers=None, *, not_before=None,
-                 max_attempts=None) -> int:
+                 max_attempts=None, timeout=None) -> int:
         """Enqueue several messages atomically (all with the same options); return the first id.
 
         ``key`` may be a list (one key per message).
@@ -293,7 +296,7 @@ class WorkQueue:
             items.append((head, pickle.dumps((obj, headers, k), 5)))  # outside any lock
             hashes.append(h)
         index = self._index_keys if any(hashes) else None
-        seq = self._spool._append(tuple(items), None, F.CODEC_WORKQ,
+        seq = self._spool._append(tuple(items), _check_block_timeout(True, timeout), F.CODEC_WORKQ,
                                   before_commit=(lambda s, placed: index(s, placed, hashes)) if index else None)
         return seq
 
@@ -379,8 +382,19 @@ class WorkQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             got, next_due = self._lease_some(max_messages, lease)
+            msgs = []
+            for g in got:  # unpickled outside the lock
+                try:
+                    msgs.append(self._message(*g))
+                except Exception as exc:
+                    # An undecodable body is a failed attempt, not a lost lease:
+                    # settle it now (retried, then dead-lettered with the error).
+                    stub = Message(self, g[0], None, g[1], g[2], None, {}, g[3] / _NS, g[4], g[5] / _NS)
+                    self._nack(stub, None, exc)
+            if msgs:
+                return msgs
             if got:
-                return [self._message(*g) for g in got]  # unpickled outside the lock
+                continue
             now = time.monotonic()
             left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
