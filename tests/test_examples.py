@@ -11,12 +11,18 @@ EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examp
 OPTIONAL = {"spark_pipeline.py": "pyspark"}
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=os.path.basename)
-def test_example_runs(script):
+VARIANTS = [(s, []) for s in EXAMPLES] + [(s, ["--columnar"]) for s in EXAMPLES
+                                           if os.path.basename(s) == "spark_pipeline.py"]
+
+
+@pytest.mark.parametrize("script,args", VARIANTS,
+                         ids=[os.path.basename(s) + "".join(a) for s, a in VARIANTS])
+def test_example_runs(script, args):
     needs = OPTIONAL.get(os.path.basename(script))
     if needs:
         pytest.importorskip(needs)
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.strip(), "an example should show what it did"
 
