@@ -114,7 +114,10 @@ class Doorbell:
                     if left <= 0:
                         return False
                     wait = min(wait, left)
-                if self._poll.poll(max(1, int(wait * 1000))):
+                if self._poll.poll(max(1, int(wait * 1000))) and not ready():
+                    # Drain only when the wake was not for us: on the hot path
+                    # the event is left queued (a later wait sees one spurious,
+                    # merged wake and drains then), saving a read on the way out.
                     self._drain()
         finally:
             self._unregister()

@@ -241,7 +241,9 @@ class Queue:
     # -- beyond the stdlib -----------------------------------------------------
 
     def put_many(self, items, block=True, timeout=None) -> None:
-        """Put several objects as one atomic batch (consumers see all or none)."""
+        """Put several objects as one batch: atomic (consumers see all or none) when
+        the items are of one kind (all ``bytes``, or all pickled in-band, or all
+        with out-of-band buffers); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         encoded = [_encode(o) for o in items]
@@ -251,10 +253,12 @@ class Queue:
             for _ in encoded:
                 self._unfinished.release()
         try:
-            # one codec per batch: mixed batches (bytes, out-of-band) go item by item
-            if all(c == F.CODEC_PICKLE for _i, c in encoded):
+            # A frame header has one codec: a batch of one kind (all pickles, all
+            # bytes, all out-of-band) is one atomic append; a mixed one goes item by item.
+            codecs = {c for _i, c in encoded}
+            if len(codecs) == 1:
                 self._spool._append(tuple(i for i, _c in encoded),
-                                    _check_block_timeout(block, timeout), F.CODEC_PICKLE, self._backlog)
+                                    _check_block_timeout(block, timeout), codecs.pop(), self._backlog)
             else:
                 for item, codec in encoded:
                     self._spool._append((item,), _check_block_timeout(block, timeout), codec,
