@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 
@@ -24,6 +25,7 @@ from .errors import Empty, ReaderBusy, Timeout
 from .spool import Frame, _check_block_timeout
 
 _unpack_frame = FRAME.unpack_from
+_second, _third = operator.itemgetter(1), operator.itemgetter(2)
 _new_frame = tuple.__new__
 _WRITABLE = (F.CODEC_PICKLE_OOB, F.CODEC_NUMPY)  # read into bytearrays by Spool._read
 
@@ -418,11 +420,9 @@ class NamedReader(_SlotReader):
         now = _time_ns()
         k = len(frames) - start
         self._n += k
-        ts_sum = nbytes = 0
-        for f in frames[start:]:
-            ts_sum += f[1]
-            nbytes += len(f[2])
-        self._bytes += nbytes
+        run = frames[start:] if start else frames
+        ts_sum = sum(map(_second, run))  # C-level loops: this runs per batch of frames
+        self._bytes += sum(map(len, map(_third, run)))
         d = now * k - ts_sum
         if d > 0:
             self._dsum += d

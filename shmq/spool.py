@@ -49,6 +49,7 @@ _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 #: larger values can only come from corruption.
 _MAX_COUNTER = 1 << 62
 _MASK64 = (1 << 64) - 1
+_ZEROS = (0,)
 
 #: Test hook for the fault-injection harness (stress/kill9.py): when set, it is
 #: called as hook(point, spool) inside the writer's critical section, on the
@@ -445,7 +446,7 @@ class Spool:
             from .columnar import put_records
 
             return put_records(self, items, block=block, timeout=timeout)
-        views = tuple(_as_view(d) for d in items)
+        views = tuple(d if type(d) is bytes else _as_view(d) for d in items)
         if not views:
             raise ValueError("put_many() needs at least one item")
         return self._append(views, _check_block_timeout(block, timeout), codec)
@@ -466,14 +467,18 @@ class Spool:
         ring = self._ring
         needs = []
         total = 0
+        max_payload = self._max_payload
         for v in views:
-            if type(v) is tuple:
+            tv = type(v)
+            if tv is bytes or tv is bytearray:
+                n = len(v)
+            elif tv is tuple:
                 n = sum(len(x) if type(x) is not memoryview else x.nbytes for x in v)
-            elif type(v) is Deferred:
+            elif tv is Deferred:
                 n = v.nbytes
             else:
-                n = len(v) if type(v) is not memoryview else v.nbytes
-            if n > self._max_payload:
+                n = v.nbytes if tv is memoryview else len(v)
+            if n > max_payload:
                 raise TooLarge(f"frame of {n} bytes can never fit: this spool's largest "
                                f"frame is {self._max_payload} bytes (capacity {ring})")
             need = FRAME_BYTES + ((n + 7) & ~7)
@@ -561,17 +566,18 @@ class Spool:
         for off, gap, k in pads:
             _pack_frame(mm, base + off, seq0 + k, gap, 0, ts, 0, FLAG_PAD, 0, 0)
         nbytes = 0
-        for i, v in enumerate(views):
-            n, need = needs[i]
-            o = base + placed[i] % ring
-            _pack_frame(mm, o, seq, need, n, ts, crcs[i] if crcs else 0, flags, codec, 0)
+        crash = _crash_hook
+        for v, (n, need), p, crc in zip(views, needs, placed, crcs or _ZEROS * len(views)):
+            o = base + p % ring
+            _pack_frame(mm, o, seq, need, n, ts, crc, flags, codec, 0)
             o += FRAME_BYTES
-            if type(v) is tuple:
+            tv = type(v)
+            if tv is tuple:
                 for part in v:
                     k = len(part) if type(part) is not memoryview else part.nbytes
                     mm[o:o + k] = part
                     o += k
-            elif type(v) is Deferred:
+            elif tv is Deferred:
                 v.fill(self._view[o:o + n])  # e.g. Arrow IPC written straight into the ring
                 if crcs:
                     _pack_frame(mm, o - FRAME_BYTES, seq, need, n, ts, _crc(self._view[o:o + n]),
@@ -580,8 +586,8 @@ class Spool:
                 mm[o:o + n] = v
             seq += 1
             nbytes += n
-            if _crash_hook is not None:
-                _crash_hook("frame-written", self)
+            if crash is not None:
+                crash("frame-written", self)
         if self._sync:
             self._msync(placed[0], end)  # frames durable before they are published
         ctl[W_NEXT_SEQ] = seq  # <- the commit point (NEXT_POS is re-derived on recovery)
@@ -946,8 +952,8 @@ class Spool:
         end = min(ctl[W_NEXT_SEQ], seq + max_frames)
         start, n0 = pos, len(out)
         append = out.append
+        off = pos % ring
         while seq < end:
-            off = pos % ring
             if ring - off < FRAME_BYTES:
                 break
             o = base + off
@@ -955,9 +961,11 @@ class Spool:
             if (hseq != seq or flags & FLAG_PAD or off + stored > ring
                     or stored < FRAME_BYTES + length or codec == CODEC_PICKLE_OOB):
                 break
-            append(_new_frame(Frame, (seq, ts, mm[o + FRAME_BYTES:o + FRAME_BYTES + length])))
+            o += FRAME_BYTES
+            append(_new_frame(Frame, (seq, ts, mm[o:o + length])))
             seq += 1
             pos += stored
+            off += stored  # a run never wraps (a wrap means a pad or a short tail: stop)
         if ctl[W_FIRST_POS] > start:  # overwritten under us: let _read sort it out
             del out[n0:]
             return None
