@@ -94,7 +94,7 @@ def exercise(path):
                 r = sp.reader(name, group=group)
                 while True:
                     for f in r.get_many(64, block=False):
-                        assert isinstance(f.data, bytes)
+                        assert isinstance(f.data, (bytes, bytearray))  # bytearray: numpy/oob codecs
             except shmq.Empty:
                 pass
         for seq in (sp.first_seq, sp.next_seq - 1):
