@@ -129,7 +129,10 @@ class PinnedView:
         if self._spool is not None:
             sp, self._spool = self._spool, None
             self.obj = None
-            self._view.release() if hasattr(self._view, "release") else None
+            try:
+                self._view.release()
+            except BufferError:
+                pass  # still referenced (e.g. by Arrow arrays the caller kept): drop ours only
             sp._unpin(self._pos)
 
     def __enter__(self):

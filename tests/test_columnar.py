@@ -147,3 +147,13 @@ def test_queue_carries_arrays_out_of_band():
         assert np.array_equal(a, b) and b.flags.writeable
     finally:
         q.close()
+
+
+def test_release_while_arrow_arrays_are_still_referenced(make_spool):
+    pa = pytest.importorskip("pyarrow")
+    sp = make_spool()
+    sp.put_arrow(pa.table({"x": [1, 2, 3]}))
+    view = sp.reader().get_arrow(copy=False, timeout=1)
+    kept = view.batch["x"]  # a column that still points into the spool
+    view.release()  # must not raise BufferError; the pin is gone
+    assert not sp._pins and len(kept) == 3
