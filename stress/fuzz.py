@@ -119,12 +119,14 @@ def run(iterations, seed, case_timeout, out=sys.stdout):
         for i in range(iterations):
             data, what, truncated = mutate(raw, rng)
             path = os.path.join(tmp, f"case{i}")
-            # fresh semaphores from a real create; the damaged body (and, unless
-            # truncating, the original CRC-protected geometry) copied over it
+            # fresh semaphores from a real create; the damaged body copied over it,
+            # keeping the new file's CRC-protected geometry (and so its semaphores)
             shmq.Spool.create(path, capacity=8192, readers=4, leases=8).close()
             prefix = shmq._mapping.read_geometry(path)["sem_prefix"]
             with open(path, "r+b") as f:
-                f.write(raw[:128] + data[128:])
+                head = f.read(128)  # this case's geometry: its own semaphore names
+                f.seek(0)
+                f.write(head + data[128:])
                 f.truncate(len(data))
             signal.setitimer(signal.ITIMER_REAL, case_timeout)
             try:
