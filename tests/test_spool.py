@@ -471,13 +471,20 @@ def test_bare_name_create_and_destroy():
     import uuid
 
     name = f"t-{uuid.uuid4().hex[:10]}"
+    had_dir = os.path.isdir("/dev/shm/shmq")
     sp = shmq.Spool.create(name, capacity=4096)
     try:
         assert sp.path == f"/dev/shm/shmq/{name}"
         assert os.path.exists(sp.path)
+        assert os.stat("/dev/shm/shmq").st_mode & 0o1777 == 0o1777  # shared like /tmp
     finally:
         sp.close()
         shmq.Spool.destroy(name)
+        if not had_dir:
+            try:
+                os.rmdir("/dev/shm/shmq")  # leave /dev/shm as we found it
+            except OSError:
+                pass  # another process put a spool there meanwhile
     assert not os.path.exists(f"/dev/shm/shmq/{name}")
 
 
