@@ -410,18 +410,8 @@ def _workqueue_text(wq) -> str:
             f"{wq.lease_slots_used}/{wq.lease_slots}")
 
 
-def _workqueue_prometheus(path, wq) -> str:
-    lines = []
-    for field in ("ready", "in_flight", "delayed", "dead", "redeliveries", "acked", "superseded",
-                  "oldest_age_s", "lease_slots_used"):
-        name = f"shmq_workqueue_{field}"
-        lines.append(f"# TYPE {name} gauge")
-        lines.append(f'{name}{{spool="{path}"}} {getattr(wq, field)}')
-    return "\n".join(lines) + "\n"
-
-
 def _cmd_stat(a) -> int:
-    from .metrics import prometheus_text
+    from .metrics import prometheus_text, workqueue_prometheus_text
     from .workqueue import WorkQueue
 
     fmt = "json" if a.json else a.format
@@ -444,7 +434,7 @@ def _cmd_stat(a) -> int:
             elif fmt == "prometheus":
                 sys.stdout.write(prometheus_text([st]))
                 if wq is not None:
-                    sys.stdout.write(_workqueue_prometheus(st.path, wq))
+                    sys.stdout.write(workqueue_prometheus_text(st.path, wq))
             else:
                 text = stat_text(st)
                 if wq is not None:

@@ -326,30 +326,28 @@ def _take_group(reader, copy, timeout):
         reader._lock.release()
 
 
+def _get(reader, block, timeout, copy, codec, decode):
+    """Next frame of ``codec``, decoded: over a private copy, or a PinnedView if ``copy=False``."""
+    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, codec)
+    if pos is None:
+        return decode(payload)
+    try:
+        obj = decode(payload)
+    except BaseException:
+        reader._spool._unpin(pos)  # nothing will release a view we never return
+        raise
+    return PinnedView(obj, seq, reader._spool, pos, payload)
+
+
 def get_array(reader, block=True, timeout=None, copy=True):
     """The next frame as a numpy array: a writable copy, or (``copy=False``) a PinnedView."""
-    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, F.CODEC_NUMPY)
-    if pos is None:
-        return decode_array(payload, writable=isinstance(payload, bytearray))
-    try:
-        arr = decode_array(payload)
-    except BaseException:
-        reader._spool._unpin(pos)
-        raise
-    return PinnedView(arr, seq, reader._spool, pos, payload)
+    return _get(reader, block, timeout, copy, F.CODEC_NUMPY,
+                lambda buf: decode_array(buf, writable=isinstance(buf, bytearray)))
 
 
 def get_arrow(reader, block=True, timeout=None, copy=True):
     """The next frame as a pyarrow Table: over a private copy, or (``copy=False``) a PinnedView."""
-    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, F.CODEC_ARROW)
-    if pos is None:
-        return decode_arrow(payload)
-    try:
-        table = decode_arrow(payload)
-    except BaseException:
-        reader._spool._unpin(pos)
-        raise
-    return PinnedView(table, seq, reader._spool, pos, payload)
+    return _get(reader, block, timeout, copy, F.CODEC_ARROW, decode_arrow)
 
 
 def get_records(reader, max_frames=100, block=True, timeout=None):

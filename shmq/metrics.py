@@ -275,3 +275,28 @@ def series_window(series, seconds, now=None) -> list:
     now = int(time.time() if now is None else now)
     d = dict(series)
     return [d.get(s, 0) for s in range(now - seconds, now)]
+
+
+#: (field of WorkQueueStats, help) for ``shmq_workqueue_<field>`` gauges.
+WORKQUEUE_METRICS = (
+    ("ready", "Messages deliverable now (committed, not yet handed out, plus due retries)."),
+    ("in_flight", "Messages under lease."),
+    ("delayed", "Messages waiting for their not-before time."),
+    ("dead", "Messages in the dead-letter spool."),
+    ("redeliveries", "Deliveries after a nack, an expired lease or a dead holder."),
+    ("acked", "Messages acknowledged."),
+    ("superseded", "Messages replaced by a newer one with the same key."),
+    ("oldest_age_s", "Age in seconds of the oldest message not yet acked."),
+    ("lease_slots_used", "Lease records in use."),
+)
+
+
+def workqueue_prometheus_text(path, wq) -> str:
+    """Prometheus text exposition of a :class:`shmq.WorkQueueStats` for spool ``path``."""
+    out = []
+    labels = _labels([("spool", path)])
+    for field, help_ in WORKQUEUE_METRICS:
+        name = f"shmq_workqueue_{field}"
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge",
+                f"{name}{labels} {_num(getattr(wq, field))}"]
+    return "\n".join(out) + "\n"
