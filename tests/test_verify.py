@@ -233,9 +233,10 @@ def test_stale_writer_lock_detected_and_repaired(make_spool):
     assert sp._ctl[F.W_LOCK_TOKEN] == token + 1
     assert sp._ctl[F.W_LOCK_BREAKS] == breaks + 1
     assert sp._ctl[F.W_LOCK_HOLDER] == 0 and sp._writer_sem.value == 1
+    sp._wlock.recovery_timeout = 60  # were the lock still stale, the put would wait this long
     t = time.monotonic()
-    assert sp.put(b"after repair", timeout=0.5) == 5
-    assert time.monotonic() - t < 0.5  # no lock-recovery wait
+    assert sp.put(b"after repair", timeout=120) == 5
+    assert time.monotonic() - t < 30  # no lock-recovery wait
     assert sp.read_at(5).data == b"after repair"
 
 
@@ -394,9 +395,10 @@ def test_stale_group_lock_repaired(make_spool):
     rep = repair(sp.path)
     assert rep.ok, rep.problems
     g = sp.reader("grp", group=True)
+    g._lock.recovery_timeout = 60  # were the group lock still stale, get would wait this long
     t = time.monotonic()
-    assert g.get(timeout=2).seq == 0
-    assert time.monotonic() - t < 0.5  # no recovery wait
+    assert g.get(timeout=120).seq == 0
+    assert time.monotonic() - t < 30  # no recovery wait
     g.close()
 
 
