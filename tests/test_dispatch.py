@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 import shmq
@@ -246,6 +245,16 @@ def test_handlers_run_with_configured_parallelism(make, rec, method):
     assert m["sleepy"]["queue"]["ready"] == 0 and m["sleepy"]["queue"]["in_flight"] == 0
 
 
+def _wait_replaced(d, type_, pid, timeout=10):
+    """The dead letter can be written before the worker is gone: wait (bounded) for the
+    supervisor to see the exit and start a replacement, rather than racing it."""
+    deadline = time.monotonic() + timeout
+    while pid in d.workers()[type_] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pid not in d.workers()[type_], f"worker {pid} of {type_!r} was not replaced"
+    assert d.wait_ready(type_, timeout=timeout)
+
+
 def test_timeout_cancels_cooperative_and_kills_uncooperative(make, rec):
     d = make()
     d.register("coop", h_coop, timeout=0.3, max_attempts=2, cancel_grace=5.0)
@@ -276,8 +285,7 @@ def test_timeout_cancels_cooperative_and_kills_uncooperative(make, rec):
     assert [r["attempt"] for r in stub] == [1, 2]
     assert stub[0]["pid"] != stub[1]["pid"]  # terminated and replaced
     assert not rec.of(ev="end", type="stubborn")
-    assert d.wait_ready("stubborn", timeout=10)
-    assert stub[1]["pid"] not in d.workers()["stubborn"]
+    _wait_replaced(d, "stubborn", stub[1]["pid"])
     d.stop()
     m = d.metrics()
     assert (m["coop"]["timed_out"], m["stubborn"]["timed_out"]) == (2, 2)
@@ -298,8 +306,7 @@ def test_supervisor_kills_a_handler_holding_the_gil(make, rec):
         (dl,) = q.dead_letters()
     assert dl.error["type"] == "HandlerTimeout" and "killed by the supervisor" in dl.error["message"]
     (start,) = rec.until(lambda rs: len(rs) == 1)
-    assert d.wait_ready("hog", timeout=10)
-    assert start["pid"] not in d.workers()["hog"]
+    _wait_replaced(d, "hog", start["pid"])
     d.stop()
     assert d.metrics()["hog"]["timed_out"] == 1
 
