@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 import shmq
