@@ -108,7 +108,9 @@ def sections(data):
         "latency": latency_table(data.get("latency")),
         "extras": "\n".join(extra) or "(not measured)",
         "readme": readme_line(data),
-        "queue": throughput_table(t, contenders=("shmq.Queue", "mp.Queue", "faster-fifo")),
+        "queue": throughput_table(t, scenarios=[k for k, row in t.items()
+                                                if any(c.startswith("shmq.Queue") for c in row)],
+                                  contenders=("shmq.Queue", "mp.Queue", "faster-fifo")),
         "columnar": throughput_table(t, scenarios=("records 100 B x1000", "1->1 1 MiB numpy array",
                                                    "arrow 64k rows x 10 cols")),
     }
