@@ -426,7 +426,9 @@ def _cmd_stat(a) -> int:
                 d = stat_dict(st)
                 if wq is not None:
                     d["workqueue"] = dataclasses.asdict(wq)
-                if os.path.exists(st.path + ".dispatch"):
+                from .dispatch import board_path
+
+                if os.path.exists(board_path(st.path)):
                     from .dispatch import status
 
                     d["dispatcher"] = status(st.path)
@@ -439,7 +441,9 @@ def _cmd_stat(a) -> int:
                 text = stat_text(st)
                 if wq is not None:
                     text += "\n" + _workqueue_text(wq)
-                if os.path.exists(st.path + ".dispatch"):
+                from .dispatch import board_path
+
+                if os.path.exists(board_path(st.path)):
                     from .dispatch import format_status, status
 
                     text += "\n" + format_status(status(st.path))

@@ -29,9 +29,10 @@ import struct
 import numpy as np
 
 from . import _format as F
-from .errors import Empty, ShmqError, TooLarge
+from .errors import Empty, ShmqError
 
-__all__ = ["PinnedView", "encode_array", "decode_array"]
+__all__ = ["PinnedView", "encode_array", "decode_array", "put_array", "put_records", "put_arrow",
+           "get_array", "get_arrow", "get_records"]
 
 _HEAD = struct.Struct("<II")
 _HEADS = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
@@ -96,11 +97,6 @@ def decode_array(buf, writable=False):
     if not writable:
         arr.flags.writeable = False
     return arr
-
-
-def _descr_of(head_view):
-    n, _r = _HEAD.unpack_from(head_view)
-    return bytes(head_view[_HEAD.size:_HEAD.size + n])
 
 
 class PinnedView:
@@ -451,6 +447,3 @@ def _dtype_of(mv):
     except (ValueError, KeyError, TypeError, struct.error):
         raise Empty from None
 
-
-__all__ += ["put_array", "put_records", "put_arrow", "get_array", "get_arrow", "get_records",
-            "TooLarge"]

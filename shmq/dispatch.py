@@ -125,7 +125,8 @@ _STATE_NAMES = {STATE_STOPPED: "stopped", STATE_STARTING: "starting", STATE_RUNN
 _ROW_HDR = 32
 
 
-def _board_path(path):
+def board_path(path):
+    """The metrics board file of the dispatcher whose ingress queue is ``path``."""
     return resolve_path(path) + ".dispatch"
 
 
@@ -833,7 +834,7 @@ class Dispatcher:
         self.max_workers = max_workers
         self.reservoir = reservoir
         self.start_timeout = start_timeout
-        self.board_path = self.path + ".dispatch"
+        self.board_path = board_path(self.path)
         # the ingress queue exists from here on: publish() works before start()
         self._pub = _open_or_create(self.path, **opts)
         self._pub_lock = threading.Lock()
@@ -1228,7 +1229,7 @@ class Dispatcher:
         :raises shmq.ShmqError: a dispatcher is running on ``path``.
         """
         path = resolve_path(path)
-        bp = path + ".dispatch"
+        bp = board_path(path)
         queues = {f"{path}.{_check_type(t)}" for t in types}
         try:
             fd = os.open(bp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -1742,7 +1743,7 @@ def status(path, queues=True) -> dict:
     :raises FileNotFoundError: no dispatcher ever ran on ``path``.
     """
     path = resolve_path(path)
-    b = _Board.open(path + ".dispatch")
+    b = _Board.open(board_path(path))
     try:
         w = b.w
         state = w[H_STATE]

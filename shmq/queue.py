@@ -29,8 +29,8 @@ from multiprocessing import resource_tracker
 import posix_ipc
 
 from . import _format as F
-from ._mapping import SEM_UNFINISHED, open_semaphore, resolve_path, sem_name, group_sem_name
-from .errors import Empty, Full, ShmqError, Timeout, TooLarge
+from ._mapping import SEM_UNFINISHED, open_semaphore, sem_name
+from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool, _check_block_timeout
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]

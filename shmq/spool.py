@@ -32,7 +32,7 @@ from ._mapping import (
 )
 from ._notify import Doorbell
 from posix_ipc import BusyError
-from .errors import Empty, FrameLost, Full, ShmqError, SpoolFormatError, Timeout, TooLarge
+from .errors import FrameLost, Full, ShmqError, SpoolFormatError, TooLarge
 from .stats import ReaderStats, SpoolStats
 
 log = logging.getLogger("shmq")
@@ -176,7 +176,6 @@ class Spool:
         self._pins = {}  # pinned position -> views referencing it
         self._rate_until = 0  # end of the second self._rate_word counts
         self._rate_word = W_RATE + 1
-        self._pid = os.getpid()
         self._holder = holder_word()
         self._data_waiters = self._data_bell.sem
         self._space_waiters = self._space_bell.sem
@@ -320,7 +319,6 @@ class Spool:
         self._map.reopen_fd()
         self._data_bell.forget_after_fork()
         self._space_bell.forget_after_fork()
-        self._pid = os.getpid()
         self._holder = holder_word()
         self._pin_slot = None  # the parent's pins stay the parent's
         self._pins = {}

@@ -29,9 +29,9 @@ from ._format import (
     L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN, LEASE_DELAYED,
     LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS, KEY_WORDS,
 )
-from ._lock import RecoverableLock, holder_alive, holder_pid, holder_word
-from ._mapping import group_sem_name, open_semaphore, resolve_path
-from .errors import Empty, LeaseLost, ShmqError, TooLarge
+from ._lock import holder_alive, holder_pid
+from ._mapping import resolve_path
+from .errors import Empty, LeaseLost, ShmqError
 from .spool import Spool, _check_block_timeout
 
 __all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
@@ -567,7 +567,7 @@ class WorkQueue:
 
     def _update_low(self):
         """Publish the oldest referenced frame so writers keep it (lock held)."""
-        sp, reg, slots = self._spool, self._region, self._spool._slots
+        reg, slots = self._region, self._spool._slots
         tw = self._take._w
         seq, pos = slots[tw + F.S_SEQ], slots[tw + F.S_POS]
         for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):

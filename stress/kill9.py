@@ -42,7 +42,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import struct
 import sys
 import tempfile
@@ -616,14 +615,8 @@ def scenario_soak(tmp, rng, duration, quick):
             violations += 1
             examples.append(f"{who}: RSS grew {(max(rss) - min(rss)) / 2**20:.1f} MB in steady state")
     sp.close()
-    rate = [(t, seq) for t, seq, _r, _f in samples]
-    return {"kills": 0, "frames_checked": sp_frames(samples), "violations": violations,
-            "examples": examples, "samples": [(t, seq, rss, fds) for t, seq, rss, fds in samples],
-            "rate": rate}
-
-
-def sp_frames(samples):
-    return samples[-1][1] if samples else 0
+    return {"kills": 0, "frames_checked": samples[-1][1] if samples else 0,
+            "violations": violations, "examples": examples, "samples": samples}
 
 
 # --- driver ----------------------------------------------------------------------------------
