@@ -12,9 +12,32 @@ import shmq
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
+#: Tags this run's test directories, so the leak check never blames this run
+#: for another test run's directories on the same machine (xdist workers
+#: inherit it from the controller's environment).
+SESSION_TAG = os.environ.setdefault("SHMQ_TEST_SESSION", uuid.uuid4().hex[:4])
+
+
+def _mapped_by_live_processes():
+    """/dev/shm files some live process has mapped (another run's semaphores in use)."""
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    if "/dev/shm/sem.shmq." in line:
+                        mapped.add(os.path.basename(line.split()[-1]))
+        except OSError:
+            continue
+    return mapped
+
+
 def _our_leftovers():
-    """shmq semaphores and test directories currently in /dev/shm."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("sem.shmq.", "shmq-test-"))}
+    """shmq semaphores and this run's test directories currently in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith(("sem.shmq.", f"shmq-test-{SESSION_TAG}-"))}
 
 
 def pytest_sessionstart(session):
@@ -31,7 +54,9 @@ def pytest_sessionfinish(session, exitstatus):
     before = getattr(session.config, "_shmq_before", None)
     if before is None:
         return
-    leaked = sorted(_our_leftovers() - before)
+    # A semaphore still mapped by a live process belongs to something running
+    # (another test run on this machine): only unmapped ones are debris.
+    leaked = sorted(_our_leftovers() - before - _mapped_by_live_processes())
     if leaked:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         msg = f"tests left {len(leaked)} item(s) in /dev/shm: {leaked[:10]}"
@@ -43,7 +68,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def spool_dir():
     """A fresh directory under /dev/shm, removed (with any spool in it) afterwards."""
-    d = f"/dev/shm/shmq-test-{uuid.uuid4().hex[:12]}"
+    d = f"/dev/shm/shmq-test-{SESSION_TAG}-{uuid.uuid4().hex[:8]}"
     os.mkdir(d, 0o700)
     yield d
     for name in os.listdir(d):
