@@ -149,7 +149,7 @@ class RecoverableLock:
     """
 
     __slots__ = ("sem", "words", "holder", "token_word", "breaks_word", "file",
-                 "recovery_byte", "recovery_timeout", "on_recover")
+                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_seen")
 
     def __init__(self, sem, words, holder, token_word, file, recovery_byte, *,
                  breaks_word=None, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, on_recover=None):
@@ -162,6 +162,32 @@ class RecoverableLock:
         self.recovery_byte = recovery_byte
         self.recovery_timeout = recovery_timeout
         self.on_recover = on_recover
+        self._unknown_seen = 0
+
+    def recover_if_dead(self) -> bool:
+        """Break the lock if its recorded holder is dead; True if it was broken.
+
+        Called by the compiled core's callers after a wait of about
+        ``recovery_timeout`` for the lock failed.  A broken lock is released
+        again at once (the caller retries its whole operation in C), so
+        Python holds the lock only while ``on_recover`` repairs the
+        structure.  A lock held with no holder recorded is broken only if
+        that persists for a second period (a holder between sem_wait and
+        recording itself, or killed between clearing and sem_post).
+        """
+        word = self.words[self.holder]
+        if word and holder_alive(word):
+            self._unknown_seen = 0
+            return False
+        if not word:
+            self._unknown_seen += 1
+            if self._unknown_seen < 2:
+                return False
+        self._unknown_seen = 0
+        if self._break(word):
+            self.release()
+            return True
+        return False
 
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting at most ``timeout`` seconds (None: forever).

@@ -112,7 +112,7 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
     ctl = sp._ctl
     try:
         while stop is None or r.position < stop:
-            hit = _peek(sp, r._seq, r._pos)  # the header is read before the payload copy
+            hit = _peek(sp, *r._get_cursor())  # the header is read before the payload copy
             try:
                 f = r.get(block=True, timeout=timeout) if follow else r.get(block=False)
             except Empty:
