@@ -155,8 +155,18 @@ typedef struct {
     int rate_word;
     uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
     double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
+    struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
     PyObject *path;
 } Ring;
+
+typedef struct Reservation_ {
+    PyObject_HEAD
+    Ring *ring;
+    uint64_t seq, off, nbytes, stored, end;
+    int codec, open; /* open: the writer lock is held for us */
+    unsigned long thread;
+    PyObject *view;
+} Reservation;
 
 static PyObject *corrupt(Ring *r, const char *fmt, ...) {
     char msg[400];
@@ -543,6 +553,11 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
 
 
 static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait) {
+    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
+                                            "thread would deadlock: commit or abandon it first");
+        return -100;
+    }
     uint64_t stack_needs[64], stack_placed[64];
     uint64_t *needs = stack_needs, *placed = stack_placed;
     if (count > 64) {
@@ -579,6 +594,209 @@ static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int
 out:
     if (needs != stack_needs) PyMem_Free(needs);
     return res;
+}
+
+/* ---- reservations: zero-copy writes ---- */
+
+
+static PyTypeObject ReservationType;
+
+static void reservation_unlock(Reservation *rv) {
+    Ring *r = rv->ring;
+    rv->open = 0;
+    if (r->reserved_by == rv) r->reserved_by = NULL;
+    if (r->have_buf) wlock_release(r);
+}
+
+static void reservation_drop_view(Reservation *rv) {
+    if (rv->view) {
+        PyObject *res = PyObject_CallMethod(rv->view, "release", NULL);
+        if (!res) PyErr_Clear(); /* a derived view still exports it: documented as invalid now */
+        Py_XDECREF(res);
+        Py_CLEAR(rv->view);
+    }
+}
+
+static PyObject *Reservation_commit(Reservation *rv, PyObject *unused) {
+    if (!rv->open) {
+        PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
+        return NULL;
+    }
+    Ring *r = rv->ring;
+    if (!r->have_buf) {
+        rv->open = 0;
+        PyErr_SetString(PyExc_ValueError, "spool handle is closed");
+        return NULL;
+    }
+    reservation_drop_view(rv);
+    uint64_t *c = r->ctl;
+    char *payload = r->ring + rv->off + FRAME_BYTES;
+    uint64_t pad = rv->stored - FRAME_BYTES - rv->nbytes;
+    if (pad) memset(payload + rv->nbytes, 0, (size_t)pad);
+    uint64_t ts = now_ns();
+    FrameHeader h = {rv->seq, (uint32_t)rv->stored, (uint32_t)rv->nbytes, ts, 0, 0, (uint8_t)rv->codec, 0};
+    if (r->checksum) {
+        h.crc = crc_update(0, (const unsigned char *)payload, (size_t)rv->nbytes);
+        h.flags = FLAG_CRC;
+    }
+    memcpy(r->ring + rv->off, &h, FRAME_BYTES);
+    st_rel(&c[W_NEXT_SEQ], rv->seq + 1); /* <- the commit point */
+    st_rlx(&c[W_NEXT_POS], rv->end);
+    st_rlx(&c[W_PUT_BYTES], ld_rlx(&c[W_PUT_BYTES]) + rv->nbytes);
+    st_rlx(&c[W_LAST_PUT_NS], ts);
+    if (ts >= r->rate_until) roll_rate(r, ts);
+    st_rlx(&c[r->rate_word], ld_rlx(&c[r->rate_word]) + 1);
+    reservation_unlock(rv);
+    ring_bell(r, r->rsem);
+    return PyLong_FromUnsignedLongLong(rv->seq);
+}
+
+static PyObject *Reservation_abandon(Reservation *rv, PyObject *unused) {
+    if (rv->open) {
+        reservation_drop_view(rv);
+        reservation_unlock(rv); /* nothing was published: the space is reused by the next write */
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reservation_enter(Reservation *rv, PyObject *unused) {
+    if (!rv->open) {
+        PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
+        return NULL;
+    }
+    if (!rv->view) {
+        /* A slice of a view over the mmap object itself: the mapping knows it
+         * is exported, so closing the spool cannot unmap it under the view. */
+        Ring *r = rv->ring;
+        if (ring_check_open(r) < 0) return NULL;
+        PyObject *mv = PyMemoryView_FromObject(r->buf.obj);
+        if (!mv) return NULL;
+        Py_ssize_t a = (Py_ssize_t)(r->ring - r->base + rv->off + FRAME_BYTES);
+        PyObject *lo = PyLong_FromSsize_t(a), *hi = PyLong_FromSsize_t(a + (Py_ssize_t)rv->nbytes);
+        PyObject *sl = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
+        Py_XDECREF(lo);
+        Py_XDECREF(hi);
+        if (!sl) {
+            Py_DECREF(mv);
+            return NULL;
+        }
+        rv->view = PyObject_GetItem(mv, sl);
+        Py_DECREF(sl);
+        Py_DECREF(mv);
+        if (!rv->view) return NULL;
+    }
+    return Py_NewRef(rv->view);
+}
+
+static PyObject *Reservation_exit(Reservation *rv, PyObject *args) {
+    PyObject *et = Py_None;
+    if (PyTuple_GET_SIZE(args) > 0) et = PyTuple_GET_ITEM(args, 0);
+    if (et != Py_None) return Reservation_abandon(rv, NULL), Py_NewRef(Py_False);
+    PyObject *seq = Reservation_commit(rv, NULL);
+    if (!seq) return NULL;
+    Py_DECREF(seq);
+    Py_RETURN_FALSE;
+}
+
+static void Reservation_dealloc(Reservation *rv) {
+    if (rv->open) reservation_unlock(rv); /* dropped without commit: abandoned */
+    Py_XDECREF(rv->view);
+    Py_XDECREF(rv->ring);
+    Py_TYPE(rv)->tp_free((PyObject *)rv);
+}
+
+static PyObject *Reservation_get_seq(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->seq); }
+static PyObject *Reservation_get_nbytes(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->nbytes); }
+static PyObject *Reservation_get_open(Reservation *rv, void *x) { return PyBool_FromLong(rv->open); }
+
+static PyGetSetDef Reservation_getset[] = {
+    {"seq", (getter)Reservation_get_seq, NULL, "the seq the frame gets when committed", NULL},
+    {"nbytes", (getter)Reservation_get_nbytes, NULL, "payload size", NULL},
+    {"open", (getter)Reservation_get_open, NULL, "True until committed or abandoned", NULL},
+    {NULL}};
+
+static PyMethodDef Reservation_methods[] = {
+    {"commit", (PyCFunction)Reservation_commit, METH_NOARGS, "publish the frame; return its seq"},
+    {"abandon", (PyCFunction)Reservation_abandon, METH_NOARGS, "release the space without publishing anything"},
+    {"__enter__", (PyCFunction)Reservation_enter, METH_NOARGS, "a writable memoryview of the payload"},
+    {"__exit__", (PyCFunction)Reservation_exit, METH_VARARGS, "commit on a clean exit, abandon on an exception"},
+    {NULL}};
+
+static PyTypeObject ReservationType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq.Reservation",
+    .tp_basicsize = sizeof(Reservation),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Reservation_dealloc,
+    .tp_methods = Reservation_methods,
+    .tp_getset = Reservation_getset,
+    .tp_doc = "Room for one frame, written in place: `with sp.reserve(n) as buf: buf[:] = ...` commits on a\n"
+              "clean exit and abandons on an exception; a process killed inside exposes nothing.\n"
+              "The writer lock is held while it is open: keep the block short.",
+};
+
+static PyObject *Ring_reserve(Ring *r, PyObject *args) {
+    /* reserve(nbytes, codec, lock_wait) -> Reservation, or a negative status */
+    unsigned long long nbytes;
+    int codec;
+    double wait;
+    if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "this thread already holds an open reservation of this spool: "
+                                            "commit or abandon it first (it holds the writer lock)");
+        return NULL;
+    }
+    if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);
+    uint64_t need = FRAME_BYTES + ((nbytes + 7) & ~(uint64_t)7);
+    int lk = sem_lock(r->wsem, wait);
+    if (lk < 0) return NULL;
+    if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
+    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    uint64_t seq = ld_rlx(&c[W_NEXT_SEQ]), pos = ld_rlx(&c[W_NEXT_POS]);
+    uint64_t off = pos % ring, pad_off = 0, pad_gap = 0;
+    int has_pad = 0;
+    if (ring - off < need) {
+        if (ring - off >= FRAME_BYTES) {
+            has_pad = 1;
+            pad_off = off;
+            pad_gap = ring - off;
+        }
+        pos += ring - off;
+    }
+    uint64_t end = pos + need;
+    if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
+        int st = make_room(r, end - ring, seq, pos);
+        if (st != 0) {
+            wlock_release(r);
+            if (st == -100) return NULL;
+            return PyLong_FromLong(st);
+        }
+    }
+    if (has_pad) {
+        FrameHeader h = {seq, (uint32_t)pad_gap, 0, now_ns(), 0, FLAG_PAD, 0, 0};
+        memcpy(r->ring + pad_off, &h, FRAME_BYTES);
+    }
+    /* A header that is not frame `seq` yet: nothing past NEXT_SEQ is read, and
+     * recovery after a kill re-derives NEXT_POS from committed frames only. */
+    memset(r->ring + pos % ring, 0, FRAME_BYTES);
+    Reservation *rv = PyObject_New(Reservation, &ReservationType);
+    if (!rv) {
+        wlock_release(r);
+        return NULL;
+    }
+    rv->ring = (Ring *)Py_NewRef((PyObject *)r);
+    rv->seq = seq;
+    rv->off = pos % ring;
+    rv->nbytes = nbytes;
+    rv->stored = need;
+    rv->end = end;
+    rv->codec = codec;
+    rv->open = 1;
+    rv->thread = PyThread_get_thread_ident();
+    rv->view = NULL;
+    r->reserved_by = rv;
+    return (PyObject *)rv;
 }
 
 static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
@@ -860,6 +1078,11 @@ static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
 }
 
 static void ring_release(Ring *r) {
+    if (r->reserved_by) { /* closing with a reservation open: abandon it (release the lock) */
+        r->reserved_by->open = 0;
+        if (r->have_buf && r->wsem) wlock_release(r);
+        r->reserved_by = NULL;
+    }
     if (r->have_buf) {
         PyBuffer_Release(&r->buf);
         r->have_buf = 0;
@@ -945,6 +1168,7 @@ static PyMethodDef Ring_methods[] = {
      "put_many(items, codec=0, max_backlog=-1, lock_wait=None) -> first seq, or a negative status"},
     {"read", (PyCFunction)Ring_read, METH_VARARGS, "read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec)"},
     {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
+    {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
     {"latest", (PyCFunction)Ring_latest, METH_VARARGS, "latest(lock_wait) -> (next_seq, next_pos) or None"},
     {"ring_space", (PyCFunction)Ring_ring_space, METH_NOARGS, "wake writers waiting for room, if any"},
     {"ring_data", (PyCFunction)Ring_ring_data, METH_NOARGS, "wake readers waiting for frames, if any"},
@@ -1317,6 +1541,184 @@ static PyTypeObject CursorType = {
     .tp_doc = "A reader's cursor over a Ring (internal: use Spool.reader).",
 };
 
+/* ---- Lock: a named semaphore + holder word, whose `with` is signal-safe ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer words;
+    int have_words;
+    uint64_t *holder_word;
+    uint64_t holder;
+    sem_t *sem;
+    double wait;
+    PyObject *on_stuck;
+    unsigned long owner; /* thread that holds it through this object, 0: none */
+} Lock;
+
+static int lock_open(Lock *l) {
+    if (!l->have_words || !l->sem) {
+        PyErr_SetString(PyExc_ValueError, "lock is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 acquired, 1 not within wait, -1 exception */
+static int lock_take(Lock *l, double wait) {
+    int rc = sem_lock(l->sem, wait);
+    if (rc == 0) {
+        st_rlx(l->holder_word, l->holder);
+        l->owner = PyThread_get_thread_ident();
+    }
+    return rc;
+}
+
+static void lock_give(Lock *l) {
+    l->owner = 0;
+    st_rlx(l->holder_word, 0);
+    sem_post(l->sem);
+}
+
+static PyObject *Lock_try_acquire(Lock *l, PyObject *args) {
+    double wait = l->wait;
+    if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
+    if (lock_open(l) < 0) return NULL;
+    int rc = lock_take(l, wait);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+static PyObject *Lock_release(Lock *l, PyObject *unused) {
+    if (lock_open(l) < 0) return NULL;
+    lock_give(l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
+    if (l->have_words && l->sem && l->owner == PyThread_get_thread_ident()) lock_give(l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lock_enter(Lock *l, PyObject *unused) {
+    /* Waits as long as it takes; every `wait` seconds without the lock,
+     * on_stuck() (Python) may break a dead holder's lock or raise. */
+    for (;;) {
+        if (lock_open(l) < 0) return NULL;
+        int rc = lock_take(l, l->wait);
+        if (rc < 0) return NULL;
+        if (rc == 0) return Py_NewRef((PyObject *)l);
+        if (l->on_stuck && l->on_stuck != Py_None) {
+            PyObject *res = PyObject_CallNoArgs(l->on_stuck);
+            if (!res) return NULL;
+            Py_DECREF(res);
+        }
+    }
+}
+
+static PyObject *Lock_exit(Lock *l, PyObject *args) {
+    if (l->have_words && l->sem) lock_give(l);
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Lock_set_holder(Lock *l, PyObject *arg) {
+    unsigned long long h = PyLong_AsUnsignedLongLong(arg);
+    if (h == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    l->holder = h;
+    l->owner = 0;
+    Py_RETURN_NONE;
+}
+
+static void lock_release_res(Lock *l) {
+    if (l->have_words) {
+        PyBuffer_Release(&l->words);
+        l->have_words = 0;
+    }
+    if (l->sem) {
+        sem_close(l->sem);
+        l->sem = NULL;
+    }
+}
+
+static PyObject *Lock_close(Lock *l, PyObject *unused) {
+    lock_release_res(l);
+    Py_RETURN_NONE;
+}
+
+static int Lock_init(Lock *l, PyObject *args, PyObject *kw) {
+    /* Lock(sem_name, words, index, holder, wait, on_stuck) -- words: a writable u64 buffer */
+    const char *name;
+    PyObject *words, *on_stuck;
+    Py_ssize_t index;
+    unsigned long long holder;
+    double wait;
+    if (!PyArg_ParseTuple(args, "sOnKdO", &name, &words, &index, &holder, &wait, &on_stuck)) return -1;
+    lock_release_res(l);
+    if (PyObject_GetBuffer(words, &l->words, PyBUF_WRITABLE) < 0) return -1;
+    l->have_words = 1;
+    if (index < 0 || (index + 1) * 8 > l->words.len || ((uintptr_t)l->words.buf % 8)) {
+        lock_release_res(l);
+        PyErr_SetString(PyExc_ValueError, "holder word out of range");
+        return -1;
+    }
+    l->holder_word = (uint64_t *)l->words.buf + index;
+    l->holder = holder;
+    l->wait = wait;
+    l->owner = 0;
+    Py_XSETREF(l->on_stuck, Py_NewRef(on_stuck));
+    if (!(l->sem = open_sem(name))) {
+        lock_release_res(l);
+        return -1;
+    }
+    return 0;
+}
+
+static int Lock_traverse(Lock *l, visitproc visit, void *arg) {
+    Py_VISIT(l->on_stuck);
+    return 0;
+}
+
+static int Lock_clear(Lock *l) {
+    Py_CLEAR(l->on_stuck);
+    return 0;
+}
+
+static void Lock_dealloc(Lock *l) {
+    PyObject_GC_UnTrack(l);
+    lock_release_res(l);
+    Lock_clear(l);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static PyObject *Lock_get_held(Lock *l, void *x) { return PyBool_FromLong(l->owner == PyThread_get_thread_ident()); }
+
+static PyGetSetDef Lock_getset[] = {{"held", (getter)Lock_get_held, NULL, "held by this thread", NULL}, {NULL}};
+
+static PyMethodDef Lock_methods[] = {
+    {"try_acquire", (PyCFunction)Lock_try_acquire, METH_VARARGS, "try_acquire(wait) -> True if now held"},
+    {"release", (PyCFunction)Lock_release, METH_NOARGS, "clear the holder word and post, in one call"},
+    {"release_if_held", (PyCFunction)Lock_release_if_held, METH_NOARGS, "release if this thread holds it"},
+    {"set_holder", (PyCFunction)Lock_set_holder, METH_O, "the holder word recorded on acquire (after fork)"},
+    {"close", (PyCFunction)Lock_close, METH_NOARGS, "release the buffer and the semaphore"},
+    {"__enter__", (PyCFunction)Lock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Lock_exit, METH_VARARGS, NULL},
+    {NULL}};
+
+static PyTypeObject LockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq._core.Lock",
+    .tp_basicsize = sizeof(Lock),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lock_init,
+    .tp_dealloc = (destructor)Lock_dealloc,
+    .tp_traverse = (traverseproc)Lock_traverse,
+    .tp_clear = (inquiry)Lock_clear,
+    .tp_methods = Lock_methods,
+    .tp_getset = Lock_getset,
+    .tp_doc = "A cross-process lock on a named semaphore recording its holder in a shared word.\n"
+              "Acquire and release are single C calls, so `with lock:` cannot be interrupted by a\n"
+              "Python signal handler between taking the lock and entering the block.",
+};
+
 /* ---- module ---- */
 
 static PyObject *core_setup(PyObject *m, PyObject *fmt_err) {
@@ -1375,7 +1777,9 @@ static PyStructSequence_Desc frame_desc = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     crc_init();
-    if (PyType_Ready(&RingType) < 0 || PyType_Ready(&CursorType) < 0) return NULL;
+    if (PyType_Ready(&RingType) < 0 || PyType_Ready(&CursorType) < 0 || PyType_Ready(&ReservationType) < 0 ||
+        PyType_Ready(&LockType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
     FrameType = PyStructSequence_NewType(&frame_desc);
@@ -1385,6 +1789,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddObjectRef(m, "Frame", (PyObject *)FrameType);
     PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType);
     PyModule_AddObjectRef(m, "Cursor", (PyObject *)&CursorType);
+    PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType);
+    PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
     PyObject *layout = Py_BuildValue(
         "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
         "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,
