@@ -255,9 +255,10 @@ def print_row(name, row, out):
             continue
         ratios = "  ".join(f"{r['items_per_s'] / o['items_per_s']:6.2f}x {oc}"
                            for oc, o in row.items() if oc != c and measured(o))
+        v = r["items_per_s"]
+        speed = f"{v / 1e6:8.3f} M/s" if v >= 1e5 else f"{v / 1e3:8.2f} k/s"
         gb = f"{r['gb_per_s']:6.2f} GB/s" if r["gb_per_s"] else " " * 11
-        print(f"  {c:<22} {r['items_per_s'] / 1e6:8.3f} M/s {gb}  rss {r['peak_rss_mb']:5.0f} MB  {ratios}",
-              file=out, flush=True)
+        print(f"  {c:<22} {speed} {gb}  rss {r['peak_rss_mb']:5.0f} MB  {ratios}", file=out, flush=True)
 
 
 # --- plots ------------------------------------------------------------------------------

@@ -100,17 +100,17 @@ def targets(results, lat, sys_, misc):
     if measured(iox):
         add(14, "1 MiB via Spool.reserve >= 50% of iceoryx2's loan GB/s",
             res_gb and res_gb / iox["gb_per_s"], 0.5, "{:.0%}", why=why_not(results, scen, "spool-reserve"),
-            extra=res_gb and f" ({res_gb:.1f} vs {iox['gb_per_s']:.1f} GB/s)" or "")
+            extra=res_gb and f" ({res_gb:.2f} vs {iox['gb_per_s']:.2f} GB/s)" or "")
     else:
         add(14, f"1 MiB via Spool.reserve >= 2x {TODAY_1MIB_GBPS} GB/s (iceoryx2: {status(results.get(scen, {}), 'iceoryx2')})",
             res_gb and res_gb / TODAY_1MIB_GBPS, 2, why=why_not(results, scen, "spool-reserve"),
-            extra=res_gb and f" ({res_gb:.1f} GB/s)" or "")
+            extra=res_gb and f" ({res_gb:.2f} GB/s)" or "")
     scen = "8 threads x 2 processes small dict"
     name = "shmq.Queue 8 threads"
     r = results.get(scen, {}).get(name)
     v = ratio(results, scen, name, "mp.Queue 8 threads")
     failed = r is not None and r.get("status", "").startswith("failed")
-    rows.append({"issue": 14, "target": "8 threads x 2 processes share one shmq.Queue without error",
+    rows.append({"issue": 14, "target": "8 threads x 2 processes share one shmq.Queue: no error, loss or duplicate",
                  "value": v, "goal": None, "met": True if measured(r) else (False if failed else None),
                  "shown": (f"ran: {v:.2f}x mp.Queue" if v else "ran") if measured(r) else status(results.get(scen, {}), name)})
     if sys_:
