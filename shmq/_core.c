@@ -1608,7 +1608,8 @@ static PyObject *Lock_enter(Lock *l, PyObject *unused) {
         if (rc < 0) return NULL;
         if (rc == 0) return Py_NewRef((PyObject *)l);
         if (l->on_stuck && l->on_stuck != Py_None) {
-            PyObject *res = PyObject_CallNoArgs(l->on_stuck);
+            PyObject *res = PyUnicode_Check(l->on_stuck) ? PyObject_CallMethodObjArgs((PyObject *)l, l->on_stuck, NULL)
+                                                         : PyObject_CallNoArgs(l->on_stuck);
             if (!res) return NULL;
             Py_DECREF(res);
         }

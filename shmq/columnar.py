@@ -293,8 +293,8 @@ def _take_group(reader, copy, timeout):
         f = reader._locked(reader._cur.get, timeout)
         return (f[0], f[2], f.codec, None) if f is not None else None
     sp, slots, w = reader._spool, reader._spool._slots, reader._w
-    reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
-    try:
+    try:  # the try covers the acquire: no signal can land between the two
+        reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
         seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
         if seq >= sp._ctl[F.W_NEXT_SEQ]:
             return None
@@ -309,7 +309,7 @@ def _take_group(reader, copy, timeout):
         slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, seq + 1
         return seq, view, codec, fpos
     finally:
-        reader._lock.release()
+        reader._lock.release_if_held()
 
 
 def _get(reader, block, timeout, copy, codec, decode):

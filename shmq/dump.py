@@ -315,8 +315,7 @@ def _patch_timestamps(sp, seq0, stamps):
     try:
         words = view[base:base + ring].cast("Q")
         try:
-            sp._wlock.acquire()
-            try:
+            with sp._wlock:
                 try:
                     pos = sp._locate(seq0)
                 except FrameLost:
@@ -336,8 +335,6 @@ def _patch_timestamps(sp, seq0, stamps):
                     words[(hit[1] % ring) // 8 + _TS_WORD] = ts
                     pos = hit[1] + hit[2]
                     seq += 1
-            finally:
-                sp._wlock.release()
         finally:
             words.release()
     finally:

@@ -507,12 +507,9 @@ class GroupReader(_SlotReader):
         """Move the group's shared cursor (affects every member)."""
         self._check()
         seq, pos = self._spool._cursor_for(where)
-        self._lock.acquire()
-        try:
+        with self._lock:
             self._spool._slots[self._w + F.S_POS] = pos
             self._spool._slots[self._w + F.S_SEQ] = seq
-        finally:
-            self._lock.release()
 
     def _set_cursor(self, seq, pos):
         raise NotImplementedError  # the cursor lives in the slot: use seek()
@@ -523,6 +520,7 @@ class GroupReader(_SlotReader):
     def close(self) -> None:
         if not self._closed and getattr(self, "_lock", None) is not None:
             self._flush_stats()
+            self._lock.close()
             self._lock.sem.close()
         super().close()
 
@@ -532,6 +530,8 @@ class GroupReader(_SlotReader):
         # parent's unflushed counters stay the parent's.
         self._cur.reset_stats()
         sp = self._spool
+        if getattr(self, "_lock", None) is not None:
+            self._lock.set_holder(sp._holder)
         if not ofd_lock(sp._map.fd, sp._slot_byte(self._slot, F.SLOT_LIVE_BYTE), exclusive=False):
             self._closed = True
             self._cur.close("could not re-attach group member after fork")

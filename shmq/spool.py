@@ -83,6 +83,8 @@ def set_crash_hook(hook) -> None:
 #: One message: ``(seq, timestamp_ns, data)``, a tuple with named fields
 #: (built by the core); ``frame.codec`` is the payload's codec tag.
 Frame = _core.Frame
+#: An open reservation (see :meth:`Spool.reserve`).
+Reservation = _core.Reservation
 _new_frame = tuple.__new__
 _LOCK_STUCK, _NO_ROOM, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.NO_ROOM, _core.SLOW, _core.TOO_LARGE
 _NO_PIN_MARK = (1 << 64) - 1
@@ -306,6 +308,7 @@ class Spool:
         for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
             sem.close()
         self._core.close()  # drops its export of the mapping: unmapping can proceed
+        self._wlock.close()
         self._ctl = self._slots = self._mm = self._view = None
         self._map.close()
         _open_spools.discard(self)
@@ -335,6 +338,7 @@ class Spool:
         self._space_bell.forget_after_fork()
         self._holder = holder_word()
         self._core.set_fd(self._map.fd, self._holder)
+        self._wlock.set_holder(self._holder)
         self._pin_slot = None  # the parent's pins stay the parent's
         self._pins = {}
         for r in list(self._readers):
@@ -467,6 +471,62 @@ class Spool:
             marker = self._core.full_marker()  # taken under the lock: no change is missed
             self._space_bell.wait(lambda: self._room_marker() != marker, left)
 
+    def reserve(self, nbytes, *, codec=F.CODEC_RAW, timeout=None) -> "Reservation":
+        """Room for one frame of exactly ``nbytes``, written in place (zero-copy)::
+
+            with sp.reserve(len(payload)) as buf:   # a writable memoryview
+                buf[:] = payload                    # or np.frombuffer(buf, ...)[:] = ...
+
+        The frame is committed (gets ``reservation.seq``) when the block exits
+        cleanly and abandoned when it raises; a process killed inside the
+        block exposes nothing (its lock is recovered like any writer's).
+        While a reservation is open it holds the writer lock: other writers
+        wait, so keep the block short, and do not put to the same spool from
+        the same thread inside it (that raises RuntimeError).  The buffer is
+        valid only inside the block.
+
+        Blocks like :meth:`put` for room (``on_full="block"``) or a stuck lock.
+
+        :raises shmq.TooLarge: ``nbytes`` can never fit.
+        :raises shmq.Full: no room in time (or policy "error").
+        :raises shmq.Timeout: the lock's live holder did not release it in time.
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, not {nbytes}")
+        if nbytes > self._max_payload:
+            raise TooLarge(f"frame of {nbytes} bytes can never fit: this spool's largest "
+                           f"frame is {self._max_payload} bytes (capacity {self._ring})")
+        timeout = check_block_timeout(True, timeout)
+        rt = self._recovery_timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        lock_deadline = None if timeout is None else now + max(rt, timeout)
+        while True:
+            lock_wait = rt if lock_deadline is None else max(0.0, min(rt, lock_deadline - time.monotonic()))
+            got = self._core.reserve(nbytes, codec, lock_wait)
+            if type(got) is not int:
+                return got
+            if got == _LOCK_STUCK:
+                if lock_deadline is not None and time.monotonic() >= lock_deadline:
+                    raise Timeout(f"writer lock of {self.path} not acquired within "
+                                  f"{max(rt, timeout)} s")
+                self._wlock.recover_if_dead()
+                continue
+            if got == _SLOW:  # a zero-copy pin is in the way: reclaim dead holders' pins
+                with self._wlock:
+                    self._pin_floor(1 << 62)
+            elif self._policy == "error":
+                raise Full(f"spool {self.path} is full (on_full='error')")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Full(f"spool {self.path} is still full after {timeout} s")
+            marker = self._core.full_marker()
+            self._space_bell.wait(lambda: self._room_marker() != marker,
+                                  0.1 if got == _SLOW and left is None else left)
+
     def _raise_too_large(self, views, max_backlog):
         sizes = [_payload_size(v) for v in views]
         big = max(sizes)
@@ -527,12 +587,12 @@ class Spool:
             # put waits for it, up to the recovery timeout.
             lock_wait = None if deadline is None else max(self._recovery_timeout,
                                                           deadline - time.monotonic())
-            self._wlock.acquire(lock_wait)
-            try:
+            try:  # the try covers the acquire: no signal can land between the two
+                self._wlock.acquire(lock_wait)
                 seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog,
                                          before_commit)
             finally:
-                self._wlock.release()  # sem_post: also the fence before reading waiters
+                self._wlock.release_if_held()  # sem_post: also the fence before reading waiters
             if seq is not None:
                 if self._data_bell.has_waiters():
                     self._data_bell.ring()
@@ -749,8 +809,7 @@ class Spool:
                 raise ShmqError(f"{self.path}: pin slot {name} is in use")
             self._slots[i * F.SLOT_WORDS + F.S_POS] = F.NO_PIN
             self._pin_slot = i
-        self._wlock.acquire()
-        try:
+        with self._wlock:
             if self._ctl[W_FIRST_POS] > pos:
                 return False
             self._pins[pos] = self._pins.get(pos, 0) + 1
@@ -758,8 +817,6 @@ class Spool:
             if pos < self._slots[w + F.S_POS]:
                 self._slots[w + F.S_POS] = pos
             return True
-        finally:
-            self._wlock.release()
 
     def _unpin(self, pos) -> None:
         if self._mm is None or self._pin_slot is None:
