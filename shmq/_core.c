@@ -104,6 +104,8 @@ _Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
 
 static PyObject *SpoolFormatError = NULL; /* set by _core.setup() */
 static PyObject *crash_hook = NULL;       /* fault-injection harness only */
+static PyObject *pickle_loads = NULL;     /* for Cursor.get_obj */
+static PyObject *EMPTY = NULL, *STUCK = NULL, *UNDECODED = NULL; /* get_obj's sentinels */
 static PyTypeObject *FrameType = NULL;
 
 /* ---- atomics on words of the shared mapping ---- */
@@ -1204,6 +1206,7 @@ typedef struct {
     sem_t *gsem;
     uint64_t n, bytes, dsum, dmax, lag_peak, lost_pending;
     PyObject *closed_msg;
+    PyObject *last; /* the frame get_obj() could not decode (UNDECODED) */
 } Cursor;
 
 static uint64_t *cur_slot(Cursor *c) { return c->ring->slots + c->slot * SLOT_WORDS; }
@@ -1381,6 +1384,45 @@ static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) 
     return private_take(c, 1, 0);
 }
 
+static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
+    /* The shmq.Queue get path in one call: take one frame (group lock held
+     * for the copy only), then decode raw and pickle frames after releasing
+     * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
+     * lock was not free in time) or UNDECODED (another codec: see .last). */
+    if (cursor_check(c) < 0) return NULL;
+    PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    if (!f) return NULL;
+    if (f == Py_None) {
+        Py_DECREF(f);
+        return Py_NewRef(EMPTY);
+    }
+    if (PyLong_Check(f)) {
+        Py_DECREF(f);
+        return Py_NewRef(STUCK);
+    }
+    long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
+    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
+    if (codec == 0) { /* raw bytes travel as they are */
+        PyObject *out = Py_NewRef(data);
+        Py_DECREF(f);
+        return out;
+    }
+    if (codec == 1 && pickle_loads) { /* unpickled after the lock was released */
+        PyObject *out = PyObject_CallOneArg(pickle_loads, data);
+        Py_DECREF(f);
+        return out;
+    }
+    Py_XSETREF(c->last, f);
+    return Py_NewRef(UNDECODED);
+}
+
+static PyObject *Cursor_get_last(Cursor *c, void *x) {
+    PyObject *f = c->last ? c->last : Py_None;
+    Py_INCREF(f);
+    Py_CLEAR(c->last);
+    return f;
+}
+
 static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
     /* get_many(max, lock_wait=None) -> list (maybe empty) or ST_LOCK_STUCK */
     if (nargs < 1) {
@@ -1493,6 +1535,7 @@ static void Cursor_dealloc(Cursor *c) {
     if (c->gsem) sem_close(c->gsem);
     Py_XDECREF(c->ring);
     Py_XDECREF(c->closed_msg);
+    Py_XDECREF(c->last);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -1515,12 +1558,14 @@ static PyGetSetDef Cursor_getset[] = {
     {"pos", (getter)Cursor_get_pos, (setter)Cursor_set_pos, "byte position of the next frame", NULL},
     {"lost", (getter)Cursor_get_lost, (setter)Cursor_set_lost, "frames skipped by this cursor", NULL},
     {"pending", (getter)Cursor_get_pending, NULL, "frames counted but not yet flushed to the slot", NULL},
+    {"last", (getter)Cursor_get_last, NULL, "the frame get_obj() returned UNDECODED for (read once)", NULL},
     {NULL}};
 
 static PyMethodDef Cursor_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Cursor_get, METH_FASTCALL, "get(lock_wait=None) -> Frame | None | status"},
     {"get_many", (PyCFunction)(void (*)(void))Cursor_get_many, METH_FASTCALL,
      "get_many(max, lock_wait=None) -> list | status"},
+    {"get_obj", (PyCFunction)Cursor_get_obj, METH_NOARGS, "get_obj() -> object | EMPTY | STUCK | UNDECODED"},
     {"commit", (PyCFunction)Cursor_commit, METH_NOARGS, "store the position in the slot (named readers)"},
     {"flush", (PyCFunction)Cursor_flush, METH_VARARGS, "publish counters to the slot"},
     {"available", (PyCFunction)Cursor_available, METH_NOARGS, "True if a frame is committed past the cursor"},
@@ -1722,8 +1767,11 @@ static PyTypeObject LockType = {
 
 /* ---- module ---- */
 
-static PyObject *core_setup(PyObject *m, PyObject *fmt_err) {
+static PyObject *core_setup(PyObject *m, PyObject *args) {
+    PyObject *fmt_err, *loads;
+    if (!PyArg_ParseTuple(args, "OO", &fmt_err, &loads)) return NULL;
     Py_XSETREF(SpoolFormatError, Py_NewRef(fmt_err));
+    Py_XSETREF(pickle_loads, Py_NewRef(loads));
     Py_RETURN_NONE;
 }
 
@@ -1755,7 +1803,7 @@ static PyObject *frame_repr(PyObject *f) {
 }
 
 static PyMethodDef core_methods[] = {
-    {"setup", core_setup, METH_O, "setup(SpoolFormatError): the exception raised for corrupt rings"},
+    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads)"},
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
     {NULL}};
@@ -1805,6 +1853,13 @@ PyMODINIT_FUNC PyInit__core(void) {
         "S_LOCK_HOLDER", S_LOCK_HOLDER);
     if (!layout) return NULL;
     PyModule_AddObject(m, "LAYOUT", layout);
+    EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    STUCK = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    UNDECODED = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (!EMPTY || !STUCK || !UNDECODED) return NULL;
+    PyModule_AddObjectRef(m, "EMPTY", EMPTY);
+    PyModule_AddObjectRef(m, "STUCK", STUCK);
+    PyModule_AddObjectRef(m, "UNDECODED", UNDECODED);
     PyModule_AddIntConstant(m, "LOCK_STUCK", ST_LOCK_STUCK);
     PyModule_AddIntConstant(m, "NO_ROOM", ST_NO_ROOM);
     PyModule_AddIntConstant(m, "SLOW", ST_SLOW);

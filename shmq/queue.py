@@ -28,12 +28,15 @@ from multiprocessing import resource_tracker
 
 import posix_ipc
 
+from . import _core
 from . import _format as F
 from ._mapping import SEM_UNFINISHED, open_semaphore, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool, check_block_timeout
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+
+_EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
 GROUP = "queue"
 DEFAULT_CAPACITY = "32MiB"
@@ -132,6 +135,7 @@ class Queue:
         self._backlog = self._maxsize or None
         self._backlog_word = self._maxsize or -1  # the core's "no bound"
         self._core = spool._core
+        self._get_obj = self._reader._cur.get_obj
         self._trusted = trusted
         self._closed = False
 
@@ -196,9 +200,16 @@ class Queue:
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        f = self._reader.get(block, timeout)
-        # unpickle after the group lock was released (inside reader.get)
-        return _decode(f[2], f.codec)
+        if timeout is not None:
+            check_block_timeout(block, timeout)  # bad timeouts fail even if an item is there
+        obj = self._get_obj()  # take, release the group lock, unpickle: one call into the core
+        if obj is _EMPTY or obj is _STUCK or obj is _UNDECODED:
+            if obj is _UNDECODED:
+                f = self._reader._cur.last
+            else:
+                f = self._reader.get(block, timeout)
+            return _decode(f[2], f.codec)
+        return obj
 
     def put_nowait(self, obj):
         return self.put(obj, False)

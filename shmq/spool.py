@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pickle
 import time
 import weakref
 import zlib
@@ -42,7 +43,7 @@ from posix_ipc import BusyError
 from .errors import FrameLost, Full, ShmqError, SpoolFormatError, Timeout, TooLarge
 from .stats import ReaderStats, SpoolStats
 
-_core.setup(SpoolFormatError)
+_core.setup(SpoolFormatError, pickle.loads)
 # The core mirrors the layout of _format: refuse to run if they ever disagree.
 _mismatch = {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v}
 if _mismatch:  # pragma: no cover - a build of the core from another version
