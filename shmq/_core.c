@@ -1036,6 +1036,51 @@ static PyObject *Ring_read(Ring *r, PyObject *args) {
     return res;
 }
 
+static PyObject *Ring_locate(Ring *r, PyObject *args) {
+    /* locate(seq, hint_seq, hint_pos) -> header position of frame seq;
+     * -1: already overwritten; -2: the ring was rewritten under every attempt.
+     * Walks headers lock-free from the oldest frame (or the hint). */
+    unsigned long long want, hseq, hpos;
+    if (!PyArg_ParseTuple(args, "KKK", &want, &hseq, &hpos)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    for (int attempt = 0; attempt < 100; attempt++) {
+        uint64_t s, p;
+        if (first_cursor(r, &s, &p) < 0) return NULL;
+        if (want < s) return PyLong_FromLong(-1);
+        if (s <= hseq && hseq <= want && hpos >= p) {
+            s = hseq;
+            p = hpos;
+        }
+        uint64_t limit = ld_acq(&c[W_NEXT_POS]) + ring; /* a sane walk never gets this far */
+        int pads = 0;
+        for (;;) {
+            uint64_t off = p % ring;
+            if (ring - off < FRAME_BYTES) {
+                p += ring - off;
+                off = 0;
+            }
+            FrameHeader h;
+            read_header(r, off, &h);
+            atomic_thread_fence(memory_order_acquire);
+            if (ld_rlx(&c[W_FIRST_POS]) > p) break; /* overtaken by the writer: start again */
+            if (h.seq != s || !header_sane(&h, off, ring) || p > limit)
+                return corrupt(r, "ring is corrupt near seq %llu; run 'shmq fsck'", (unsigned long long)s);
+            if (h.flags & FLAG_PAD) {
+                if (off == 0 || ++pads > 2)
+                    return corrupt(r, "corrupt padding near seq %llu", (unsigned long long)s);
+                p += h.stored;
+                continue;
+            }
+            pads = 0;
+            if (s == want) return PyLong_FromUnsignedLongLong(p);
+            s++;
+            p += h.stored;
+        }
+    }
+    return PyLong_FromLong(-2);
+}
+
 static PyObject *Ring_first_cursor(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
     uint64_t s, p;
@@ -1171,6 +1216,7 @@ static PyMethodDef Ring_methods[] = {
     {"read", (PyCFunction)Ring_read, METH_VARARGS, "read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec)"},
     {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
+    {"locate", (PyCFunction)Ring_locate, METH_VARARGS, "locate(seq, hint_seq, hint_pos) -> position, -1 lost, -2 busy"},
     {"latest", (PyCFunction)Ring_latest, METH_VARARGS, "latest(lock_wait) -> (next_seq, next_pos) or None"},
     {"ring_space", (PyCFunction)Ring_ring_space, METH_NOARGS, "wake writers waiting for room, if any"},
     {"ring_data", (PyCFunction)Ring_ring_data, METH_NOARGS, "wake readers waiting for frames, if any"},

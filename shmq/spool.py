@@ -980,33 +980,18 @@ class Spool:
         return self._core.read(seq, pos, verify)
 
     def _locate(self, seq):
-        """Byte position of frame ``seq`` (walks from the oldest frame or a hint)."""
+        """Header position of frame ``seq`` (the core walks from the oldest frame or a hint)."""
         ctl = self._ctl
         if seq >= ctl[W_NEXT_SEQ]:
             raise FrameLost(f"seq {seq} has not been written yet (next is {ctl[W_NEXT_SEQ]})")
-        for _attempt in range(100):
-            s, p = self._first_cursor()
-            if seq < s:
-                raise FrameLost(f"seq {seq} was overwritten (oldest is {s})")
-            hint = self._locate_hint
-            if hint is not None and s <= hint[0] <= seq:
-                s, p = hint
-            while True:
-                hit = self._header_at(p)
-                if ctl[W_FIRST_POS] > p:
-                    break  # the walk was overtaken by the writer: start again
-                if hit is None or hit[0] != s:
-                    raise SpoolFormatError(f"{self.path}: ring is corrupt near seq {s}; run 'shmq fsck'")
-                if hit[6] & FLAG_PAD:
-                    if hit[1] % self._ring == 0 or hit[1] + hit[2] == p + self._ring:
-                        raise SpoolFormatError(f"{self.path}: corrupt padding near seq {s}")
-                    p = hit[1] + hit[2]
-                    continue
-                if s == seq:
-                    self._locate_hint = (s, hit[1])
-                    return hit[1]
-                s, p = s + 1, hit[1] + hit[2]
-        raise FrameLost(f"seq {seq} could not be located while the ring was being rewritten")
+        hint = self._locate_hint or (1 << 63, 0)
+        pos = self._core.locate(seq, hint[0], hint[1])
+        if pos == -1:
+            raise FrameLost(f"seq {seq} was overwritten (oldest is {ctl[W_FIRST_SEQ]})")
+        if pos == -2:
+            raise FrameLost(f"seq {seq} could not be located while the ring was being rewritten")
+        self._locate_hint = (seq, pos)
+        return pos
 
     def read_at(self, seq, *, verify=False) -> Frame:
         """Read frame ``seq`` without a lock and without moving any cursor.

@@ -98,6 +98,8 @@ def exercise(path):
             except shmq.Empty:
                 pass
         for seq in (sp.first_seq, sp.next_seq - 1):
+            if seq < 0:  # nothing committed yet (NEXT_SEQ 0): no last frame to read
+                continue
             try:
                 sp.read_at(seq)
             except shmq.FrameLost:
