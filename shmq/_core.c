@@ -158,6 +158,8 @@ typedef struct {
     uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
     double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
     struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
+    PyObject *owner; /* weak reference to the Python object whose slow path completes put_api */
+    int fast_put;    /* 0: put_api always takes the slow path (sync=True) */
     PyObject *path;
 } Ring;
 
@@ -801,6 +803,99 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
     return (PyObject *)rv;
 }
 
+/* Call owner._slow_name(*args) through a weak reference. */
+static PyObject *call_owner(PyObject *owner, const char *name, PyObject *const *args, size_t nargs) {
+    PyObject *o = owner ? PyWeakref_GetObject(owner) : Py_None;
+    if (!o || o == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "handle is closed");
+        return NULL;
+    }
+    Py_INCREF(o);
+    PyObject *meth = PyObject_GetAttrString(o, name);
+    Py_DECREF(o);
+    if (!meth) return NULL;
+    PyObject *res = PyObject_Vectorcall(meth, args, nargs, NULL);
+    Py_DECREF(meth);
+    return res;
+}
+
+/* Parse (first positional, block=True, timeout=None, codec/extra) for the *_api entry points. */
+static int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *const *names, int nnames,
+                     PyObject **out) {
+    for (int i = 0; i < nnames; i++) out[i] = NULL;
+    if (nargs > nnames) {
+        PyErr_Format(PyExc_TypeError, "takes at most %d positional arguments", nnames);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+    if (kwnames) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t k = 0; k < nk; k++) {
+            const char *kn = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+            if (!kn) return -1;
+            int found = 0;
+            for (int i = 0; i < nnames; i++) {
+                if (strcmp(kn, names[i]) == 0) {
+                    if (out[i]) {
+                        PyErr_Format(PyExc_TypeError, "got multiple values for argument '%s'", kn);
+                        return -1;
+                    }
+                    out[i] = args[nargs + k];
+                    found = 1;
+                    break;
+                }
+            }
+            if (!found) {
+                PyErr_Format(PyExc_TypeError, "got an unexpected keyword argument '%s'", kn);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* Spool.put(data, block=True, timeout=None, codec=0): the uncontended put
+     * in one C call; anything else goes to the owner's _put_slow. */
+    static const char *const names[] = {"data", "block", "timeout", "codec"};
+    PyObject *a[4];
+    if (parse_api(args, nargs, kwnames, names, 4, a) < 0) return NULL;
+    if (!a[0]) {
+        PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'data'");
+        return NULL;
+    }
+    int block = a[1] ? PyObject_IsTrue(a[1]) : 1;
+    if (block < 0) return NULL;
+    int codec = 0;
+    if (a[3] && (codec = (int)PyLong_AsLong(a[3])) == -1 && PyErr_Occurred()) return NULL;
+    if (block && (!a[2] || a[2] == Py_None) && r->fast_put && r->have_buf) {
+        Item item;
+        if (load_item(&item, a[0], r->checksum) < 0) return NULL;
+        int64_t res = ring_write(r, &item, 1, codec, -1, r->lock_wait);
+        release_items(&item, 1);
+        if (res == -100) return NULL;
+        if (res >= 0) return PyLong_FromLongLong(res);
+    }
+    PyObject *cargs[4] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None, NULL};
+    PyObject *cd = PyLong_FromLong(codec);
+    if (!cd) return NULL;
+    cargs[3] = cd;
+    PyObject *res = call_owner(r->owner, "_put_slow", cargs, 4);
+    Py_DECREF(cd);
+    return res;
+}
+
+static PyObject *Ring_bind(Ring *r, PyObject *args) {
+    PyObject *owner;
+    int fast;
+    if (!PyArg_ParseTuple(args, "Op", &owner, &fast)) return NULL;
+    PyObject *ref = PyWeakref_NewRef(owner, NULL);
+    if (!ref) return NULL;
+    Py_XSETREF(r->owner, ref);
+    r->fast_put = fast;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     /* put(data, codec=0, max_backlog=-1, lock_wait=default) -> seq or status */
     if (nargs < 1 || nargs > 4) {
@@ -1203,6 +1298,7 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
 static void Ring_dealloc(Ring *r) {
     ring_release(r);
     Py_XDECREF(r->path);
+    Py_XDECREF(r->owner);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -1214,6 +1310,9 @@ static PyMethodDef Ring_methods[] = {
     {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL,
      "put_many(items, codec=0, max_backlog=-1, lock_wait=None) -> first seq, or a negative status"},
     {"read", (PyCFunction)Ring_read, METH_VARARGS, "read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec)"},
+    {"put_api", (PyCFunction)(void (*)(void))Ring_put_api, METH_FASTCALL | METH_KEYWORDS,
+     "put(data, block=True, timeout=None, codec=0) -> seq (see shmq.Spool.put)"},
+    {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "bind(owner, fast): owner._put_slow completes put_api"},
     {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
     {"locate", (PyCFunction)Ring_locate, METH_VARARGS, "locate(seq, hint_seq, hint_pos) -> position, -1 lost, -2 busy"},
@@ -1252,7 +1351,9 @@ typedef struct {
     sem_t *gsem;
     uint64_t n, bytes, dsum, dmax, lag_peak, lost_pending;
     PyObject *closed_msg;
-    PyObject *last; /* the frame get_obj() could not decode (UNDECODED) */
+    PyObject *last;  /* the frame get_obj() could not decode (UNDECODED) */
+    PyObject *owner;  /* weak reference to the reader whose _get_slow completes get_api */
+    PyObject *qowner; /* weak reference to the shmq.Queue whose _get_slow completes get_obj_api */
 } Cursor;
 
 static uint64_t *cur_slot(Cursor *c) { return c->ring->slots + c->slot * SLOT_WORDS; }
@@ -1462,6 +1563,56 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     return Py_NewRef(UNDECODED);
 }
 
+static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* Reader.get(block=True, timeout=None): a frame in one C call when one is
+     * there; otherwise owner._get_slow(block, timeout, first_result). */
+    static const char *const names[] = {"block", "timeout"};
+    PyObject *a[2];
+    if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
+    if (cursor_check(c) < 0) return NULL;
+    PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    if (!f) return NULL;
+    if (Py_IS_TYPE(f, FrameType)) return f;
+    PyObject *cargs[3] = {a[0] ? a[0] : Py_True, a[1] ? a[1] : Py_None, f};
+    PyObject *res = call_owner(c->owner, "_get_slow", cargs, 3);
+    Py_DECREF(f);
+    return res;
+}
+
+static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* shmq.Queue.get(block=True, timeout=None): the item in one C call when
+     * one is there (raw or pickle); otherwise owner._get_slow(block, timeout). */
+    static const char *const names[] = {"block", "timeout"};
+    PyObject *a[2];
+    if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
+    PyObject *block = a[0] ? a[0] : Py_True, *timeout = a[1] ? a[1] : Py_None;
+    if (timeout == Py_None && !c->closed_msg) {
+        PyObject *o = Cursor_get_obj(c, NULL);
+        if (!o) return NULL;
+        if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
+        Py_DECREF(o);
+        if (c->last) { /* UNDECODED: the Python decoder takes it from .last */
+            PyObject *cargs[3] = {block, timeout, UNDECODED};
+            return call_owner(c->qowner, "_get_slow", cargs, 3);
+        }
+    }
+    PyObject *cargs[3] = {block, timeout, EMPTY};
+    return call_owner(c->qowner, "_get_slow", cargs, 3);
+}
+
+static PyObject *Cursor_bind(Cursor *c, PyObject *args) {
+    PyObject *owner, *queue = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &owner, &queue)) return NULL;
+    PyObject *ref = PyWeakref_NewRef(owner, NULL);
+    if (!ref) return NULL;
+    Py_XSETREF(c->owner, ref);
+    if (queue != Py_None) {
+        if (!(ref = PyWeakref_NewRef(queue, NULL))) return NULL;
+        Py_XSETREF(c->qowner, ref);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Cursor_get_last(Cursor *c, void *x) {
     PyObject *f = c->last ? c->last : Py_None;
     Py_INCREF(f);
@@ -1582,6 +1733,8 @@ static void Cursor_dealloc(Cursor *c) {
     Py_XDECREF(c->ring);
     Py_XDECREF(c->closed_msg);
     Py_XDECREF(c->last);
+    Py_XDECREF(c->owner);
+    Py_XDECREF(c->qowner);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -1612,6 +1765,12 @@ static PyMethodDef Cursor_methods[] = {
     {"get_many", (PyCFunction)(void (*)(void))Cursor_get_many, METH_FASTCALL,
      "get_many(max, lock_wait=None) -> list | status"},
     {"get_obj", (PyCFunction)Cursor_get_obj, METH_NOARGS, "get_obj() -> object | EMPTY | STUCK | UNDECODED"},
+    {"get_api", (PyCFunction)(void (*)(void))Cursor_get_api, METH_FASTCALL | METH_KEYWORDS,
+     "get(block=True, timeout=None) -> Frame (see shmq.Reader.get)"},
+    {"get_obj_api", (PyCFunction)(void (*)(void))Cursor_get_obj_api, METH_FASTCALL | METH_KEYWORDS,
+     "get(block=True, timeout=None) -> item (see shmq.Queue.get)"},
+    {"bind", (PyCFunction)Cursor_bind, METH_VARARGS,
+     "bind(reader, queue=None): their _get_slow completes get_api / get_obj_api"},
     {"commit", (PyCFunction)Cursor_commit, METH_NOARGS, "store the position in the slot (named readers)"},
     {"flush", (PyCFunction)Cursor_flush, METH_VARARGS, "publish counters to the slot"},
     {"available", (PyCFunction)Cursor_available, METH_NOARGS, "True if a frame is committed past the cursor"},

@@ -136,6 +136,9 @@ class Queue:
         self._backlog_word = self._maxsize or -1  # the core's "no bound"
         self._core = spool._core
         self._get_obj = self._reader._cur.get_obj
+        self._reader._cur.bind(self._reader, self)
+        # The item in one C call when there is one; _get_slow does the rest.
+        self.get = self._reader._cur.get_obj_api
         self._trusted = trusted
         self._closed = False
 
@@ -204,12 +207,18 @@ class Queue:
             check_block_timeout(block, timeout)  # bad timeouts fail even if an item is there
         obj = self._get_obj()  # take, release the group lock, unpickle: one call into the core
         if obj is _EMPTY or obj is _STUCK or obj is _UNDECODED:
-            if obj is _UNDECODED:
-                f = self._reader._cur.last
-            else:
-                f = self._reader.get(block, timeout)
-            return _decode(f[2], f.codec)
+            return self._get_slow(block, timeout, obj)
         return obj
+
+    def _get_slow(self, block, timeout, got):
+        """Waiting, other codecs, a stuck group lock: what the core's get leaves to Python."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if got is _UNDECODED:
+            f = self._reader._cur.last
+        else:
+            f = self._reader.get(block, timeout)
+        return _decode(f[2], f.codec)
 
     def put_nowait(self, obj):
         return self.put(obj, False)

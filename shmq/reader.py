@@ -58,6 +58,9 @@ class Reader:
         seq, pos = self._initial_cursor(start)
         self._cur = _core.Cursor(spool._core, self._kind, -1 if self._slot is None else self._slot,
                                  seq, pos, self._auto_commit(), bool(verify), self._lock_name())
+        self._cur.bind(self)
+        # A frame in one C call; it hands waiting and recovery to _get_slow.
+        self.get = self._cur.get_api
         spool._readers.add(self)
 
     def _initial_cursor(self, start):
@@ -466,6 +469,9 @@ class GroupReader(_SlotReader):
         f = self._cur.get()
         if type(f) is Frame:
             return f
+        return self._get_slow(block, timeout, f)
+
+    def _get_slow(self, block, timeout, f):
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
         deadline = None

@@ -177,6 +177,9 @@ class Spool:
             geo["slot_count"], F.POLICIES.index(self._policy), self._checksum,
             sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
             sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
+        self._core.bind(self, not self._sync)
+        # The uncontended put in one C call; it hands anything else to _put_slow.
+        self.put = self._core.put_api
         if os.fstat(m.fd).st_nlink == 0:
             # Destroyed while we opened it: our O_CREAT may have re-created
             # semaphores that destroy() had just unlinked; do not leak them.
@@ -390,13 +393,17 @@ class Spool:
         :raises shmq.Full: no room (policy "error", or block policy timed out).
         :raises shmq.Timeout: the writer lock's (live) holder did not release in time.
         """
+        # (Handles bind this name to the core's put_api, which does exactly
+        # this in C; this body is the reference and the unbound entry point.)
         if block and timeout is None and not self._sync:
             seq = self._core.put(data, codec)  # the whole uncontended put, in C
             if seq >= 0:
                 return seq
-            timeout = None
-        else:
-            timeout = check_block_timeout(block, timeout)
+        return self._put_slow(data, block, timeout, codec)
+
+    def _put_slow(self, data, block, timeout, codec):
+        """Everything the core's put could not finish: validation, waits, recovery."""
+        timeout = None if block and timeout is None else check_block_timeout(block, timeout)
         return self._append((data,), timeout, codec)
 
     def put_many(self, items, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
