@@ -356,6 +356,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
         st_rlx(&c[W_EVICTED], ld_rlx(&c[W_EVICTED]) + (seq - start_seq));
         return 0;
     }
+    uint64_t walk_start = pos;
     while (pos < limit && seq < next_seq) {
         uint64_t off = pos % ring;
         if (ring - off < FRAME_BYTES) {
@@ -364,7 +365,11 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
         }
         FrameHeader h;
         read_header(r, off, &h);
-        if (h.seq != seq || !header_sane(&h, off, ring)) {
+        /* A PAD fills the ring's tail exactly and never starts the ring, and no
+         * walk of resident frames spans more than the ring: anything else is
+         * corruption (and would otherwise spin on a self-repeating PAD). */
+        if (h.seq != seq || !header_sane(&h, off, ring) ||
+            ((h.flags & FLAG_PAD) && (off == 0 || off + h.stored != ring)) || pos + h.stored - walk_start > ring) {
             corrupt(r, "ring is corrupt at seq %llu (offset %llu: header says seq %llu, %u bytes); "
                     "run 'shmq fsck --repair'",
                     (unsigned long long)seq, (unsigned long long)off, (unsigned long long)h.seq, h.stored);
@@ -1970,6 +1975,63 @@ static PyTypeObject LockType = {
               "Python signal handler between taking the lock and entering the block.",
 };
 
+/* ---- Waiting: a waiter registration whose `with` is signal-safe ---- */
+
+typedef struct {
+    PyObject_HEAD
+    sem_t *sem;
+} Waiting;
+
+static int Waiting_init(Waiting *w, PyObject *args, PyObject *kw) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return -1;
+    if (w->sem) sem_close(w->sem);
+    w->sem = open_sem(name);
+    return w->sem ? 0 : -1;
+}
+
+static PyObject *Waiting_enter(Waiting *w, PyObject *unused) {
+    if (!w->sem) {
+        PyErr_SetString(PyExc_ValueError, "closed");
+        return NULL;
+    }
+    sem_post(w->sem); /* register: a full fence before the caller re-checks */
+    return Py_NewRef((PyObject *)w);
+}
+
+static PyObject *Waiting_exit(Waiting *w, PyObject *args) {
+    if (w->sem) sem_trywait(w->sem); /* EAGAIN: the count was reset (fsck --repair) */
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Waiting_close(Waiting *w, PyObject *unused) {
+    if (w->sem) sem_close(w->sem);
+    w->sem = NULL;
+    Py_RETURN_NONE;
+}
+
+static void Waiting_dealloc(Waiting *w) {
+    if (w->sem) sem_close(w->sem);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyMethodDef Waiting_methods[] = {{"__enter__", (PyCFunction)Waiting_enter, METH_NOARGS, NULL},
+                                        {"__exit__", (PyCFunction)Waiting_exit, METH_VARARGS, NULL},
+                                        {"close", (PyCFunction)Waiting_close, METH_NOARGS, NULL},
+                                        {NULL}};
+
+static PyTypeObject WaitingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq._core.Waiting",
+    .tp_basicsize = sizeof(Waiting),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Waiting_init,
+    .tp_dealloc = (destructor)Waiting_dealloc,
+    .tp_methods = Waiting_methods,
+    .tp_doc = "`with Waiting(name):` counts this waiter in a waiter semaphore for the block; enter and exit\n"
+              "are single C calls, so a signal handler cannot leak or drop a registration.",
+};
+
 /* ---- module ---- */
 
 static PyObject *core_setup(PyObject *m, PyObject *args) {
@@ -2032,7 +2094,7 @@ static PyStructSequence_Desc frame_desc = {
 PyMODINIT_FUNC PyInit__core(void) {
     crc_init();
     if (PyType_Ready(&RingType) < 0 || PyType_Ready(&CursorType) < 0 || PyType_Ready(&ReservationType) < 0 ||
-        PyType_Ready(&LockType) < 0)
+        PyType_Ready(&LockType) < 0 || PyType_Ready(&WaitingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&core_module);
     if (!m) return NULL;
@@ -2045,6 +2107,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddObjectRef(m, "Cursor", (PyObject *)&CursorType);
     PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType);
     PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
+    PyModule_AddObjectRef(m, "Waiting", (PyObject *)&WaitingType);
     PyObject *layout = Py_BuildValue(
         "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
         "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,

@@ -36,7 +36,8 @@ import threading
 import time
 
 import inotify_simple
-import posix_ipc
+
+from . import _core
 
 log = logging.getLogger("shmq")
 
@@ -139,18 +140,18 @@ class Watcher:
 
     def sleep(self, seconds: float) -> None:
         """Sleep until any watched file is modified or ``seconds`` pass (thread-safe)."""
-        with self._cond:
-            gen = self._gen
-            pump = self._ino is not None and not self._pumping
-            if pump:
-                self._pumping = True
-            elif self._ino is not None:
-                self._cond.wait_for(lambda: self._gen != gen or not self._pumping, seconds)
+        pump = False
+        try:  # covers taking the pump role: a KeyboardInterrupt can never leave it taken
+            with self._cond:
+                gen = self._gen
+                if self._ino is not None and not self._pumping:
+                    self._pumping = pump = True  # one statement: no signal lands in between
+                elif self._ino is not None:
+                    self._cond.wait_for(lambda: self._gen != gen or not self._pumping, seconds)
+                    return
+            if not pump:  # no inotify: the fallback polls
+                time.sleep(min(seconds, FALLBACK_SLEEP_S))
                 return
-        if not pump:  # no inotify: the fallback polls
-            time.sleep(min(seconds, FALLBACK_SLEEP_S))
-            return
-        try:
             fd = self._ino.fileno()
             # select(), not a shared poll object: several threads may be here
             # over time, and poll objects refuse concurrent use.
@@ -158,9 +159,10 @@ class Watcher:
             if ready:
                 self._drain()
         finally:
-            with self._cond:
-                self._pumping = False
-            self._bump()
+            if pump:
+                with self._cond:
+                    self._pumping = False
+                self._bump()
 
     # -- asyncio ----------------------------------------------------------
 
@@ -224,6 +226,9 @@ class Doorbell:
         self.file = file
         self.byte = byte
         self.sem = sem
+        # Registration as a C context manager: a signal can neither leak it
+        # (publishers would ring forever) nor undo someone else's.
+        self._waiting = _core.Waiting(sem.name)
         self._key = None
         self._watched = False
         self._lock = threading.Lock()
@@ -262,8 +267,7 @@ class Doorbell:
             if ready():
                 return True
         self._watch()
-        self.sem.release()  # register (a full fence), then re-check
-        try:
+        with self._waiting:  # register (a full fence), then re-check
             while True:
                 if ready():
                     return True
@@ -274,14 +278,6 @@ class Doorbell:
                         return False
                     wait = min(wait, left)
                 watcher().sleep(wait)
-        finally:
-            self._unregister()
-
-    def _unregister(self):
-        try:
-            self.sem.acquire(0)
-        except posix_ipc.BusyError:
-            pass  # counter was reset (fsck --repair); nothing to undo
 
     async def wait_async(self, ready, timeout: float | None) -> bool:
         """Like :meth:`wait`, for asyncio: parks on the inotify fd via the loop."""
@@ -291,8 +287,7 @@ class Doorbell:
         deadline = None if timeout is None else loop.time() + timeout
         self._watch()
         futs = watcher().attach_loop(loop)
-        self.sem.release()
-        try:
+        with self._waiting:
             while True:
                 if ready():
                     return True
@@ -310,8 +305,6 @@ class Doorbell:
                     pass
                 finally:
                     futs.discard(fut)
-        finally:
-            self._unregister()
 
     def forget_after_fork(self):
         """In a fork child: the process-wide watcher is new; watch again on demand."""
@@ -320,6 +313,7 @@ class Doorbell:
         self._lock = threading.Lock()
 
     def close(self):
+        self._waiting.close()
         if self._watched:
             watcher().unwatch(self._key)
             self._key = None

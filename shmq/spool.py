@@ -869,13 +869,18 @@ class Spool:
         seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
         start_seq = seq
         self._record_high_water()
+        walk_start = pos
         while pos < limit and seq < next_seq:
             off = pos % ring
             if ring - off < FRAME_BYTES:
                 pos += ring - off
                 continue
             hseq, stored, length, _ts, _crc32, flags, _c, _x = _unpack_frame(mm, base + off)
-            if hseq != seq or not F.valid_frame_header(stored, length, off, ring):
+            # As in the core: a PAD fills the ring's tail exactly and never
+            # starts it; no walk of resident frames spans more than the ring.
+            if (hseq != seq or not F.valid_frame_header(stored, length, off, ring)
+                    or flags & FLAG_PAD and (off == 0 or off + stored != ring)
+                    or pos + stored - walk_start > ring):
                 raise SpoolFormatError(
                     f"{self.path}: ring is corrupt at seq {seq} (offset {off}: header says seq "
                     f"{hseq}, {stored} bytes); run 'shmq fsck --repair'")
