@@ -22,7 +22,7 @@ import re
 import struct
 import zlib
 
-from .errors import SpoolFormatError
+from .errors import NotASpool, SpoolFormatError
 
 MAGIC = b"SHMQSPL\x00"
 FORMAT_VERSION = 1
@@ -223,12 +223,12 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
             raise SpoolFormatError(
                 f"{where}: truncated spool ({file_size} bytes, header alone needs {HEADER_BYTES}); "
                 "it cannot be repaired: destroy it and create it again")
-        raise SpoolFormatError(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
+        raise NotASpool(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
     (magic, version, header_bytes, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
      slot_bytes, lease_offset, lease_count, lease_bytes, policy, checksum, _r0, flags,
      sem_prefix, created_ns, _r1, crc) = GEOMETRY.unpack_from(raw)
     if magic != MAGIC:
-        raise SpoolFormatError(
+        raise NotASpool(
             f"{where}: not a shmq spool (bad magic {magic!r}); refusing to touch a foreign file")
     if version > FORMAT_VERSION:
         raise SpoolFormatError(

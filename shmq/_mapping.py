@@ -19,7 +19,7 @@ import time
 import posix_ipc
 
 from . import _format as F
-from .errors import ShmqError, SpoolFormatError
+from .errors import NotASpool, ShmqError
 
 DEFAULT_DIR = "/dev/shm/shmq"
 
@@ -168,7 +168,7 @@ class Mapping:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise ShmqError(f"{path}: is a symbolic link; refusing to follow it") from None
+                raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
             if exc.errno == errno.ENOENT:
                 raise FileNotFoundError(errno.ENOENT, "no spool at this path "
                                         "(create it with shmq.Spool.create)", path) from None
@@ -176,7 +176,7 @@ class Mapping:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise SpoolFormatError(f"{path}: not a regular file")
+                raise NotASpool(f"{path}: not a regular file")
             head = os.pread(fd, F.GEOMETRY.size, 0)
             self.geo = F.unpack_geometry(head, st.st_size, path)
             self.mm = mmap.mmap(fd, self.geo["file_bytes"], mmap.MAP_SHARED,

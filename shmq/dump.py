@@ -53,6 +53,14 @@ _TS_WORD = 2  # timestamp_ns is the third u64 of a frame header (seq, lengths, t
 class DumpError(ShmqError, ValueError):
     """Not a shmq dump, a newer dump version, or a truncated/damaged dump."""
 
+    kind = "corrupt"
+
+
+class NotADump(DumpError):
+    """The file is not a shmq dump at all (bad magic)."""
+
+    kind = "not_spool"
+
 
 class Record(NamedTuple):
     """A frame with its header fields: ``codec``/``flags`` are None if the header was lost."""
@@ -260,7 +268,7 @@ def read_dump_header(f) -> dict:
     """
     pre = f.read(_PREAMBLE.size)
     if len(pre) < _PREAMBLE.size or pre[:8] != DUMP_MAGIC:
-        raise DumpError("not a shmq dump (bad magic); it must come from 'shmq export'")
+        raise NotADump("not a shmq dump (bad magic); it must come from 'shmq export'")
     _magic, version, hlen = _PREAMBLE.unpack(pre)
     if version > DUMP_VERSION:
         raise DumpError(f"dump version {version} is newer than this shmq supports "
