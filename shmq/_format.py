@@ -222,7 +222,7 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         if raw[:len(MAGIC)] == MAGIC[:len(raw)] and raw:
             raise SpoolFormatError(
                 f"{where}: truncated spool ({file_size} bytes, header alone needs {HEADER_BYTES}); "
-                "it cannot be repaired: destroy it and create it again")
+                "it cannot be repaired: remove it ('shmq rm', or Spool.destroy) and create it again")
         raise NotASpool(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
     (magic, version, header_bytes, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
      slot_bytes, lease_offset, lease_count, lease_bytes, policy, checksum, _r0, flags,
@@ -238,8 +238,8 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         raise SpoolFormatError(f"{where}: invalid spool format version {version}")
     if zlib.crc32(raw[:GEOMETRY_CRC_SPAN]) != crc:
         raise SpoolFormatError(
-            f"{where}: spool header is corrupt (checksum mismatch); run 'shmq fsck' or "
-            "recreate the spool")
+            f"{where}: spool header is corrupt (checksum mismatch); it cannot be repaired: "
+            "remove it ('shmq rm') and create it again")
     problems = []
     if header_bytes != HEADER_BYTES:
         problems.append(f"header size {header_bytes}")
@@ -269,7 +269,7 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     if file_size < file_bytes:
         raise SpoolFormatError(
             f"{where}: truncated spool: the file has {file_size} bytes, its header says "
-            f"{file_bytes}; destroy it and create it again")
+            f"{file_bytes}; remove it ('shmq rm', or Spool.destroy) and create it again")
     return {
         "version": version, "file_bytes": file_bytes, "ring_offset": ring_offset,
         "ring_bytes": ring_bytes, "slot_offset": slot_offset, "slot_count": slot_count,

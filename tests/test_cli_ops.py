@@ -59,3 +59,299 @@ def test_symlink_is_not_a_spool(spool_dir, make_spool):
 def test_version():
     res = shmq_cmd("--version")
     assert res.returncode == 0 and res.stdout.strip() == f"shmq {shmq.__version__}"
+
+
+def test_dispatch_help_names_shmq_dispatch():
+    res = shmq_cmd("dispatch", "--help")
+    assert res.returncode == 0 and res.stdout.startswith("usage: shmq dispatch")
+
+
+# --- rm: damaged spools, spools in use ---------------------------------------------------
+
+def _sems(prefix):
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}."))
+
+
+def _damage(path, how):
+    if how == "truncated":
+        os.truncate(path, 5000)
+    elif how == "empty":
+        os.truncate(path, 0)
+    elif how == "header":
+        with open(path, "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff\xff")
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "header"])
+def test_rm_removes_a_damaged_spool_and_its_semaphores(spool_dir, how):
+    path = os.path.join(spool_dir, "damaged")
+    with shmq.Spool.create(path, capacity="64KiB") as sp:
+        prefix = sp._sem_prefix
+        sp.reader("g", group=True).close()  # a group semaphore too: found without the header
+    assert len(_sems(prefix)) == 4
+    _damage(path, how)
+    res = shmq_cmd("stat", path)
+    assert res.returncode in (cli.EXIT_CORRUPT, cli.EXIT_NOT_SPOOL)
+    if how != "empty":  # the advice given must be one that works
+        assert "'shmq rm'" in one_error_line(res.stderr)
+    res = shmq_cmd("rm", path)
+    assert res.returncode == 0, res.stderr
+    assert not os.path.exists(path) and _sems(prefix) == []
+
+
+def test_rm_leaves_an_empty_foreign_file_alone(spool_dir):
+    path = os.path.join(spool_dir, "empty.txt")
+    open(path, "w").close()
+    res = shmq_cmd("rm", path)
+    assert res.returncode == cli.EXIT_NOT_SPOOL and "not a shmq spool" in one_error_line(res.stderr)
+    assert os.path.exists(path)
+
+
+def test_rm_refuses_a_spool_in_use_unless_forced(spool_dir):
+    path = os.path.join(spool_dir, "busy")
+    shmq.Spool.create(path, capacity="64KiB").close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import shmq, sys; sp = shmq.Spool.open(sys.argv[1]); "
+         "print('open', flush=True); sys.stdin.read()", path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        res = shmq_cmd("rm", path)
+        assert res.returncode == cli.EXIT_BUSY
+        assert f"in use by pid {holder.pid}" in one_error_line(res.stderr)
+        assert os.path.exists(path)
+        res = shmq_cmd("rm", "--force", path)
+        assert res.returncode == 0 and not os.path.exists(path)
+    finally:
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+
+
+# --- export --skip-corrupt, import without debris ----------------------------------------
+
+def _corrupt_frames(path, n, which):
+    from shmq import _format as F
+
+    sp = shmq.Spool.create(path, capacity="64KiB")
+    for i in range(n):
+        sp.put(b"frame-%d" % i)
+    for k in which:  # the seq word of frame k (all frames have the same stored size)
+        sp._mm[sp._base + k * F.frame_stored_bytes(7)] ^= 0x55
+    sp.close()
+
+
+def test_export_stops_at_a_damaged_frame_and_leaves_no_partial_dump(spool_dir):
+    src, dump = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dump")
+    _corrupt_frames(src, 10, [3])
+    res = shmq_cmd("export", src, dump)
+    assert res.returncode == cli.EXIT_CORRUPT
+    assert "--skip-corrupt" in one_error_line(res.stderr)
+    assert not os.path.exists(dump)
+
+
+def test_export_skip_corrupt_reports_and_keeps_the_rest(spool_dir):
+    src, dump, dst = (os.path.join(spool_dir, n) for n in ("src", "dump", "dst"))
+    _corrupt_frames(src, 10, [3, 4])
+    res = shmq_cmd("export", "--skip-corrupt", src, dump)
+    assert res.returncode == 0, res.stderr
+    assert one_error_line(res.stderr) == "shmq export: skipped 2 damaged frame(s) (seq 3..4)"
+    assert shmq_cmd("import", dump, dst, "-q").returncode == 0
+    with shmq.Spool.open(dst) as sp:
+        assert [sp.read_at(s).data for s in range(sp.first_seq, sp.next_seq)] == [
+            b"frame-%d" % i for i in (0, 1, 2, 5, 6, 7, 8, 9)]
+
+
+def test_export_skip_corrupt_when_the_oldest_frame_is_damaged(spool_dir):
+    src, dump = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dump")
+    _corrupt_frames(src, 5, [0])
+    res = shmq_cmd("export", "--skip-corrupt", "--json", src, dump)
+    assert res.returncode == 0, res.stderr
+    import json
+    s = json.loads(res.stdout)
+    assert (s["frames"], s["corrupt"], s["corrupt_ranges"]) == (4, 1, [[0, 0]])
+
+
+def _debris(d):
+    return sorted(n for n in os.listdir(d) if n not in ("dump", "src"))
+
+
+def test_failed_import_leaves_nothing_and_a_retry_works(spool_dir, monkeypatch, capsys):
+    src, dump, dst = (os.path.join(spool_dir, n) for n in ("src", "dump", "dst"))
+    with shmq.Spool.create(src, capacity="64KiB") as sp:
+        sp.put_many([b"x" * 1000] * 20)
+    assert shmq_cmd("export", "-q", src, dump).returncode == 0
+    made = []  # the semaphore prefixes of the spools the import creates
+    create = shmq.Spool.create.__func__
+
+    def recording_create(cls, *args, **kw):
+        sp = create(cls, *args, **kw)
+        made.append(sp._sem_prefix)
+        return sp
+
+    monkeypatch.setattr(shmq.Spool, "create", classmethod(recording_create))
+    code = cli.main(["import", dump, dst, "--capacity", "8KiB", "--on-full", "block",
+                     "--timeout", "0.1"])
+    msg = one_error_line(capsys.readouterr().err)
+    assert code == cli.EXIT_FULL
+    assert "nothing was created" in msg and ".importing" not in msg
+    assert _debris(spool_dir) == []
+    assert made and all(_sems(p) == [] for p in made)
+    monkeypatch.undo()
+    res = shmq_cmd("import", dump, dst, "-q")
+    assert res.returncode == 0 and _debris(spool_dir) == ["dst"]
+
+
+def test_import_of_a_damaged_dump_leaves_nothing(spool_dir):
+    src, dump, dst = (os.path.join(spool_dir, n) for n in ("src", "dump", "dst"))
+    with shmq.Spool.create(src, capacity="64KiB") as sp:
+        sp.put_many([b"y" * 100] * 50)
+    assert shmq_cmd("export", "-q", src, dump).returncode == 0
+    with open(dump, "r+b") as f:
+        f.truncate(os.path.getsize(dump) // 2)
+    res = shmq_cmd("import", dump, dst)
+    assert res.returncode == cli.EXIT_CORRUPT and "truncated" in one_error_line(res.stderr)
+    assert _debris(spool_dir) == []
+
+
+# --- small CLI fixes ---------------------------------------------------------------------
+
+def test_put_json_validates_every_frame_before_storing_any(make_spool):
+    sp = make_spool(name="j")
+    res = shmq_cmd("put", "--codec", "json", sp.path, '{"a": 1}', "{bad", "3")
+    assert res.returncode == cli.EXIT_USAGE
+    assert "frame 2 is not valid JSON" in one_error_line(res.stderr)
+    assert "nothing was put" in res.stderr and sp.next_seq == 0
+
+
+def test_put_json_from_stdin_says_how_many_were_put(make_spool):
+    sp = make_spool(name="j")
+    res = shmq_cmd("put", "--codec", "json", sp.path, input='{"a": 1}\n[2]\n{bad\n4\n')
+    assert res.returncode == cli.EXIT_USAGE
+    assert "the 2 frame(s) before it were put (seq 0..1)" in one_error_line(res.stderr)
+    assert sp.next_seq == 2
+
+
+def test_ls_of_a_file_that_is_not_a_directory():
+    res = shmq_cmd("ls", "/etc/passwd")
+    assert res.returncode == cli.EXIT_NOT_SPOOL
+    assert "not a directory" in one_error_line(res.stderr) and res.stdout == ""
+
+
+def test_ls_of_a_spool_file_lists_it(make_spool):
+    sp = make_spool(name="one")
+    res = shmq_cmd("ls", sp.path)
+    assert res.returncode == 0 and sp.path in res.stdout
+
+
+def test_create_beyond_the_filesystem_says_where_and_what_to_do(spool_dir):
+    vfs = os.statvfs(spool_dir)
+    # more than the whole tmpfs: refused at once, before any page is allocated
+    too_big = 2 * vfs.f_blocks * vfs.f_frsize
+    path = os.path.join(spool_dir, "huge")
+    res = shmq_cmd("create", path, "--capacity", str(too_big))
+    assert res.returncode == cli.EXIT_FULL
+    msg = one_error_line(res.stderr)
+    assert "/dev/shm" in msg and "GiB free of" in msg and "smaller --capacity" in msg
+    assert os.listdir(spool_dir) == []
+
+
+def test_top_follows_the_bare_name_convention():
+    import uuid
+
+    name = f"shmq-ops-top-{uuid.uuid4().hex[:8]}"
+    sp = shmq.Spool.create(name, capacity="64KiB")
+    try:
+        sp.put(b"x")
+        res = shmq_cmd("top", name, "--once", "--interval", "0.01")
+        assert res.returncode == 0, res.stderr
+        assert "1 spool " in res.stdout.splitlines()[0] and name in res.stdout
+    finally:
+        sp.close()
+        shmq.Spool.destroy(name)
+
+
+# --- tail: filters, following a removed and re-created spool ----------------------------
+
+def _lines_until(stream, needle, timeout=30):
+    """Read lines from a pipe until one contains ``needle`` (bounded)."""
+    import select
+    import time
+
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], deadline - time.monotonic())
+        if not ready:
+            break
+        line = stream.readline()
+        if not line:
+            break
+        got.append(line)
+        if needle in line:
+            return got
+    raise AssertionError(f"{needle!r} not seen in {got}")
+
+
+def test_tail_follows_a_removed_and_recreated_spool(spool_dir):
+    import signal
+
+    path = os.path.join(spool_dir, "t")
+    with shmq.Spool.create(path, capacity="64KiB") as sp:
+        sp.put(b"old-1")
+    tail = subprocess.Popen([sys.executable, "-m", "shmq", "tail", "-f", path, "--timeout", "60",
+                             "--format", "raw"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _lines_until(tail.stdout, "old-1")
+        assert shmq_cmd("rm", "--force", path).returncode == 0
+        _lines_until(tail.stderr, "was removed; waiting")
+        with shmq.Spool.create(path, capacity="64KiB") as sp:
+            sp.put(b"new-1")
+        _lines_until(tail.stderr, "was created again")
+        _lines_until(tail.stdout, "new-1")
+    finally:
+        tail.send_signal(signal.SIGINT)
+        assert tail.wait(30) == 0
+
+
+def test_tail_grep_and_exclude(make_spool):
+    sp = make_spool(name="g")
+    for doc in ('{"k": "a", "n": 1}', '{"k": "b", "n": 2}', '{"k": "a", "n": 3, "x": {"y": 5}}'):
+        sp.put(doc.encode(), codec=shmq._format.CODEC_JSON)
+    sp.put(b"plain text line")
+
+    def seqs(*args):
+        res = shmq_cmd("tail", sp.path, "--format", "json", *args)
+        assert res.returncode == 0, res.stderr
+        import json
+        return [json.loads(ln)["seq"] for ln in res.stdout.splitlines()]
+
+    assert seqs("--grep", "k=a") == [0, 2]
+    assert seqs("--grep", "n=2") == [1]
+    assert seqs("--grep", "x.y=5") == [2]
+    assert seqs("--grep", "plain") == [3]
+    assert seqs("--grep", "k=a", "--grep", "plain") == [0, 2, 3]
+    assert seqs("--exclude", "k=a") == [1, 3]
+    assert seqs("--exclude", '"n": [13]') == [1, 3]
+    res = shmq_cmd("tail", sp.path, "--grep", "(unclosed")
+    assert res.returncode == cli.EXIT_USAGE and "bad pattern" in one_error_line(res.stderr)
+
+
+def test_fsck_recommends_only_what_helps(spool_dir):
+    from shmq import _format as F
+
+    ring = os.path.join(spool_dir, "ring")
+    _corrupt_frames(ring, 5, [2])
+    res = shmq_cmd("fsck", ring)
+    assert res.returncode == cli.EXIT_PROBLEMS
+    last = res.stdout.splitlines()[-1]
+    assert "--repair" not in last and "export --skip-corrupt" in last
+    ctl = os.path.join(spool_dir, "ctl")
+    with shmq.Spool.create(ctl, capacity="64KiB") as sp:
+        sp._ctl[F.W_FIRST_SEQ] = 1 << 63
+    res = shmq_cmd("fsck", ctl)
+    last = res.stdout.splitlines()[-1]
+    assert "--repair" not in last and "'shmq rm PATH'" in last
+    res = shmq_cmd("stat", ctl)
+    assert res.returncode == cli.EXIT_CORRUPT and "'shmq rm'" in one_error_line(res.stderr)
+    assert shmq_cmd("rm", ctl).returncode == 0

@@ -90,7 +90,7 @@ def classify(exc, spool=None):
     if isinstance(exc, FileExistsError):
         return EXIT_EXISTS, os_message(exc, "already exists; refusing to overwrite it")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return EXIT_FULL, os_message(exc, "no space left on device")
+        return EXIT_FULL, os_message(exc, exc.strerror or "no space left on device")
     if isinstance(exc, (ValueError, TypeError)):
         return EXIT_USAGE, one_line(exc)
     if isinstance(exc, OSError):
@@ -103,6 +103,14 @@ def resolve(path):
     from .._mapping import resolve_path
 
     return resolve_path(path)
+
+
+def resolve_target(target):
+    """A spool or directory argument: "." and ".." are directories, other names follow
+    the bare-name convention of :func:`resolve`."""
+    import os
+
+    return os.path.abspath(target) if target in (".", "..") else resolve(target)
 
 
 def open_spool(path):

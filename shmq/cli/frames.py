@@ -1,4 +1,4 @@
-"""Frame commands: ``tail`` (last frames, or follow), ``put``, ``cat`` (a seq range)."""
+"""Frame commands: ``put`` and ``cat`` (a seq range); ``tail`` lives in :mod:`.tail`."""
 
 from __future__ import annotations
 
@@ -7,59 +7,11 @@ import json
 import sys
 
 from .. import _format as F
-from ..errors import FrameLost, Full, ShmqError
-from .args import FORMATS, count_arg, formatter, position_arg, positive_arg
+from ..errors import FrameLost, Full
+from .args import FORMATS, formatter, position_arg
 from .base import EXIT_OK, EXIT_USAGE, CliError, open_spool
 from .fmt import human_bytes, print_json
 from .render import emit
-
-
-def cmd_tail(a) -> int:
-    from ..dump import iter_records
-
-    sp = open_spool(a.path)
-    info = {}
-    shown = 0
-    try:
-        if a.from_ is None:
-            n = 10 if a.lines is None else a.lines
-            nxt = sp.next_seq
-            start = max(sp.first_seq, nxt - n) if n else "latest"
-            if start == nxt:
-                start = "latest"
-            limit = None
-        else:
-            start, limit = a.from_, a.lines
-            first = sp.first_seq
-            if isinstance(start, int) and start < first:
-                print(f"shmq tail: seq {start} was overwritten; starting at the oldest frame, "
-                      f"{first}", file=sys.stderr)
-                start = "earliest"
-        # Without -f, stop at the end seen now: busy writers must not make tail endless.
-        stop = None if a.follow else sp.next_seq
-        try:
-            for rec in iter_records(sp, start, stop, follow=a.follow, timeout=a.timeout,
-                                    info=info, clamp=True):
-                emit(rec, a.format, a.unsafe_pickle)
-                shown += 1
-                if a.follow:
-                    sys.stdout.flush()
-                if limit is not None and shown >= limit:
-                    break
-        except KeyboardInterrupt:
-            if not a.follow:
-                raise
-        except ShmqError:
-            raise
-        except ValueError as exc:  # start beyond next_seq
-            raise CliError(f"{sp.path}: {exc}", EXIT_USAGE) from None
-        sys.stdout.flush()
-        if info.get("lost"):
-            print(f"shmq tail: {info['lost']} frame(s) were overwritten before they could be "
-                  "read", file=sys.stderr)
-    finally:
-        sp.close()
-    return EXIT_OK
 
 
 def _put_items(a):
@@ -79,24 +31,41 @@ def _put_items(a):
             yield line[:-1] if line.endswith(b"\n") else line
 
 
+def _check_codec(codec, data, n):
+    """Raise a usage error if frame ``n`` (1-based) is not valid for ``codec``."""
+    if codec == "json":
+        try:
+            json.loads(data)
+        except ValueError as exc:
+            return f"frame {n} is not valid JSON ({exc})"
+    elif codec == "utf8":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return f"frame {n} is not valid UTF-8"
+    return None
+
+
 def cmd_put(a) -> int:
     codec = {"raw": F.CODEC_RAW, "utf8": F.CODEC_UTF8, "json": F.CODEC_JSON}[a.codec]
+    streaming = not a.data and not a.file  # stdin lines: put as they arrive
+    items = _put_items(a)
+    if not streaming:
+        # DATA and --file are in memory anyway: validate all before storing any
+        items = list(items)
+        for n, data in enumerate(items, 1):
+            problem = _check_codec(a.codec, data, n)
+            if problem:
+                raise CliError(f"{problem}; nothing was put", EXIT_USAGE)
     sp = open_spool(a.path)
     first = last = None
     count = nbytes = 0
     try:
-        for data in _put_items(a):
-            if a.codec == "json":
-                try:
-                    json.loads(data)
-                except ValueError as exc:
-                    raise CliError(f"frame {count + 1} is not valid JSON ({exc}); nothing "
-                                   "after it was put", EXIT_USAGE) from None
-            elif a.codec == "utf8":
-                try:
-                    data.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise CliError(f"frame {count + 1} is not valid UTF-8", EXIT_USAGE) from None
+        for data in items:
+            problem = _check_codec(a.codec, data, count + 1) if streaming else None
+            if problem:
+                raise CliError(f"{problem}; the {count} frame(s) before it were put"
+                               + (f" (seq {first}..{last})" if count else ""), EXIT_USAGE)
             try:
                 seq = sp.put(data, timeout=a.timeout, codec=codec)
             except Full as exc:
@@ -157,7 +126,8 @@ def put_arguments(p):
     p.add_argument("--file", action="append", metavar="FILE", help="a file as one frame "
                    "(repeatable)")
     p.add_argument("--codec", choices=("raw", "utf8", "json"), default="raw",
-                   help="codec tag of the frames (json and utf8 are validated; default raw)")
+                   help="codec tag of the frames (json and utf8 are validated: DATA and --file "
+                   "all before any is put; stdin lines one by one; default raw)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="how long a put may wait for room (block policy) or the lock "
                    "(default 5)")
@@ -169,25 +139,7 @@ def put_arguments(p):
 
 
 def register(add):
-    """Add ``tail``, ``put`` and ``cat`` to the ``shmq`` parser; return the intermixed put parser."""
-    p = add("tail", "print the last frames of a spool (or follow it)",
-            description="Print frames through an anonymous reader (it holds no writer back and "
-            "leaves no trace).  Without --from: the last N frames (-n, default 10).  With "
-            "--from: frames from there on, at most -n of them.  Payloads are decoded by the "
-            "frame's codec tag; pickled frames are only unpickled with --unsafe-pickle.")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new frames")
-    p.add_argument("--from", dest="from_", type=position_arg, metavar="earliest|latest|SEQ")
-    p.add_argument("-n", "--lines", type=count_arg, metavar="N", help="number of frames")
-    p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="auto (by codec), raw (payload bytes only), hex, json (one object per "
-                   "line), repr (default auto)")
-    p.add_argument("--unsafe-pickle", action="store_true",
-                   help="unpickle pickled frames to show their repr (runs code from the spool)")
-    p.add_argument("--timeout", type=positive_arg(float), metavar="S",
-                   help="with -f: exit after S seconds without a new frame")
-    p.set_defaults(func=cmd_tail)
-
+    """Add ``put`` and ``cat`` to the ``shmq`` parser; return the intermixed put parser."""
     put_arguments(add("put", _PUT_HELP, description=_PUT_DESCRIPTION))
 
     p = add("cat", "print a range of frames by seq",

@@ -9,9 +9,9 @@ import time
 
 from .. import _format as F
 from .._mapping import DEFAULT_DIR
-from ..errors import ShmqError
+from ..errors import NotASpool, ShmqError
 from .args import count_arg, mode_arg, positive_arg
-from .base import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CliError, resolve
+from .base import EXIT_BUSY, EXIT_NOT_FOUND, EXIT_NOT_SPOOL, EXIT_OK, EXIT_USAGE, CliError, resolve
 from .fmt import human_age, human_bytes, human_rate, print_json, table
 
 
@@ -19,7 +19,7 @@ def cmd_dispatch(a) -> int:
     from ..dispatch import main as dispatch_main
 
     try:
-        return dispatch_main(a.args)
+        return dispatch_main(a.args, prog="shmq dispatch")
     except SystemExit as exc:  # its argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
@@ -49,19 +49,25 @@ def cmd_create(a) -> int:
 
 
 def cmd_rm(a) -> int:
+    from .._mapping import open_by
     from ..spool import Spool
 
-    code = EXIT_OK
     for path in a.paths:
+        full = resolve(path)
+        users = [] if a.force else open_by(full)
+        if users:
+            pids = ", ".join(map(str, users[:5])) + (" ..." if len(users) > 5 else "")
+            raise CliError(f"{full}: in use by pid {pids}; stop them first, or pass --force "
+                           "(they keep working on the removed file)", EXIT_BUSY)
         try:
-            Spool.destroy(path)
+            Spool.destroy(full)
         except FileNotFoundError:
             if a.force:
                 continue
             raise
         if not a.quiet:
-            print(f"removed {resolve(path)}")
-    return code
+            print(f"removed {full}")
+    return EXIT_OK
 
 
 def _ls_rows(directory):
@@ -87,6 +93,14 @@ def _ls_rows(directory):
 
 def cmd_ls(a) -> int:
     directory = os.path.abspath(a.dir) if a.dir else DEFAULT_DIR
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        from .._mapping import read_geometry
+
+        try:
+            read_geometry(directory)  # a spool is listed alone; anything else is an error
+        except NotASpool:
+            raise CliError(f"{directory}: not a directory (nor a spool); ls lists the spools "
+                           "of a directory", EXIT_NOT_SPOOL) from None
     rows = _ls_rows(directory)
     if a.json:
         for p in rows:
@@ -142,11 +156,13 @@ def register(add):
     p.set_defaults(func=cmd_dispatch)
 
     p = add("rm", "remove spools (file and semaphores)",
-            description="Remove spools: the file and its semaphores (Spool.destroy).  Processes "
-            "that have it open keep working on the unlinked file.  A file that is not a spool "
-            "is refused and left alone.")
+            description="Remove spools: the file and its semaphores (Spool.destroy), whatever "
+            "state the file is in (truncated or header-corrupt spools too).  A spool another "
+            "process has open is refused unless --force (those processes then keep working on "
+            "the unlinked file).  A file that is not a spool is refused and left alone.")
     p.add_argument("paths", nargs="+", metavar="PATH")
-    p.add_argument("-f", "--force", action="store_true", help="ignore missing spools")
+    p.add_argument("-f", "--force", action="store_true", help="remove spools other processes "
+                   "have open, and ignore missing ones")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     p.set_defaults(func=cmd_rm)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import frames, manage, readers, recover, stat, top
+from . import frames, manage, readers, recover, stat, tail, top
 from .args import EPILOG, formatter
 
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     manage.register(add)
     stat.register(add)
     top.register(add)
+    tail.register(add)
     parser.put_parser = frames.register(add)
     parser.readers_verbs = readers.register(add)
     recover.register(add)

@@ -41,7 +41,7 @@ def cmd_fsck(a) -> int:
         print("clean" if not rep.repaired else "clean after repair")
     else:
         n = len(rep.problems)
-        hint = "" if a.repair else "; 'shmq fsck --repair' fixes stale locks and damaged reader slots"
+        hint = _advice(rep.problems, a.repair)
         remain = (" remains" if n == 1 else " remain") if a.repair else ""
         print(f"{plural(n, 'problem')}{remain}{hint}")
     return code
@@ -50,11 +50,34 @@ def cmd_fsck(a) -> int:
 # --- export / import -----------------------------------------------------------
 
 
+def _advice(problems, repaired) -> str:
+    """The commands that can help with these fsck problems (and only those)."""
+    fixable = any(p.startswith(("writer lock", "reader table", "control word SLOT_HWM"))
+                  for p in problems)
+    ring = any(p.startswith("ring") for p in problems)
+    broken = any(p.startswith(("geometry", "control word")) and not p.startswith(
+        "control word SLOT_HWM") for p in problems)
+    tips = []
+    if fixable and not repaired:
+        tips.append("'shmq fsck --repair' fixes stale locks and damaged reader slots")
+    if ring:
+        tips.append("a damaged ring cannot be repaired: keep what is readable with 'shmq export "
+                    "--skip-corrupt PATH FILE', then 'shmq rm PATH' and 'shmq import FILE PATH'")
+    elif broken:
+        tips.append("a damaged header or control block cannot be repaired: remove the spool "
+                    "('shmq rm PATH') and create it again")
+    return "".join("; " + t for t in tips)
+
+
 def cmd_export(a) -> int:
     from ..dump import export_spool
 
-    s = export_spool(a.path, a.file, progress=progress_wanted(a))
+    s = export_spool(a.path, a.file, progress=progress_wanted(a), skip_corrupt=a.skip_corrupt)
     out = sys.stderr if a.file == "-" else sys.stdout
+    if s["corrupt"] and not a.json:
+        ranges = ", ".join(f"{lo}" if lo == hi else f"{lo}..{hi}" for lo, hi in s["corrupt_ranges"])
+        print(f"shmq export: skipped {s['corrupt']:,} damaged frame(s) (seq {ranges})",
+              file=sys.stderr)
     if a.json:
         print_json(s, out=out)
     elif not a.quiet:
@@ -102,6 +125,9 @@ def register(add):
             "shmq version can import.  Live writers are not held back.")
     p.add_argument("path", metavar="PATH")
     p.add_argument("file", metavar="FILE")
+    p.add_argument("--skip-corrupt", action="store_true", help="skip damaged frames (counted "
+                   "and reported) instead of failing; without it a damaged frame fails the "
+                   "export and removes the partial FILE")
     p.add_argument("--progress", action="store_true", help="progress line on stderr even when "
                    "stderr is not a terminal")
     p.add_argument("--no-progress", action="store_true", help="no progress line")

@@ -11,7 +11,7 @@ import time
 from .._mapping import DEFAULT_DIR
 from ..errors import ShmqError
 from .args import positive_arg
-from .base import EXIT_NOT_FOUND, EXIT_OK, CliError, one_line
+from .base import EXIT_NOT_FOUND, EXIT_OK, CliError, one_line, resolve_target
 from .fmt import human_rate, sparkline, table
 
 
@@ -117,7 +117,7 @@ class Top:
 
 
 def cmd_top(a) -> int:
-    targets = [os.path.abspath(t) for t in (a.targets or [DEFAULT_DIR])]
+    targets = [resolve_target(t) for t in (a.targets or [DEFAULT_DIR])]
     for t in targets:
         if not os.path.exists(t) and t != DEFAULT_DIR:
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
