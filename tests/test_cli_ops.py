@@ -355,3 +355,101 @@ def test_fsck_recommends_only_what_helps(spool_dir):
     res = shmq_cmd("stat", ctl)
     assert res.returncode == cli.EXIT_CORRUPT and "'shmq rm'" in one_error_line(res.stderr)
     assert shmq_cmd("rm", ctl).returncode == 0
+
+
+# --- readers seek by time and by shift ---------------------------------------------------
+
+def test_readers_seek_to_time_shift_and_dry_run(make_spool):
+    import datetime
+    import json
+
+    sp = make_spool(name="seek")
+    sp.put_many([b"early"] * 10)
+    # the mark: the next whole microsecond (ISO 8601 has µs) after every early frame
+    mark = (sp.read_at(9).timestamp_ns // 1000 + 1) * 1000
+    while __import__("time").time_ns() <= mark:
+        pass  # the late frames must be stamped after the mark (a microsecond at most)
+    sp.put_many([b"late"] * 10)
+    r = sp.reader("idx")
+    r.get_many(15)
+    r.commit()
+    r.close()
+    iso = (datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+           + datetime.timedelta(microseconds=mark // 1000)).isoformat()
+
+    res = shmq_cmd("readers", "seek", sp.path, "idx", "--to-time", iso, "--dry-run", "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert (d["old_position"], d["position"], d["dry_run"], d["lag_after"]) == (15, 10, True, 10)
+    assert {x.name: x.position for x in sp.readers()}["idx"] == 15  # nothing changed
+
+    res = shmq_cmd("readers", "seek", sp.path, "idx", "--to-time", iso)
+    assert res.returncode == 0 and "seq 15 -> 10" in res.stdout
+    res = shmq_cmd("readers", "seek", sp.path, "idx", "--shift-by", "-3")
+    assert res.returncode == 0 and "seq 10 -> 7 (shift by -3)" in res.stdout
+    res = shmq_cmd("readers", "seek", sp.path, "idx", "--shift-by", "100")
+    assert res.returncode == 0 and "seq 7 -> 20" in res.stdout and "clamped" in res.stdout
+    future = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+    res = shmq_cmd("readers", "seek", sp.path, "idx", "--to-time", future.isoformat())
+    assert res.returncode == 0 and "-> 20" in res.stdout and "the end" in res.stdout
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["--to-time", "yesterday"], cli.EXIT_USAGE, "ISO 8601"),
+    (["--shift-by", "1", "--to-time", "2026-01-01"], cli.EXIT_USAGE, "give one of"),
+    ([], cli.EXIT_USAGE, "say where"),
+])
+def test_readers_seek_bad_input_changes_nothing(make_spool, args, code, text):
+    sp = make_spool(name="seek")
+    sp.put_many([b"x"] * 5)
+    sp.reader("idx", start=2).close()
+    res = shmq_cmd("readers", "seek", sp.path, "idx", *args)
+    assert res.returncode == code and text in one_error_line(res.stderr)
+    assert {x.name: x.position for x in sp.readers()}["idx"] == 2
+
+
+def test_readers_seek_shift_by_needs_an_existing_reader(make_spool):
+    sp = make_spool(name="seek")
+    res = shmq_cmd("readers", "seek", sp.path, "nobody", "--shift-by", "1", "--create")
+    assert res.returncode == cli.EXIT_NOT_FOUND and "does not exist" in one_error_line(res.stderr)
+    assert sp.readers() == []
+
+
+# --- stat and top over several spools ----------------------------------------------------
+
+def test_stat_over_several_paths_and_a_directory(spool_dir, make_spool):
+    import json
+
+    a, b = make_spool(name="a"), make_spool(name="b")
+    a.put(b"1")
+    res = shmq_cmd("stat", a.path, b.path)
+    assert res.returncode == 0
+    assert [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("spool ")] == [
+        a.path, b.path]
+    res = shmq_cmd("stat", spool_dir, "--json")
+    assert res.returncode == 0
+    assert [d["path"] for d in json.loads(res.stdout)] == [a.path, b.path]
+    res = shmq_cmd("stat", a.path, "--json")  # one spool file: one object, as before
+    assert json.loads(res.stdout)["path"] == a.path
+    res = shmq_cmd("stat", spool_dir, "--format", "prometheus")
+    assert res.stdout.count("# HELP shmq_puts_total") == 2
+
+
+def test_stat_of_an_empty_directory_or_a_missing_spool(spool_dir, make_spool):
+    sub = os.path.join(spool_dir, "empty")
+    os.mkdir(sub)
+    res = shmq_cmd("stat", sub)
+    assert res.returncode == cli.EXIT_NOT_FOUND and "no spools" in one_error_line(res.stderr)
+    os.rmdir(sub)
+    a = make_spool(name="a")
+    res = shmq_cmd("stat", a.path, os.path.join(spool_dir, "nope"))
+    assert res.returncode == cli.EXIT_NOT_FOUND and "no such spool" in one_error_line(res.stderr)
+    assert res.stdout == ""  # nothing printed before the error
+
+
+def test_top_over_several_paths(make_spool):
+    a, b, c = make_spool(name="a"), make_spool(name="b"), make_spool(name="c")
+    res = shmq_cmd("top", a.path, c.path, "--once", "--interval", "0.01")
+    assert res.returncode == 0 and "2 spools" in res.stdout.splitlines()[0]
+    names = [ln.split()[0] for ln in res.stdout.splitlines()[2:] if ln.strip()]
+    assert names == ["a", "c"]

@@ -8,7 +8,7 @@ import sys
 import time
 
 from .args import positive_arg
-from .base import EXIT_OK, open_spool
+from .base import EXIT_NOT_FOUND, EXIT_OK, CliError, open_spool, resolve_target
 from .fmt import age_s, human_age, human_bytes, human_duration, plural, print_json, table
 
 
@@ -83,48 +83,83 @@ def workqueue_text(wq) -> str:
             f"{wq.lease_slots_used}/{wq.lease_slots}")
 
 
-def cmd_stat(a) -> int:
+def stat_targets(args):
+    """Spool paths named by ``args``: files as given (bare names resolved), directories
+    expanded to the spools in them.
+
+    :raises CliError: a directory argument holds no spool.
+    """
+    from ..metrics import spool_paths
+
+    paths = []
+    for arg in args:
+        target = resolve_target(arg)
+        if os.path.isdir(target):
+            found = spool_paths([target])
+            if not found:
+                raise CliError(f"{target}: no spools in this directory", EXIT_NOT_FOUND)
+            paths += found
+        else:
+            paths.append(target)
+    return paths
+
+
+def _one(sp, fmt):
+    """The ``stat`` output of one open spool, as text to write."""
     from ..metrics import prometheus_text, workqueue_prometheus_text
     from ..workqueue import WorkQueue
 
+    st = sp.stats()
+    wq = WorkQueue.stats_of(sp)
+    from ..dispatch import board_path
+
+    board = os.path.exists(board_path(st.path))
+    if fmt == "json":
+        d = stat_dict(st)
+        if wq is not None:
+            d["workqueue"] = dataclasses.asdict(wq)
+        if board:
+            from ..dispatch import status
+
+            d["dispatcher"] = status(st.path)
+        return d
+    if fmt == "prometheus":
+        return prometheus_text([st]) + (workqueue_prometheus_text(st.path, wq) if wq else "")
+    text = stat_text(st)
+    if wq is not None:
+        text += "\n" + workqueue_text(wq)
+    if board:
+        from ..dispatch import format_status, status
+
+        text += "\n" + format_status(status(st.path))
+    return text + "\n"
+
+
+def cmd_stat(a) -> int:
     fmt = "json" if a.json else a.format
     clear = a.watch and fmt == "text" and sys.stdout.isatty()
-    sp = open_spool(a.path)
+    paths = stat_targets(a.paths)
+    # one spool file named: one JSON object, as always; several (or a directory): a list
+    as_list = len(paths) > 1 or any(os.path.isdir(resolve_target(p)) for p in a.paths)
+    spools = []
     n = 0
     try:
+        for path in paths:
+            spools.append(open_spool(path))
         while True:
-            st = sp.stats()
-            wq = WorkQueue.stats_of(sp)
+            outs = [_one(sp, fmt) for sp in spools]
             if fmt == "json":
-                d = stat_dict(st)
-                if wq is not None:
-                    d["workqueue"] = dataclasses.asdict(wq)
-                from ..dispatch import board_path
-
-                if os.path.exists(board_path(st.path)):
-                    from ..dispatch import status
-
-                    d["dispatcher"] = status(st.path)
-                print_json(d, compact=bool(a.watch))
-            elif fmt == "prometheus":
-                sys.stdout.write(prometheus_text([st]))
-                if wq is not None:
-                    sys.stdout.write(workqueue_prometheus_text(st.path, wq))
+                if a.watch:
+                    for d in outs:
+                        print_json(d, compact=True)
+                else:
+                    print_json(outs if as_list else outs[0])
             else:
-                text = stat_text(st)
-                if wq is not None:
-                    text += "\n" + workqueue_text(wq)
-                from ..dispatch import board_path
-
-                if os.path.exists(board_path(st.path)):
-                    from ..dispatch import format_status, status
-
-                    text += "\n" + format_status(status(st.path))
                 if clear:
                     sys.stdout.write("\x1b[H\x1b[2J")
-                elif n:
+                elif n and fmt == "text":
                     sys.stdout.write("\n")
-                sys.stdout.write(text + "\n")
+                sys.stdout.write(("\n" if fmt == "text" else "").join(outs))
             sys.stdout.flush()
             n += 1
             if not a.watch or (a.count and n >= a.count):
@@ -135,15 +170,17 @@ def cmd_stat(a) -> int:
             return EXIT_OK
         raise
     finally:
-        sp.close()
+        for sp in spools:
+            sp.close()
 
 
 def register(add):
     """Add ``stat`` to the ``shmq`` parser."""
-    p = add("stat", "show a spool's statistics and readers",
+    p = add("stat", "show spools' statistics and readers",
             description="Show everything in the spool's control block (Spool.stats) and a table "
-            "of named readers and groups.")
-    p.add_argument("path", metavar="PATH")
+            "of named readers and groups.  Several PATHs, or a DIR (its spools), show one block "
+            "per spool (JSON: a list; one spool file: one object).")
+    p.add_argument("paths", nargs="+", metavar="PATH|DIR")
     p.add_argument("--format", choices=("text", "json", "prometheus"), default="text",
                    help="output format (default text)")
     p.add_argument("--json", action="store_true", help="same as --format json")
