@@ -453,3 +453,67 @@ def test_top_over_several_paths(make_spool):
     assert res.returncode == 0 and "2 spools" in res.stdout.splitlines()[0]
     names = [ln.split()[0] for ln in res.stdout.splitlines()[2:] if ln.strip()]
     assert names == ["a", "c"]
+
+
+# --- bench ----------------------------------------------------------------------------------
+
+def _bench_dirs():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("shmq-bench-")}
+
+
+def test_bench_reports_both_phases_and_leaves_nothing(spool_dir):
+    import json
+
+    res = shmq_cmd("bench", "--seconds", "0.05", "--repeat", "1", "--json", "--dir", spool_dir)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["put"]["frames_per_s"] > 0 and d["pipeline"]["frames_per_s"] > 0
+    assert d["put"]["runs"] == 1 and d["frame_bytes"] == 100
+    assert os.listdir(spool_dir) == []
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["--size", "0"], cli.EXIT_USAGE, "positive"),
+    (["--size", "2000000", "--capacity", "1MiB"], cli.EXIT_FULL, "can never fit"),
+    (["--dir", "/nonexistent-dir"], cli.EXIT_NOT_FOUND, "no such directory"),
+])
+def test_bench_bad_input(spool_dir, args, code, text):
+    extra = [] if "--dir" in args else ["--dir", spool_dir]
+    res = shmq_cmd("bench", "--seconds", "0.05", "--repeat", "1", *args, *extra)
+    assert res.returncode == code and text in res.stderr.strip().splitlines()[-1]
+    assert os.listdir(spool_dir) == []
+
+
+# --- metrics --serve -------------------------------------------------------------------------
+
+def test_metrics_serve_on_loopback(spool_dir, make_spool):
+    import re
+    import signal
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    sp = make_spool(name="m")
+    sp.put(b"x")
+    srv = subprocess.Popen([sys.executable, "-m", "shmq", "metrics", spool_dir, "--serve",
+                            "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = _lines_until(srv.stderr, "/metrics")[-1]
+        url = re.search(r"http://\S+/metrics", line).group(0)
+        assert url.startswith("http://127.0.0.1:")
+        body = urllib.request.urlopen(url, timeout=30).read().decode()
+        assert f'shmq_up{{spool="{sp.path}"}} 1.0' in body
+        assert f'shmq_puts_total{{spool="{sp.path}"}} 1.0' in body
+    finally:
+        srv.send_signal(signal.SIGTERM)
+        assert srv.wait(30) == 0
+
+
+def test_metrics_once_and_bad_input(spool_dir, make_spool):
+    pytest.importorskip("prometheus_client")
+    sp = make_spool(name="m")
+    res = shmq_cmd("metrics", sp.path)
+    assert res.returncode == 0 and f'shmq_up{{spool="{sp.path}"}} 1.0' in res.stdout
+    res = shmq_cmd("metrics", "--serve", "localhost:http")
+    assert res.returncode == cli.EXIT_USAGE and "HOST:PORT" in one_error_line(res.stderr)
+    res = shmq_cmd("metrics", os.path.join(spool_dir, "nope"))
+    assert res.returncode == cli.EXIT_NOT_FOUND

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import frames, manage, readers, recover, stat, tail, top
+from . import bench, frames, manage, metrics, readers, recover, stat, tail, top
 from .args import EPILOG, formatter
 
 
@@ -34,4 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.put_parser = frames.register(add)
     parser.readers_verbs = readers.register(add)
     recover.register(add)
+    bench.register(add)
+    metrics.register(add)
     return parser
