@@ -540,7 +540,7 @@ def run_throughput(quick, repeats, only, out):
             results[name] = row
             print_row(name, row, out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
     return results
 
 
@@ -615,7 +615,7 @@ def run_latency(quick, out):
             for q in (50, 90, 99):
                 r[f"p{q}_us"] = s[min(len(s) - 1, len(s) * q // 100)]
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
     print("\nwake-up latency of a blocked reader (one way, us)", file=out)
     for kind, r in res.items():
         print(f"  {kind:<10} p50 {r['p50_us']:7.1f}  p90 {r['p90_us']:7.1f}  p99 {r['p99_us']:8.1f}", file=out)
@@ -656,7 +656,7 @@ def run_syscalls(out):
             counts[n] = total
     finally:
         shmq.Spool.destroy(path)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
     per_op = (counts[20000] - counts[0]) / 20000
     print(f"\nsyscalls per put+get, uncontended, nobody waiting: {per_op:.4f} "
           f"(strace -c: {counts[0]} for startup, {counts[20000]} with 20000 put+get)", file=out)
@@ -671,6 +671,17 @@ def _blocked_reader(path, ready):
         r.get(timeout=3.0)
     except shmq.Empty:
         pass
+
+
+def remove_dir(tmp):
+    """Remove a scenario's directory: its spools with Spool.destroy first, so their
+    semaphores go too (rmtree alone leaves three or more per spool in /dev/shm)."""
+    for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
+        try:
+            shmq.Spool.destroy(os.path.join(tmp, name))
+        except (OSError, shmq.ShmqError):
+            pass  # not a spool (strace logs), or already gone
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_idle_and_memory(out):
@@ -704,7 +715,7 @@ def run_idle_and_memory(out):
         res["reader_rss_growth_mb_1gib_spool"] = (r1 - r0) / 2**20
         res["frame_overhead_bytes"] = {n: shmq._format.frame_stored_bytes(n) - n for n in (1, 100, 4096)}
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_dir(tmp)
     print(f"\nidle blocked reader CPU: {res['idle_reader_cpu_pct']:.2f} %", file=out)
     print(f"reader RSS growth opening a 1 GiB spool and reading 1 MB: "
           f"{res['reader_rss_growth_mb_1gib_spool']:.1f} MB", file=out)
