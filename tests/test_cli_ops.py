@@ -517,3 +517,99 @@ def test_metrics_once_and_bad_input(spool_dir, make_spool):
     assert res.returncode == cli.EXIT_USAGE and "HOST:PORT" in one_error_line(res.stderr)
     res = shmq_cmd("metrics", os.path.join(spool_dir, "nope"))
     assert res.returncode == cli.EXIT_NOT_FOUND
+
+
+# --- tee --------------------------------------------------------------------------------------
+
+def _all(path):
+    with shmq.Spool.open(path) as sp:
+        from shmq.dump import record_at
+        return [(r.data, r.codec) for r in (record_at(sp, s) for s in range(sp.first_seq,
+                                                                              sp.next_seq))]
+
+
+def _tee(src, dst, *args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "shmq", "tee", src, dst, "--timeout", "0.3",
+                           *args], capture_output=True, text=True, timeout=120, env=e)
+
+
+def test_tee_copies_with_codecs_and_resumes(spool_dir):
+    src, dst = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dst")
+    with shmq.Spool.create(src, capacity="1MiB") as a, shmq.Spool.create(dst, capacity="1MiB"):
+        a.put_many([b"a", b"b"])
+        a.put(b'{"k": 1}', codec=shmq._format.CODEC_JSON)
+        res = _tee(src, dst)
+        assert res.returncode == 0 and "copied 3 frame(s)" in res.stdout, res.stderr
+        a.put(b"c")
+        res = _tee(src, dst, "--json")
+        import json
+        assert json.loads(res.stdout)["copied"] == 1
+    assert _all(dst) == _all(src)
+    assert shmq_cmd("rm", dst, "-q").returncode == 0
+    assert os.listdir(spool_dir) == ["src"]  # the tee's record went with DST
+
+
+@pytest.mark.parametrize("point", ["before-put:2", "after-put:2", "after-state:2",
+                                   "after-put:1"])
+def test_tee_killed_in_the_crash_window_copies_exactly_once(spool_dir, point):
+    src, dst = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dst")
+    with shmq.Spool.create(src, capacity="1MiB") as a:
+        for i in range(30):  # codec changes make several appends per batch
+            a.put(b"%d" % i, codec=shmq._format.CODEC_UTF8 if i % 10 < 5 else shmq._format.CODEC_RAW)
+    shmq.Spool.create(dst, capacity="1MiB").close()
+    res = _tee(src, dst, env={"SHMQ_TEST_TEE_CRASH": point})
+    assert res.returncode == -9  # SIGKILLed at that point
+    res = _tee(src, dst)
+    assert res.returncode == 0, res.stderr
+    assert _all(dst) == _all(src)
+
+
+def test_tee_sigkilled_while_copying_a_live_stream(spool_dir):
+    import signal
+
+    src, dst = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dst")
+    a = shmq.Spool.create(src, capacity="4MiB", on_full="block")
+    shmq.Spool.create(dst, capacity="4MiB").close()
+    a.put_many([b"frame %d" % i for i in range(200)])
+    tee = subprocess.Popen([sys.executable, "-m", "shmq", "tee", src, dst, "--batch", "7",
+                            "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with shmq.Spool.open(dst) as d:
+            r = d.reader()
+            for i in range(200, 2000):
+                a.put(b"frame %d" % i)
+                if i == 600:  # the tee is copying: kill it mid-stream
+                    r.get(timeout=30)
+                    tee.send_signal(signal.SIGKILL)
+            r.close()
+    finally:
+        tee.wait(30)
+        a.close()
+    res = _tee(src, dst)
+    assert res.returncode == 0, res.stderr
+    assert [d for d, _c in _all(dst)] == [b"frame %d" % i for i in range(2000)]
+
+
+def test_tee_bad_input_leaves_nothing(spool_dir):
+    src, dst = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dst")
+    shmq.Spool.create(src, capacity="64KiB").close()
+    res = _tee(src, src)
+    assert res.returncode == cli.EXIT_USAGE and "same spool" in one_error_line(res.stderr)
+    res = _tee(src, dst)
+    assert res.returncode == cli.EXIT_NOT_FOUND
+    with shmq.Spool.open(src) as sp:
+        assert sp.readers() == []  # no reader registered on SRC
+    assert sorted(os.listdir(spool_dir)) == ["src"]
+
+
+def test_tee_refuses_a_dst_another_process_writes(spool_dir):
+    src, dst = os.path.join(spool_dir, "src"), os.path.join(spool_dir, "dst")
+    with shmq.Spool.create(src, capacity="64KiB") as a, shmq.Spool.create(dst, capacity="64KiB") as b:
+        a.put(b"one")
+        assert _tee(src, dst).returncode == 0
+        a.put(b"two")
+        b.put(b"intruder")
+        res = _tee(src, dst)
+        assert res.returncode == cli.EXIT_BUSY
+        assert "another process wrote into it" in one_error_line(res.stderr)

@@ -65,9 +65,22 @@ def cmd_rm(a) -> int:
             if a.force:
                 continue
             raise
+        _remove_tee_state(full)
         if not a.quiet:
             print(f"removed {full}")
     return EXIT_OK
+
+
+def _remove_tee_state(path):
+    """The records ``shmq tee`` keeps next to a DST spool belong to it: remove them too."""
+    import glob
+
+    d, base = os.path.split(path)
+    for f in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(base)}.tee.*.json")):
+        try:
+            os.unlink(f)
+        except FileNotFoundError:
+            pass
 
 
 def _ls_rows(directory):

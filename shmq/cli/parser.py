@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, frames, manage, metrics, readers, recover, stat, tail, top
+from . import bench, frames, manage, metrics, readers, recover, stat, tail, tee, top
 from .args import EPILOG, formatter
 
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.put_parser = frames.register(add)
     parser.readers_verbs = readers.register(add)
     recover.register(add)
+    tee.register(add)
     bench.register(add)
     metrics.register(add)
     return parser
