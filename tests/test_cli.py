@@ -825,8 +825,10 @@ def test_error_exit_codes_subprocess(spool_dir, make_spool):
         res = shmq_cmd(*cmd)
         assert res.returncode == cli.EXIT_NOT_SPOOL, (cmd, res.stderr)
         assert "not a shmq spool" in _one_error_line(res.stderr)
-    res = shmq_cmd("stat", spool_dir)
+    res = shmq_cmd("tail", spool_dir)  # (stat takes a directory: the spools in it)
     assert res.returncode == cli.EXIT_NOT_SPOOL and "directory" in _one_error_line(res.stderr)
+    res = shmq_cmd("stat", spool_dir)  # only a foreign file in it
+    assert res.returncode == cli.EXIT_NOT_FOUND and "no spools" in _one_error_line(res.stderr)
     sp = make_spool(name="corrupt")
     sp.put(b"x")
     sp._ctl[F.W_FIRST_SEQ] = 99
