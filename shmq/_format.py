@@ -210,6 +210,24 @@ def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_coun
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", crc)
 
 
+#: Geometry ``flags`` bit: the spool is fed from the network (``shmq sub``): its payloads
+#: came from another host, so nothing in it is unpickled unless the caller opts in.
+GEO_FLAG_NETWORK = 0x1
+
+
+def with_geometry_flags(raw: bytes, flags: int) -> bytes:
+    """The geometry block ``raw`` with ``flags`` OR-ed into its flags field, CRC renewed."""
+    fields = list(GEOMETRY.unpack_from(raw))
+    fields[15] |= flags  # magic, version, ..., policy, checksum, reserved, flags
+    body = GEOMETRY.pack(*fields)
+    return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:GEOMETRY_CRC_SPAN]))
+
+
+def from_network(geo: dict) -> bool:
+    """True if the spool with this decoded geometry is fed from the network (untrusted)."""
+    return bool(geo.get("flags", 0) & GEO_FLAG_NETWORK)
+
+
 def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     """Validate and decode the geometry block of a spool file.
 

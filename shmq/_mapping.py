@@ -361,6 +361,21 @@ def open_by(path: str) -> list[int]:
     return pids
 
 
+def mark_from_network(path: str) -> None:
+    """Record in the spool's geometry that its frames come from the network
+    (:data:`shmq._format.GEO_FLAG_NETWORK`); idempotent.  Handles already open keep
+    the geometry they read; new ones see the flag."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, F.GEOMETRY.size, 0)
+        F.unpack_geometry(raw, os.fstat(fd).st_size, path)  # only a valid spool is touched
+        new = F.with_geometry_flags(raw, F.GEO_FLAG_NETWORK)
+        if new != raw:
+            os.pwrite(fd, new, 0)
+    finally:
+        os.close(fd)
+
+
 def read_geometry(path: str) -> dict:
     """Decode a spool's geometry without mapping it (for destroy and listings)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -72,15 +72,21 @@ def cmd_rm(a) -> int:
 
 
 def _remove_tee_state(path):
-    """The records ``shmq tee`` keeps next to a DST spool belong to it: remove them too."""
+    """The records ``shmq tee``/``shmq sub`` keep next to a destination spool belong to
+    it: remove them too (only those whose ``dst`` is this path)."""
     import glob
+    import json
 
     d, base = os.path.split(path)
-    for f in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(base)}.tee.*.json")):
-        try:
-            os.unlink(f)
-        except FileNotFoundError:
-            pass
+    for kind in ("tee", "sub"):
+        for f in glob.glob(os.path.join(glob.escape(d), f".{glob.escape(base)}.{kind}.*.json")):
+            try:
+                with open(f) as fh:
+                    if json.load(fh).get("dst") != path:
+                        continue
+                os.unlink(f)
+            except (OSError, ValueError):
+                pass
 
 
 def _ls_rows(directory):
