@@ -49,7 +49,7 @@ def _one_error_line(err):
 # --- help and usage -----------------------------------------------------------------
 
 SUBCOMMANDS = ["create", "rm", "ls", "stat", "top", "tail", "put", "cat", "readers", "fsck",
-               "export", "import", "demo", "bench", "metrics", "tee"]
+               "export", "import", "demo", "bench", "metrics", "tee", "pub", "sub"]
 
 
 @pytest.mark.parametrize("argv", [[c] for c in SUBCOMMANDS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, frames, manage, metrics, readers, recover, stat, tail, tee, top
+from . import bench, frames, manage, metrics, net, readers, recover, stat, tail, tee, top
 from .args import EPILOG, formatter
 
 
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.readers_verbs = readers.register(add)
     recover.register(add)
     tee.register(add)
+    net.register(add)
     bench.register(add)
     metrics.register(add)
     return parser
