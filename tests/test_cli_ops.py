@@ -448,7 +448,7 @@ def test_stat_of_an_empty_directory_or_a_missing_spool(spool_dir, make_spool):
 
 
 def test_top_over_several_paths(make_spool):
-    a, b, c = make_spool(name="a"), make_spool(name="b"), make_spool(name="c")
+    a, _b, c = make_spool(name="a"), make_spool(name="b"), make_spool(name="c")  # b: not shown
     res = shmq_cmd("top", a.path, c.path, "--once", "--interval", "0.01")
     assert res.returncode == 0 and "2 spools" in res.stdout.splitlines()[0]
     names = [ln.split()[0] for ln in res.stdout.splitlines()[2:] if ln.strip()]
