@@ -613,3 +613,21 @@ def test_tee_refuses_a_dst_another_process_writes(spool_dir):
         res = _tee(src, dst)
         assert res.returncode == cli.EXIT_BUSY
         assert "another process wrote into it" in one_error_line(res.stderr)
+
+
+def test_ls_reports_damaged_spools_on_stderr(spool_dir, make_spool):
+    import json
+
+    good = make_spool(name="good")
+    bad = os.path.join(spool_dir, "bad")
+    shmq.Spool.create(bad, capacity="64KiB").close()
+    os.truncate(bad, 5000)
+    with open(os.path.join(spool_dir, "notes.txt"), "w") as f:
+        f.write("not a spool")
+    res = shmq_cmd("ls", spool_dir)
+    assert res.returncode == 0 and "good" in res.stdout and "bad" not in res.stdout
+    msg = one_error_line(res.stderr)
+    assert msg.startswith(f"shmq ls: damaged: {bad}: truncated") and "'shmq rm'" in msg
+    res = shmq_cmd("ls", spool_dir, "--json")
+    assert [p["path"] for p in json.loads(res.stdout)] == [good.path]
+    assert shmq_cmd("rm", bad).returncode == 0

@@ -9,9 +9,11 @@ import time
 
 from .. import _format as F
 from .._mapping import DEFAULT_DIR
-from ..errors import NotASpool, ShmqError
+from ..errors import NotASpool, ShmqError, SpoolFormatError
 from .args import count_arg, mode_arg, positive_arg
-from .base import EXIT_BUSY, EXIT_NOT_FOUND, EXIT_NOT_SPOOL, EXIT_OK, EXIT_USAGE, CliError, resolve
+from .base import (
+    EXIT_BUSY, EXIT_NOT_FOUND, EXIT_NOT_SPOOL, EXIT_OK, EXIT_USAGE, CliError, one_line, resolve,
+)
 from .fmt import human_age, human_bytes, human_rate, print_json, table
 
 
@@ -89,7 +91,30 @@ def _remove_tee_state(path):
                 pass
 
 
-def _ls_rows(directory):
+def _damaged_spools(directory):
+    """``[(path, error)]``: files in ``directory`` that are spools whose header is damaged
+    (truncated, checksum, newer version); foreign files are not listed."""
+    from .._mapping import read_geometry
+
+    out = []
+    if not os.path.isdir(directory):
+        return out
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if name.startswith(".") or not os.path.isfile(full) or os.path.islink(full):
+            continue
+        try:
+            read_geometry(full)
+        except NotASpool:
+            continue
+        except SpoolFormatError as exc:
+            out.append((full, exc))
+        except OSError:
+            continue
+    return out
+
+
+def _ls_rows(directory, damaged):
     from ..metrics import peek, series_window, spool_paths
 
     if not os.path.exists(directory):
@@ -101,6 +126,9 @@ def _ls_rows(directory):
     for path in spool_paths([directory]):
         try:
             p = peek(path)
+        except SpoolFormatError as exc:  # a header that validates, a body that does not
+            damaged.append((path, exc))
+            continue
         except (OSError, ShmqError):
             continue  # vanished or not readable: listings skip it
         p["name"] = os.path.relpath(path, directory) if os.path.isdir(directory) else path
@@ -120,7 +148,10 @@ def cmd_ls(a) -> int:
         except NotASpool:
             raise CliError(f"{directory}: not a directory (nor a spool); ls lists the spools "
                            "of a directory", EXIT_NOT_SPOOL) from None
-    rows = _ls_rows(directory)
+    damaged = _damaged_spools(directory)
+    rows = _ls_rows(directory, damaged)
+    for path, exc in damaged:  # stderr: the listing (and its JSON) keeps its shape
+        print(f"shmq ls: damaged: {one_line(exc)}", file=sys.stderr)
     if a.json:
         for p in rows:
             p["write_rate"] = [list(x) for x in p["write_rate"]]
@@ -128,7 +159,7 @@ def cmd_ls(a) -> int:
         print_json(rows)
         return EXIT_OK
     if not rows:
-        print(f"no spools in {directory}", file=sys.stderr)
+        print(f"no {'usable ' if damaged else ''}spools in {directory}", file=sys.stderr)
         return EXIT_OK
     now = time.time_ns()
     out = table(
