@@ -5,7 +5,8 @@ See docs/guide.md.  This module only re-exports the public names.
 
 from ._format import FORMAT_VERSION
 from .errors import (
-    Empty, FrameLost, Full, LeaseLost, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+    Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout,
+    TooLarge,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
@@ -15,17 +16,9 @@ from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 __version__ = "0.1.0"
 
-import platform as _platform
-import warnings as _warnings
-
-if _platform.machine() not in ("x86_64", "AMD64"):
-    # Publication relies on x86-64's in-order stores (docs/format.md, "Platform support").
-    _warnings.warn(f"shmq supports Linux x86-64 only; on {_platform.machine()} readers may see "
-                   "frames before their bytes", RuntimeWarning, stacklevel=2)
-
 __all__ = [
     "Spool", "Frame", "Reservation", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
-    "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
+    "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "NotASpool", "TooLarge",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "FORMAT_VERSION",
 ]

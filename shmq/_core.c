@@ -340,7 +340,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
             read_header(r, off, &h);
             if (h.seq < seq || h.seq >= next_seq || !header_sane(&h, off, ring)) {
                 corrupt(r, "reader cursor at position %llu does not point at a frame "
-                        "(header says seq %llu); run 'shmq fsck --repair'",
+                        "(header says seq %llu); see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
                         (unsigned long long)floor, (unsigned long long)h.seq);
                 return -100;
             }
@@ -371,7 +371,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
         if (h.seq != seq || !header_sane(&h, off, ring) ||
             ((h.flags & FLAG_PAD) && (off == 0 || off + h.stored != ring)) || pos + h.stored - walk_start > ring) {
             corrupt(r, "ring is corrupt at seq %llu (offset %llu: header says seq %llu, %u bytes); "
-                    "run 'shmq fsck --repair'",
+                    "see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
                     (unsigned long long)seq, (unsigned long long)off, (unsigned long long)h.seq, h.stored);
             return -100;
         }
@@ -995,7 +995,7 @@ static int first_cursor(Ring *r, uint64_t *oseq, uint64_t *opos) {
             return 0;
         }
     }
-    corrupt(r, "cannot find the oldest frame (ring corrupt?); run 'shmq fsck --repair'");
+    corrupt(r, "cannot find the oldest frame (ring corrupt?); see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'");
     return -1;
 }
 
@@ -1007,7 +1007,7 @@ static int resync(Ring *r, uint64_t *seq, uint64_t *pos, const FrameHeader *h, u
         uint64_t s, p;
         if (first_cursor(r, &s, &p) < 0) return -1;
         if (s < *seq) {
-            corrupt(r, "reader cursor seq %llu is ahead of the oldest frame %llu yet unreadable; run 'shmq fsck'",
+            corrupt(r, "reader cursor seq %llu is ahead of the oldest frame %llu yet unreadable; see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
                     (unsigned long long)*seq, (unsigned long long)s);
             return -1;
         }
@@ -1023,7 +1023,7 @@ static int resync(Ring *r, uint64_t *seq, uint64_t *pos, const FrameHeader *h, u
         return 0;
     }
     corrupt(r, "corrupt frame header at seq %llu (ring offset %llu: header says seq %llu, %u bytes stored, "
-            "%u bytes long); run 'shmq fsck'",
+            "%u bytes long); see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
             (unsigned long long)*seq, (unsigned long long)off, (unsigned long long)h->seq, h->stored, h->length);
     return -1;
 }
@@ -1084,7 +1084,7 @@ static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, u
                 if (resync(r, &seq, &pos, &h, off, lost) < 0) return NULL;
             } else {
                 if (++pads > 2 || off == 0) { /* a pad never starts the ring, never repeats */
-                    return corrupt(r, "corrupt padding at seq %llu (ring offset %llu); run 'shmq fsck'",
+                    return corrupt(r, "corrupt padding at seq %llu (ring offset %llu); see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
                                    (unsigned long long)seq, (unsigned long long)off);
                 }
                 pos += h.stored;
@@ -1108,7 +1108,7 @@ static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, u
             const char *p = PyBytes_Check(data) ? PyBytes_AS_STRING(data) : PyByteArray_AS_STRING(data);
             if (crc_update(0, (const unsigned char *)p, h.length) != h.crc) {
                 Py_DECREF(data);
-                return corrupt(r, "frame %llu fails its CRC check (memory corruption?); run 'shmq fsck'",
+                return corrupt(r, "frame %llu fails its CRC check (memory corruption?); see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'",
                                (unsigned long long)seq);
             }
         }
@@ -1165,7 +1165,7 @@ static PyObject *Ring_locate(Ring *r, PyObject *args) {
             atomic_thread_fence(memory_order_acquire);
             if (ld_rlx(&c[W_FIRST_POS]) > p) break; /* overtaken by the writer: start again */
             if (h.seq != s || !header_sane(&h, off, ring) || p > limit)
-                return corrupt(r, "ring is corrupt near seq %llu; run 'shmq fsck'", (unsigned long long)s);
+                return corrupt(r, "ring is corrupt near seq %llu; see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'", (unsigned long long)s);
             if (h.flags & FLAG_PAD) {
                 if (off == 0 || ++pads > 2)
                     return corrupt(r, "corrupt padding near seq %llu", (unsigned long long)s);

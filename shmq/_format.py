@@ -22,7 +22,7 @@ import re
 import struct
 import zlib
 
-from .errors import SpoolFormatError
+from .errors import NotASpool, SpoolFormatError
 
 MAGIC = b"SHMQSPL\x00"
 FORMAT_VERSION = 1
@@ -210,6 +210,24 @@ def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_coun
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", crc)
 
 
+#: Geometry ``flags`` bit: the spool is fed from the network (``shmq sub``): its payloads
+#: came from another host, so nothing in it is unpickled unless the caller opts in.
+GEO_FLAG_NETWORK = 0x1
+
+
+def with_geometry_flags(raw: bytes, flags: int) -> bytes:
+    """The geometry block ``raw`` with ``flags`` OR-ed into its flags field, CRC renewed."""
+    fields = list(GEOMETRY.unpack_from(raw))
+    fields[15] |= flags  # magic, version, ..., policy, checksum, reserved, flags
+    body = GEOMETRY.pack(*fields)
+    return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:GEOMETRY_CRC_SPAN]))
+
+
+def from_network(geo: dict) -> bool:
+    """True if the spool with this decoded geometry is fed from the network (untrusted)."""
+    return bool(geo.get("flags", 0) & GEO_FLAG_NETWORK)
+
+
 def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     """Validate and decode the geometry block of a spool file.
 
@@ -222,13 +240,13 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         if raw[:len(MAGIC)] == MAGIC[:len(raw)] and raw:
             raise SpoolFormatError(
                 f"{where}: truncated spool ({file_size} bytes, header alone needs {HEADER_BYTES}); "
-                "it cannot be repaired: destroy it and create it again")
-        raise SpoolFormatError(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
+                "it cannot be repaired: remove it ('shmq rm', or Spool.destroy) and create it again")
+        raise NotASpool(f"{where}: not a shmq spool (file too small: {file_size} bytes)")
     (magic, version, header_bytes, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
      slot_bytes, lease_offset, lease_count, lease_bytes, policy, checksum, _r0, flags,
      sem_prefix, created_ns, _r1, crc) = GEOMETRY.unpack_from(raw)
     if magic != MAGIC:
-        raise SpoolFormatError(
+        raise NotASpool(
             f"{where}: not a shmq spool (bad magic {magic!r}); refusing to touch a foreign file")
     if version > FORMAT_VERSION:
         raise SpoolFormatError(
@@ -238,8 +256,8 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         raise SpoolFormatError(f"{where}: invalid spool format version {version}")
     if zlib.crc32(raw[:GEOMETRY_CRC_SPAN]) != crc:
         raise SpoolFormatError(
-            f"{where}: spool header is corrupt (checksum mismatch); run 'shmq fsck' or "
-            "recreate the spool")
+            f"{where}: spool header is corrupt (checksum mismatch); it cannot be repaired: "
+            "remove it ('shmq rm') and create it again")
     problems = []
     if header_bytes != HEADER_BYTES:
         problems.append(f"header size {header_bytes}")
@@ -269,7 +287,7 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     if file_size < file_bytes:
         raise SpoolFormatError(
             f"{where}: truncated spool: the file has {file_size} bytes, its header says "
-            f"{file_bytes}; destroy it and create it again")
+            f"{file_bytes}; remove it ('shmq rm', or Spool.destroy) and create it again")
     return {
         "version": version, "file_bytes": file_bytes, "ring_offset": ring_offset,
         "ring_bytes": ring_bytes, "slot_offset": slot_offset, "slot_count": slot_count,

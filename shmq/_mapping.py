@@ -10,6 +10,7 @@ subject to the umask, so ``mode=0o660`` means 0660).
 from __future__ import annotations
 
 import errno
+import hashlib
 import mmap
 import os
 import secrets
@@ -19,7 +20,7 @@ import time
 import posix_ipc
 
 from . import _format as F
-from .errors import ShmqError, SpoolFormatError
+from .errors import NotASpool, ShmqError, SpoolFormatError
 
 DEFAULT_DIR = "/dev/shm/shmq"
 
@@ -76,15 +77,53 @@ def _chmod_semaphore(name: str, mode: int) -> None:
         pass
 
 
-def unlink_semaphores(prefix: str, slot_count: int) -> None:
+#: Where glibc keeps named semaphores: "/shmq.P.w" is the file /dev/shm/sem.shmq.P.w.
+SEM_DIR = "/dev/shm"
+
+
+def sem_prefix_of(st: os.stat_result) -> str:
+    """The semaphore prefix of the spool file with this ``fstat``: derived from its
+    device and inode, so it can be recomputed from the file itself whatever its
+    contents (a truncated file, a damaged header).
+
+    The inode is the file's identity for as long as any process has it open
+    or it has a name: it survives rename and link (create and import publish
+    a temporary file under its final name), and a new file cannot get the
+    number while an old one with it is still open.  The header records the
+    same prefix (``sem_prefix``), which is what handles open.
+    """
+    return hashlib.sha256(f"shmq:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:12]
+
+
+def semaphore_names(prefix: str, slot_count: int = 0) -> list[str]:
+    """Every semaphore name of the spool with ``prefix``: the fixed ones, ``slot_count``
+    group semaphores, and any other ``sem.shmq.PREFIX.*`` present in /dev/shm
+    (group semaphores of a spool whose header, and so slot count, is unreadable)."""
     names = [sem_name(prefix, w) for w in
              (SEM_WRITER, SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_UNFINISHED)]
     names += [group_sem_name(prefix, i) for i in range(slot_count)]
-    for name in names:
+    start = "sem." + sem_name(prefix, "").lstrip("/")  # "/shmq.P.x" is the file sem.shmq.P.x
+    try:
+        present = ["/" + n[4:] for n in os.listdir(SEM_DIR) if n.startswith(start)]
+    except OSError:
+        present = []
+    return list(dict.fromkeys(names + present))
+
+
+def unlink_semaphores(prefix: str, slot_count: int) -> None:
+    """Unlink every semaphore of the spool with ``prefix`` (missing ones are fine).
+    Processes that have them open keep them until they close them."""
+    for name in semaphore_names(prefix, slot_count):
         try:
             posix_ipc.unlink_semaphore(name)
         except posix_ipc.ExistentialError:
             pass
+
+
+def has_semaphores(prefix: str) -> bool:
+    """True if any semaphore of the spool with ``prefix`` exists."""
+    return any(os.path.exists(os.path.join(SEM_DIR, "sem." + n.lstrip("/")))
+               for n in semaphore_names(prefix))
 
 
 def _ensure_default_dir(path: str) -> None:
@@ -105,6 +144,33 @@ def _ensure_default_dir(path: str) -> None:
                         "world-writable without the sticky bit); remove it or use a full path")
 
 
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    dev = os.stat(path).st_dev
+    while path != "/":
+        up = os.path.dirname(path)
+        if os.stat(up).st_dev != dev:
+            break
+        path = up
+    return path
+
+
+def _no_space(parent: str, need: int) -> OSError:
+    """An ENOSPC error that names the filesystem, its size and what to do."""
+    def size(n):
+        return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+    try:
+        vfs = os.statvfs(parent)
+        mount = _mount_point(parent)
+        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+        where = f"{mount} ({size(free)} free of {size(total)})"
+    except OSError:
+        where = parent
+    return OSError(errno.ENOSPC, f"no space left for a {size(need)} spool file on {where}: "
+                   "choose a smaller --capacity, remove spools you no longer need, or grow "
+                   "the filesystem (tmpfs: mount -o remount,size=...)", parent)
+
+
 def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: int,
                 leases: int, checksum: bool) -> None:
     """Create a fully initialized, pre-allocated spool file at ``path``.
@@ -114,12 +180,16 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     _ensure_default_dir(path)
     slot_offset, lease_offset, ring_offset, ring_bytes, file_bytes = F.ring_geometry(
         ring_bytes, slots, leases)
-    prefix = secrets.token_hex(6)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, "no such directory for the spool", parent)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{prefix}.creating")
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(6)}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    prefix = sem_prefix_of(os.fstat(fd))
+    # Semaphores with this prefix can only be debris of a spool removed without
+    # Spool.destroy (plain rm) whose inode number this file now reuses: no live
+    # file has this inode, so they belong to nobody.
+    unlink_semaphores(prefix, 0)
     linked = False
     try:
         os.fchmod(fd, mode)
@@ -128,6 +198,8 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
         try:
             os.posix_fallocate(fd, 0, file_bytes)
         except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _no_space(parent, file_bytes) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, file_bytes)
@@ -168,7 +240,7 @@ class Mapping:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise ShmqError(f"{path}: is a symbolic link; refusing to follow it") from None
+                raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
             if exc.errno == errno.ENOENT:
                 raise FileNotFoundError(errno.ENOENT, "no spool at this path "
                                         "(create it with shmq.Spool.create)", path) from None
@@ -176,7 +248,7 @@ class Mapping:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise SpoolFormatError(f"{path}: not a regular file")
+                raise NotASpool(f"{path}: not a regular file")
             head = os.pread(fd, F.GEOMETRY.size, 0)
             self.geo = F.unpack_geometry(head, st.st_size, path)
             self.mm = mmap.mmap(fd, self.geo["file_bytes"], mmap.MAP_SHARED,
@@ -214,6 +286,94 @@ class Mapping:
             pass  # a caller still holds a view; the kernel unmaps at exit
         os.close(self.fd)
         self.mm = None
+
+
+def destroy_file(path: str) -> None:
+    """Remove the spool file at ``path`` and its semaphores, whatever state the file is in.
+
+    The semaphores are found from the file's inode (:func:`sem_prefix_of`)
+    and, when the header can still be decoded, from its ``sem_prefix`` too
+    (spools created before the prefix was derived, or copied files).  A
+    truncated or header-corrupt spool is removed; a file that is not a spool
+    (foreign magic, not a regular file, a symlink) is refused and left alone.
+    A file whose header is gone entirely (e.g. truncated to 0 bytes) counts
+    as a spool when semaphores derived from its inode exist.
+
+    :raises FileNotFoundError: nothing at ``path``.
+    :raises shmq.NotASpool: not a spool (it is not removed).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotASpool(f"{path}: not a spool (not a regular file); left alone")
+        derived = sem_prefix_of(st)
+        prefixes, slots = [derived], 0
+        try:
+            geo = F.unpack_geometry(os.pread(fd, F.GEOMETRY.size, 0), st.st_size, path)
+        except NotASpool:
+            if not has_semaphores(derived):
+                raise
+        except SpoolFormatError:
+            pass  # damaged: the derived prefix and a /dev/shm scan find its semaphores
+        else:
+            prefixes.append(geo["sem_prefix"])
+            slots = geo["slot_count"]
+        # Re-check under the name we are about to unlink: it must still be this file.
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise FileNotFoundError(errno.ENOENT, "the spool was replaced while removing it",
+                                    path)
+        for prefix in dict.fromkeys(prefixes):
+            unlink_semaphores(prefix, slots)
+        os.unlink(path)
+    finally:
+        os.close(fd)
+
+
+def open_by(path: str) -> list[int]:
+    """Pids of other live processes that have the file at ``path`` mapped (every open
+    shmq handle maps its spool), from /proc/PID/maps; [] if none or not readable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    me, pids = os.getpid(), []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    ino = str(st.st_ino)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) >= 5 and parts[4] == ino and parts[3] == dev:
+                        pids.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def mark_from_network(path: str) -> None:
+    """Record in the spool's geometry that its frames come from the network
+    (:data:`shmq._format.GEO_FLAG_NETWORK`); idempotent.  Handles already open keep
+    the geometry they read; new ones see the flag."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, F.GEOMETRY.size, 0)
+        F.unpack_geometry(raw, os.fstat(fd).st_size, path)  # only a valid spool is touched
+        new = F.with_geometry_flags(raw, F.GEO_FLAG_NETWORK)
+        if new != raw:
+            os.pwrite(fd, new, 0)
+    finally:
+        os.close(fd)
 
 
 def read_geometry(path: str) -> dict:

@@ -1866,9 +1866,10 @@ def format_status(st) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    """``python -m shmq.dispatch {scale PATH TYPE N | status PATH [--json] | stop PATH}``."""
-    p = argparse.ArgumentParser(prog="python -m shmq.dispatch",
+def main(argv=None, prog="python -m shmq.dispatch") -> int:
+    """``python -m shmq.dispatch {scale PATH TYPE N | status PATH [--json] | stop PATH}``
+    (``shmq dispatch ...`` passes its own ``prog``)."""
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Control and inspect a running shmq Dispatcher.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("scale", help="set the number of workers of a message type")

@@ -20,6 +20,7 @@ the dump's size.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -31,7 +32,7 @@ import zlib
 from typing import NamedTuple
 
 from . import _format as F
-from .errors import Empty, FrameLost, Full, ShmqError
+from .errors import Empty, FrameLost, Full, ShmqError, SpoolFormatError
 from .spool import Spool
 
 __all__ = ["Record", "iter_records", "record_at", "export_spool", "import_dump", "DumpError",
@@ -52,6 +53,14 @@ _TS_WORD = 2  # timestamp_ns is the third u64 of a frame header (seq, lengths, t
 
 class DumpError(ShmqError, ValueError):
     """Not a shmq dump, a newer dump version, or a truncated/damaged dump."""
+
+    kind = "corrupt"
+
+
+class NotADump(DumpError):
+    """The file is not a shmq dump at all (bad magic)."""
+
+    kind = "not_spool"
 
 
 class Record(NamedTuple):
@@ -90,7 +99,7 @@ def _header_of(sp, seq):
 
 
 def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None, info=None,
-                 clamp=False):
+                 clamp=False, skip_corrupt=False):
     """Yield :class:`Record` s from ``start`` up to (not including) seq ``stop``.
 
     Reads through an anonymous reader (it never holds writers back and
@@ -99,9 +108,18 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
     after that many seconds without one).  Frames overwritten before they
     were read are skipped and counted in ``info["lost"]`` if ``info`` is a
     dict.  With ``clamp``, a ``start`` seq already overwritten starts at
-    the oldest frame instead of raising :class:`shmq.FrameLost`.
+    the oldest frame instead of raising :class:`shmq.FrameLost`.  With
+    ``skip_corrupt``, frames whose headers are damaged are skipped: the
+    ring is scanned for the next frame whose header chain checks out, and
+    the skipped seqs are counted in ``info["corrupt"]`` (ranges in
+    ``info["corrupt_ranges"]``).
+
+    :raises shmq.SpoolFormatError: a damaged frame (without ``skip_corrupt``).
     """
     skipped = 0
+    if info is not None:
+        info.setdefault("corrupt", 0)
+        info.setdefault("corrupt_ranges", [])
     try:
         r = sp.reader(start=start)
     except FrameLost:
@@ -109,6 +127,12 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
             raise
         r = sp.reader(start="earliest")
         skipped = max(0, r.position - start)
+    except SpoolFormatError:
+        if not skip_corrupt:
+            raise
+        # the oldest frame itself is unreadable: start from the control block's word
+        r = sp.reader(start="latest")
+        _resync(sp, r, sp._ctl[F.W_FIRST_SEQ], sp._ctl[F.W_FIRST_POS], stop, info)
     ctl = sp._ctl
     try:
         while stop is None or r.position < stop:
@@ -117,6 +141,11 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
                 f = r.get(block=True, timeout=timeout) if follow else r.get(block=False)
             except Empty:
                 return
+            except SpoolFormatError:
+                if not skip_corrupt:
+                    raise
+                _resync(sp, r, r._seq, r._pos, stop, info)
+                continue
             if stop is not None and f.seq >= stop:
                 return
             if hit is not None and hit[0] == f.seq and ctl[F.W_FIRST_POS] <= hit[1]:
@@ -127,7 +156,48 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
     finally:
         if info is not None:
             info["lost"] = r.lost + skipped
+            info["position"] = r.position
         r.close()
+
+
+def _resync(sp, r, seq, pos, stop, info):
+    """Move reader ``r`` past the damaged frame ``seq`` at cursor ``pos``: to the next
+    position (8-byte aligned, at most one ring ahead) holding a header with a later seq
+    whose successor's header checks out too, or to the end (``stop`` or next_seq).
+    Counts the skipped seqs in ``info``."""
+    import numpy as np
+
+    ctl = sp._ctl
+    end = ctl[F.W_NEXT_SEQ] if stop is None else min(stop, ctl[F.W_NEXT_SEQ])
+    ring, base = sp._ring, sp._base
+    words = np.frombuffer(sp._mm, dtype="<u8", count=ring // 8, offset=base)
+    seqs = words[::1]  # any aligned word may be a header's seq field (its first word)
+    cand = np.nonzero((seqs > seq) & (seqs < end))[0]
+    here = (pos % ring) // 8
+    order = cand[np.argsort((cand - here - 1) % (ring // 8))]  # nearest after pos first
+    found = None
+    for w in order[:4096].tolist():
+        p = pos - pos % ring + w * 8
+        if p <= pos:
+            p += ring
+        hit = sp._header_at(p)
+        if hit is None or hit[1] != p or hit[0] <= seq or ctl[F.W_FIRST_POS] > p:
+            continue
+        nxt = hit[0] + (0 if hit[6] & F.FLAG_PAD else 1)
+        after = sp._header_at(p + hit[2])
+        if nxt >= ctl[F.W_NEXT_SEQ] or (after is not None and after[0] == nxt):
+            found = (hit[0], p)
+            break
+    del words, seqs
+    new_seq, new_pos = found if found else (end, None)
+    if info is not None:
+        info["corrupt"] = info.get("corrupt", 0) + (new_seq - seq)
+        info.setdefault("corrupt_ranges", []).append((seq, new_seq - 1))
+    if new_pos is None:
+        r.seek("latest")
+        return
+    # An anonymous reader's cursor is (seq, position): set both, as Reader.seek would.
+    r._seq, r._pos = new_seq, new_pos
 
 
 def record_at(sp, seq) -> Record:
@@ -190,16 +260,20 @@ def _open_out(dest):
     return io.BufferedWriter(io.FileIO(fd, "wb"), 1 << 20), True
 
 
-def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
+def export_spool(path, dest, *, progress=False, progress_stream=None,
+                 skip_corrupt=False) -> dict:
     """Write every frame of spool ``path`` and its readers' positions to ``dest``.
 
     ``dest`` is a file path (created, mode 0600, never overwritten) or "-"
     for stdout.  The spool is read through an anonymous reader from its
     oldest frame to the ``next_seq`` seen at the start; live writers are
     not held back, and frames they overwrite before the export reaches them
-    are counted as ``lost``.  Returns a summary dict.
+    are counted as ``lost``.  With ``skip_corrupt``, damaged frames are
+    skipped and counted as ``corrupt`` (seq ranges in ``corrupt_ranges``).
+    A failed export removes the partial file it created.  Returns a summary dict.
 
     :raises FileExistsError: ``dest`` exists.
+    :raises shmq.SpoolFormatError: a damaged frame (without ``skip_corrupt``).
     """
     with Spool.open(path) as sp:
         readers = sp.readers()
@@ -220,9 +294,10 @@ def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
         prog = Progress(f"exporting {sp.path}", stop - first, progress_stream, progress)
         frames = nbytes = 0
         info = {}
+        ok = False
         try:
             out.write(_PREAMBLE.pack(DUMP_MAGIC, DUMP_VERSION, len(raw)) + raw)
-            for rec in iter_records(sp, "earliest", stop, info=info):
+            for rec in iter_records(sp, "earliest", stop, info=info, skip_corrupt=skip_corrupt):
                 data = rec.data
                 out.write(_TAG_FRAME + _FRAME_REC.pack(
                     rec.seq, rec.timestamp_ns, len(data), zlib.crc32(data),
@@ -234,12 +309,20 @@ def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
                 prog.update(1, len(data))
             out.write(_TAG_END + _TRAILER.pack(frames, nbytes, info.get("lost", 0)))
             out.flush()
+            ok = True
+        except SpoolFormatError as exc:
+            raise SpoolFormatError(f"{exc}; 'shmq export --skip-corrupt' skips damaged frames"
+                                   if not skip_corrupt else str(exc)) from None
         finally:
             prog.close()
             if close:
                 out.close()
+                if not ok:
+                    os.unlink(dest)  # no partial dump left behind
     return {"source": header["source"], "dest": dest, "frames": frames, "bytes": nbytes,
             "first_seq": first, "next_seq": stop, "lost": info.get("lost", 0),
+            "corrupt": info.get("corrupt", 0),
+            "corrupt_ranges": [list(x) for x in info.get("corrupt_ranges", [])],
             "readers": len(readers)}
 
 
@@ -260,7 +343,7 @@ def read_dump_header(f) -> dict:
     """
     pre = f.read(_PREAMBLE.size)
     if len(pre) < _PREAMBLE.size or pre[:8] != DUMP_MAGIC:
-        raise DumpError("not a shmq dump (bad magic); it must come from 'shmq export'")
+        raise NotADump("not a shmq dump (bad magic); it must come from 'shmq export'")
     _magic, version, hlen = _PREAMBLE.unpack(pre)
     if version > DUMP_VERSION:
         raise DumpError(f"dump version {version} is newer than this shmq supports "
@@ -358,6 +441,11 @@ def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=Fal
     :raises FileExistsError: ``path`` exists (without ``append``).
     :raises shmq.Full: the target spool ran out of room (``block``/``error`` policy).
     """
+    from ._mapping import resolve_path
+
+    path = resolve_path(path)
+    if not append and os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, "already exists; refusing to overwrite it", path)
     f = sys.stdin.buffer if src == "-" else open(src, "rb")
     try:
         header = read_dump_header(f)
@@ -365,27 +453,63 @@ def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=Fal
         wanted = header.get("readers", [])
         if append:
             sp = Spool.open(path)
-        else:
-            sp = Spool.create(
-                path, capacity=capacity or geo.get("capacity", "64MiB"),
+            return _load_into(sp, f, header, wanted, append, keep_timestamps, timeout,
+                              progress, progress_stream)
+        # Built under a temporary name and linked into place at the end, so a failure
+        # (a damaged dump, no room, Ctrl-C) leaves nothing at ``path``.
+        tmp = os.path.join(os.path.dirname(path),
+                           f".{os.path.basename(path)}.{os.getpid()}.importing")
+        sp = Spool.create(
+                tmp, capacity=capacity or geo.get("capacity", "64MiB"),
                 on_full=on_full or geo.get("on_full", "overwrite"),
                 mode=0o600 if mode is None else mode,
                 readers=max(int(geo.get("readers", F.DEFAULT_SLOTS)), len(wanted), 1),
                 leases=int(geo.get("leases", F.DEFAULT_LEASES)),
                 checksum=bool(geo.get("checksum", True)))
         try:
-            return _load(sp, f, header, wanted, append, keep_timestamps, timeout,
-                         Progress(f"importing into {sp.path}",
-                                  max(0, header.get("next_seq", 0) - header.get("first_seq", 0)),
-                                  progress_stream, progress))
+            summary = _load_into(sp, f, header, wanted, append, keep_timestamps, timeout,
+                                 progress, progress_stream, shown=path)
+            os.link(tmp, path)  # atomic publish; never replaces a file created meanwhile
         finally:
-            sp.close()
+            _drop_name(tmp, path)
+        summary["path"] = path
+        return summary
     finally:
         if f is not sys.stdin.buffer:
             f.close()
 
 
-def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog):
+def _same_file(a, b):
+    try:
+        x, y = os.stat(a), os.stat(b)
+    except OSError:
+        return None
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _drop_name(tmp, path):
+    """After an import: drop the temporary name; if the spool was not published
+    at ``path`` (a failure), remove it with its semaphores."""
+    if not os.path.lexists(tmp):
+        return
+    if _same_file(tmp, path):
+        os.unlink(tmp)  # published: the spool lives on under ``path``
+    else:
+        Spool.destroy(tmp)
+
+
+def _load_into(sp, f, header, wanted, append, keep_timestamps, timeout, progress,
+               progress_stream, shown=None):
+    try:
+        return _load(sp, f, header, wanted, append, keep_timestamps, timeout,
+                     Progress(f"importing into {shown or sp.path}",
+                              max(0, header.get("next_seq", 0) - header.get("first_seq", 0)),
+                              progress_stream, progress), shown or sp.path)
+    finally:
+        sp.close()
+
+
+def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog, shown):
     positions = sorted({r["position"] for r in wanted})
     mapped = {}
     k = 0
@@ -403,8 +527,11 @@ def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog):
         try:
             seq0 = sp.put_many(datas, timeout=timeout, codec=batch[0][2])
         except Full:
-            raise Full(f"{sp.path} is full after importing {frames} frames: create it with a "
-                       "larger --capacity or --on-full overwrite") from None
+            if append:
+                raise Full(f"{shown} is full after importing {frames} frames (they stay in "
+                           "it): make room, or import into a new spool") from None
+            raise Full(f"{shown} would be full after {frames} frames (nothing was created): "
+                       "import with a larger --capacity or --on-full overwrite") from None
         if first_new is None:
             first_new = seq0
         if keep_timestamps:

@@ -15,6 +15,7 @@ __all__ = [
     "Timeout",
     "FrameLost",
     "SpoolFormatError",
+    "NotASpool",
     "TooLarge",
     "ReaderBusy",
     "LeaseLost",
@@ -22,7 +23,13 @@ __all__ = [
 
 
 class ShmqError(Exception):
-    """Base class of every error shmq raises on purpose."""
+    """Base class of every error shmq raises on purpose.
+
+    ``kind`` names what went wrong in one word, so tools (the CLI's exit
+    codes) can tell errors apart without reading their messages.
+    """
+
+    kind = "error"
 
     def __reduce__(self):
         # Exceptions with extra attributes or keyword-only constructors do
@@ -33,17 +40,25 @@ class ShmqError(Exception):
 class Empty(ShmqError, queue.Empty):
     """Nothing to read (non-blocking get, or a blocking get that timed out)."""
 
+    kind = "empty"
+
 
 class Full(ShmqError, queue.Full):
     """No room for the frame (``on_full="error"``, or a blocking put timed out)."""
+
+    kind = "full"
 
 
 class Timeout(ShmqError, TimeoutError):
     """A lock could not be acquired in time (its holder is alive but busy)."""
 
+    kind = "timeout"
+
 
 class FrameLost(ShmqError, LookupError):
     """The requested frame was overwritten (or never existed)."""
+
+    kind = "lost"
 
 
 class SpoolFormatError(ShmqError, ValueError):
@@ -52,14 +67,31 @@ class SpoolFormatError(ShmqError, ValueError):
     The message says what is wrong and what to do about it.
     """
 
+    kind = "corrupt"
+
+
+class NotASpool(SpoolFormatError):
+    """The path holds something that is not a spool: a foreign file, a directory, a symlink.
+
+    Never touched: shmq refuses to modify or remove it.
+    """
+
+    kind = "not_spool"
+
 
 class TooLarge(ShmqError, ValueError):
     """A frame (or atomic batch) that can never fit in the spool's ring."""
+
+    kind = "too_large"
 
 
 class ReaderBusy(ShmqError):
     """A named reader is already attached by another live handle."""
 
+    kind = "busy"
+
 
 class LeaseLost(ShmqError):
     """A work queue ack/nack/extend carried a stale fencing token (the lease was re-granted)."""
+
+    kind = "lease_lost"

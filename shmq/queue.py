@@ -80,7 +80,9 @@ def _decode(data, codec):
 def _trusted(spool) -> bool:
     """A spool other users can write might carry hostile pickles."""
     m = spool._map
-    return m.st_uid == os.geteuid() and not m.st_mode & 0o022
+    # a spool fed from the network (shmq sub) holds another host's bytes: never trusted
+    return (m.st_uid == os.geteuid() and not m.st_mode & 0o022
+            and not F.from_network(spool._geo))
 
 
 class Queue:
@@ -127,8 +129,9 @@ class Queue:
             raise ShmqError(f"{spool.path} is a '{spool.on_full}' spool; a queue needs on_full='block'")
         if not trusted and not _trusted(spool):
             spool.close()
-            raise ShmqError(f"{spool.path} is writable by other users or owned by another; refusing "
-                            "to unpickle from it (pass trusted=True if you trust them)")
+            raise ShmqError(f"{spool.path} is writable by other users, owned by another, or fed "
+                            "from the network (shmq sub); refusing to unpickle from it (pass "
+                            "trusted=True if you trust its writers)")
         self._spool = spool
         self._reader = spool.reader(GROUP, group=True)
         self._maxsize = spool._ctl[F.W_QUEUE_MAXSIZE]

@@ -36,7 +36,7 @@ from ._lock import (
 )
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
-    read_geometry, resolve_path, sem_name, unlink_semaphores,
+    destroy_file, resolve_path, sem_name, unlink_semaphores,
 )
 from ._notify import Doorbell
 from posix_ipc import BusyError
@@ -57,6 +57,10 @@ _unpack_frame = FRAME.unpack_from
 _pack_frame = FRAME.pack_into
 _time_ns = time.time_ns
 _crc = F.frame_crc
+
+#: What to do about a damaged ring (fsck --repair never rewrites frames, so it cannot fix one).
+RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', "
+               "'shmq rm', 'shmq import'")
 
 _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 #: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
@@ -223,7 +227,7 @@ class Spool:
             # killed between two control stores leaves them briefly out of step)
             time.sleep(0.001 * attempt)
         raise SpoolFormatError(f"{self.path}: control block is corrupt ({problem}); "
-                               "run 'shmq fsck --repair' or recreate the spool")
+                               "it cannot be repaired: remove it ('shmq rm') and create it again")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -284,18 +288,16 @@ class Spool:
 
     @staticmethod
     def destroy(path) -> None:
-        """Remove a spool file and its semaphores.
+        """Remove a spool file and its semaphores, whatever state the file is in
+        (truncated or header-corrupt spools too).
 
         Processes that still have it open keep working on the unlinked
         file until they close it.  A file that is not a spool is left alone.
 
         :raises FileNotFoundError: nothing at ``path``.
-        :raises shmq.SpoolFormatError: the file is not a spool (it is not removed).
+        :raises shmq.NotASpool: the file is not a spool (it is not removed).
         """
-        path = resolve_path(path)
-        geo = read_geometry(path)
-        unlink_semaphores(geo["sem_prefix"], geo["slot_count"])
-        os.unlink(path)
+        destroy_file(resolve_path(path))
 
     def close(self) -> None:
         """Detach: close this handle's readers, release their slots, unmap. Idempotent."""
@@ -883,7 +885,7 @@ class Spool:
                     or pos + stored - walk_start > ring):
                 raise SpoolFormatError(
                     f"{self.path}: ring is corrupt at seq {seq} (offset {off}: header says seq "
-                    f"{hseq}, {stored} bytes); run 'shmq fsck --repair'")
+                    f"{hseq}, {stored} bytes); {RING_ADVICE}")
             pos += stored
             if not flags & FLAG_PAD:
                 seq += 1

@@ -37,7 +37,7 @@ from ._format import (
 )
 from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
 from ._mapping import SEM_WRITER, group_sem_name, resolve_path, sem_name
-from .errors import ShmqError, SpoolFormatError
+from .errors import NotASpool, SpoolFormatError
 
 __all__ = ["Report", "verify", "repair"]
 
@@ -104,7 +104,7 @@ class _View:
             fd = os.open(path, flags)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise ShmqError(f"{path}: is a symbolic link; refusing to follow it") from None
+                raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
             if exc.errno == errno.ENOENT:
                 raise FileNotFoundError(errno.ENOENT, "no spool at this path", path) from None
             raise
@@ -113,7 +113,7 @@ class _View:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise SpoolFormatError(f"{path}: not a shmq spool (not a regular file)")
+                raise NotASpool(f"{path}: not a shmq spool (not a regular file)")
             self.size = st.st_size
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
         except BaseException:
@@ -162,7 +162,7 @@ def _open_geometry(view, rep):
     try:
         return F.unpack_geometry(view.head, view.size, view.path)
     except SpoolFormatError as exc:
-        if "not a shmq spool" in str(exc):
+        if isinstance(exc, NotASpool):
             raise  # a foreign file: not ours to judge (or to touch)
         rep.problems.append(f"geometry: {exc}".replace(f"{view.path}: ", ""))
         return None

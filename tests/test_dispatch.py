@@ -453,7 +453,8 @@ def test_scaling_up_and_down_under_load_loses_nothing(make, rec, capsys):
     done = rec.count(ev="done")
     rec.until(lambda rs: done(rs) >= 20, what="20 done")
     assert d.scale("work", 4, wait=10)
-    assert len(d.workers()["work"]) == 4
+    started = set(d.workers()["work"])  # which processes ran, not which got messages (timing)
+    assert len(started) == 4
     rec.until(lambda rs: done(rs) >= 100, what="100 done")
     # scale down from the command line, while all four are busy
     assert dispatch_main(["scale", d.path, "work", "1"]) == 0
@@ -462,10 +463,11 @@ def test_scaling_up_and_down_under_load_loses_nothing(make, rec, capsys):
     assert len(d.workers()["work"]) == 1
     rec.until(lambda rs: done(rs) >= 160, what="160 done")
     assert d.scale("work", 2, wait=10)
+    started |= set(d.workers()["work"])
     rec.until(lambda rs: len({r["n"] for r in rs if r["ev"] == "done"}) == n_msgs, timeout=30,
               what="every message")
     assert sorted({r["n"] for r in rec.of(ev="done")}) == list(range(n_msgs))
-    assert len({r["pid"] for r in rec.of(ev="done")}) >= 5  # 1 + 3 added + 1 added back
+    assert len(started) >= 5  # the first + 3 added, then 1 added back after scaling down
     # readable from another process, through the CLI
     out = subprocess.run([sys.executable, "-m", "shmq.dispatch", "status", d.path, "--json"],
                          capture_output=True, text=True, timeout=60)

@@ -228,14 +228,19 @@ def test_queue_refuses_overwrite_spool(spool_dir):
         shmq.Queue(path=path)
 
 
+def _sems(prefix):
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")]
+
+
 def test_anonymous_queue_removed_on_close():
-    before = _queue_files()
+    # Only this queue's own file and semaphores are checked: tests running in
+    # parallel create and remove other queues in /dev/shm meanwhile.
     q = shmq.Queue()
-    path = q.path
-    assert os.path.basename(path) in _queue_files()
+    path, prefix = q.path, q._spool._sem_prefix
+    assert os.path.basename(path) in _queue_files() and _sems(prefix)
     q.close()
     assert not os.path.exists(path)
-    assert _queue_files() - before == set()
+    assert _sems(prefix) == []
 
 
 # --- across processes -----------------------------------------------------------
