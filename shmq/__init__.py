@@ -5,7 +5,8 @@ See docs/guide.md.  This module only re-exports the public names.
 
 from ._format import FORMAT_VERSION
 from .errors import (
-    Empty, FrameLost, Full, LeaseLost, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+    Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout,
+    TooLarge, UntrustedSpool,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
@@ -26,6 +27,7 @@ if _platform.machine() not in ("x86_64", "AMD64"):
 __all__ = [
     "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
+    "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "FORMAT_VERSION",
 ]

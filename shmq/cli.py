@@ -14,7 +14,6 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-import pickle
 import re
 import select
 import shutil
@@ -22,9 +21,10 @@ import sys
 import time
 
 from . import _format as F
-from ._mapping import DEFAULT_DIR
+from ._mapping import default_dir
 from .errors import (
-    FrameLost, Full, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+    FrameLost, Full, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
+    UntrustedSpool,
 )
 
 # --- exit codes -------------------------------------------------------------
@@ -248,7 +248,7 @@ def _cmd_create(a) -> int:
     from .spool import Spool
 
     parent = os.path.dirname(_resolve(a.path))
-    if parent != DEFAULT_DIR and not os.path.isdir(parent):
+    if parent != default_dir() and not os.path.isdir(parent):
         raise CliError(f"{parent}: no such directory (create it first)", EXIT_NOT_FOUND)
     sp = Spool.create(a.path, capacity=a.capacity, on_full=a.on_full, mode=a.mode,
                       readers=a.readers, leases=a.leases, checksum=a.checksum)
@@ -293,10 +293,14 @@ def _resolve(path):
 def _ls_rows(directory):
     from .metrics import peek, series_window, spool_paths
 
-    if not os.path.exists(directory):
-        if directory == DEFAULT_DIR:
+    if not os.path.lexists(directory):
+        if directory == default_dir():
             return []
         raise CliError(f"{directory}: no such directory", EXIT_NOT_FOUND)
+    if directory == default_dir():
+        from ._mapping import check_private_dir
+
+        check_private_dir(directory)  # a planted one is refused, not listed
     now = int(time.time())
     rows = []
     for path in spool_paths([directory]):
@@ -312,7 +316,7 @@ def _ls_rows(directory):
 
 
 def _cmd_ls(a) -> int:
-    directory = os.path.abspath(a.dir) if a.dir else DEFAULT_DIR
+    directory = os.path.abspath(a.dir) if a.dir else default_dir()
     rows = _ls_rows(directory)
     if a.json:
         for p in rows:
@@ -570,10 +574,14 @@ class Top:
 
 
 def _cmd_top(a) -> int:
-    targets = [os.path.abspath(t) for t in (a.targets or [DEFAULT_DIR])]
+    targets = [os.path.abspath(t) for t in (a.targets or [default_dir()])]
     for t in targets:
-        if not os.path.exists(t) and t != DEFAULT_DIR:
+        if not os.path.exists(t) and t != default_dir():
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
+        if t == default_dir() and os.path.lexists(t):
+            from ._mapping import check_private_dir
+
+            check_private_dir(t)  # a planted one is refused, not watched
     top = Top(targets)
     try:
         interactive = sys.stdout.isatty() and not a.once and not a.count
@@ -655,10 +663,10 @@ def _text(data):
 
 
 def _unpickle(codec, data):
-    if codec == F.CODEC_PICKLE_OOB:
-        pickled, buffers = F.unpack_oob(memoryview(bytearray(data)))
-        return pickle.loads(pickled, buffers=buffers)
-    return pickle.loads(data)
+    # Only reached with --unsafe-pickle: the user vouches for the spool's writers.
+    from .codec import TRUSTED, decode
+
+    return decode(data, codec, TRUSTED)
 
 
 def render_payload(codec, data, unsafe_pickle=False) -> str:
@@ -1088,7 +1096,8 @@ def _cmd_demo(args) -> int:
 # --- the parser --------------------------------------------------------------------
 
 _FORMATS = ("auto", "raw", "hex", "json", "repr")
-_EPILOG = ("PATH is a spool file; a bare name (no slash) means /dev/shm/shmq/NAME.  "
+_EPILOG = ("PATH is a spool file; a bare name (no slash) means /dev/shm/shmq-UID/NAME, your "
+           "private directory (docs/security.md).  "
            "Exit codes: 0 ok, 1 fsck problems, 2 usage, 3 not found, 4 not a spool, "
            "5 corrupt, 6 permission denied, 7 reader busy, 8 full, 9 frame lost, "
            "10 exists, 11 other error.  See docs/cli.md.")
@@ -1165,7 +1174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_rm)
 
     p = add("ls", "list the spools of a directory",
-            description="List the spools in DIR (default /dev/shm/shmq): files whose header "
+            description="List the spools in DIR (default your private /dev/shm/shmq-UID): files whose header "
             "validates, read without attaching.  Other files are skipped silently.  PUT/S and "
             "GET/S average the last 10 seconds.")
     p.add_argument("dir", nargs="?", metavar="DIR")
@@ -1185,7 +1194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stat)
 
     p = add("top", "live view of every spool and reader",
-            description="A live, refreshing view of the spools in DIR (default /dev/shm/shmq) "
+            description="A live, refreshing view of the spools in DIR (default your private /dev/shm/shmq-UID) "
             "or of the given spool files: fill, frames, put/get rates of the last second from "
             "the control block's per-second series, a sparkline of the last 30 s of puts, "
             "and every named reader with its lag, loss and read rate.  Quit with q or Ctrl-C.")
@@ -1353,6 +1362,10 @@ def _classify(exc, spool=None):
 
     if isinstance(exc, CliError):
         return exc.code, _one_line(exc)
+    if isinstance(exc, NotASpool):
+        return EXIT_NOT_SPOOL, _one_line(exc)
+    if isinstance(exc, UntrustedSpool):
+        return EXIT_PERMISSION, _one_line(exc)
     if isinstance(exc, FileNotFoundError):
         if exc.filename is not None and spool is not None and exc.filename != spool:
             return EXIT_NOT_FOUND, _os_message(exc, "no such file or directory")

@@ -15,6 +15,8 @@ __all__ = [
     "Timeout",
     "FrameLost",
     "SpoolFormatError",
+    "NotASpool",
+    "UntrustedSpool",
     "TooLarge",
     "ReaderBusy",
     "LeaseLost",
@@ -51,6 +53,23 @@ class SpoolFormatError(ShmqError, ValueError):
 
     The message says what is wrong and what to do about it.
     """
+
+
+class NotASpool(SpoolFormatError):
+    """Something other than a spool file is at the path: a symbolic link, a FIFO, a socket,
+    a device or a directory.  Raised at once, without blocking or following it; nothing
+    at the path is changed."""
+
+
+class UntrustedSpool(ShmqError, PermissionError):
+    """Refusing to unpickle from a spool another user owns or can write (pass
+    ``trusted=True``, or ``--unsafe-pickle`` on the command line, if you trust them).
+
+    The message names the file, its owner and its mode.
+    """
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
 
 
 class TooLarge(ShmqError, ValueError):

@@ -234,9 +234,11 @@ def peek(path) -> dict:
     :raises OSError: cannot read the file.
     :raises shmq.SpoolFormatError: not a spool.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    from ._mapping import open_file
+
+    fd, st = open_file(path, write=False)  # never follows, never blocks, regular files only
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         head = os.pread(fd, F.HEADER_BYTES, 0)
         geo = F.unpack_geometry(head[:F.GEOMETRY.size], size, path)
     finally:

@@ -28,7 +28,7 @@ from ._lock import (
 )
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
-    read_geometry, resolve_path, sem_name, unlink_semaphores,
+    destroy_file, resolve_path, sem_name, unlink_semaphores,
 )
 from ._notify import Doorbell
 from posix_ipc import BusyError
@@ -150,15 +150,16 @@ class Spool:
         prefix = geo["sem_prefix"]
         self._sem_prefix = prefix
         self._sem_mode = mode = m.st_mode & 0o666
-        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode)
+        own = m.st_uid  # semaphores another user squatted are refused (_mapping)
+        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode, owner=own)
         self._wlock = RecoverableLock(
             self._writer_sem, self._ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
             F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout,
             on_recover=self._recover_writer)
         self._data_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_READ_WAITERS), 0, mode))
+            sem_name(prefix, SEM_READ_WAITERS), 0, mode, owner=own))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode))
+            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode, owner=own))
         if os.fstat(m.fd).st_nlink == 0:
             # Destroyed while we opened it: our O_CREAT may have re-created
             # semaphores that destroy() had just unlinked; do not leak them.
@@ -271,11 +272,9 @@ class Spool:
 
         :raises FileNotFoundError: nothing at ``path``.
         :raises shmq.SpoolFormatError: the file is not a spool (it is not removed).
+        :raises shmq.NotASpool: a symbolic link, FIFO, socket, device or directory (left alone).
         """
-        path = resolve_path(path)
-        geo = read_geometry(path)
-        unlink_semaphores(geo["sem_prefix"], geo["slot_count"])
-        os.unlink(path)
+        destroy_file(resolve_path(path))
 
     def close(self) -> None:
         """Detach: close this handle's readers, release their slots, unmap. Idempotent."""

@@ -22,10 +22,8 @@ problem.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-import stat
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -36,8 +34,8 @@ from ._format import (
     W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
 )
 from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
-from ._mapping import SEM_WRITER, group_sem_name, resolve_path, sem_name
-from .errors import ShmqError, SpoolFormatError
+from ._mapping import SEM_WRITER, group_sem_name, open_file, resolve_path, sem_name
+from .errors import SpoolFormatError
 
 __all__ = ["Report", "verify", "repair"]
 
@@ -99,21 +97,10 @@ class _View:
 
     def __init__(self, path, write=False):
         self.path = path
-        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ShmqError(f"{path}: is a symbolic link; refusing to follow it") from None
-            if exc.errno == errno.ENOENT:
-                raise FileNotFoundError(errno.ENOENT, "no spool at this path", path) from None
-            raise
+        fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
         self.mm = None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SpoolFormatError(f"{path}: not a shmq spool (not a regular file)")
             self.size = st.st_size
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
         except BaseException:
@@ -185,7 +172,7 @@ def verify(path) -> Report:
     :raises shmq.SpoolFormatError: the file is not a spool at all (foreign
         magic, too small, not a regular file); a spool whose header is
         damaged is reported as a problem instead.
-    :raises shmq.ShmqError: ``path`` is a symbolic link.
+    :raises shmq.NotASpool: ``path`` is a symbolic link, FIFO, socket, device or directory.
     """
     path = resolve_path(path)
     rep = Report(path)
