@@ -21,7 +21,7 @@ import sys
 import time
 
 from . import _format as F
-from ._mapping import default_dir
+from . import _mapping
 from .errors import (
     FrameLost, Full, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout, TooLarge,
     UntrustedSpool,
@@ -248,7 +248,7 @@ def _cmd_create(a) -> int:
     from .spool import Spool
 
     parent = os.path.dirname(_resolve(a.path))
-    if parent != default_dir() and not os.path.isdir(parent):
+    if parent != _mapping.default_dir() and not os.path.isdir(parent):
         raise CliError(f"{parent}: no such directory (create it first)", EXIT_NOT_FOUND)
     sp = Spool.create(a.path, capacity=a.capacity, on_full=a.on_full, mode=a.mode,
                       readers=a.readers, leases=a.leases, checksum=a.checksum)
@@ -294,10 +294,10 @@ def _ls_rows(directory):
     from .metrics import peek, series_window, spool_paths
 
     if not os.path.lexists(directory):
-        if directory == default_dir():
+        if directory == _mapping.default_dir():
             return []
         raise CliError(f"{directory}: no such directory", EXIT_NOT_FOUND)
-    if directory == default_dir():
+    if directory == _mapping.default_dir():
         from ._mapping import check_private_dir
 
         check_private_dir(directory)  # a planted one is refused, not listed
@@ -316,7 +316,7 @@ def _ls_rows(directory):
 
 
 def _cmd_ls(a) -> int:
-    directory = os.path.abspath(a.dir) if a.dir else default_dir()
+    directory = os.path.abspath(a.dir) if a.dir else _mapping.default_dir()
     rows = _ls_rows(directory)
     if a.json:
         for p in rows:
@@ -574,11 +574,11 @@ class Top:
 
 
 def _cmd_top(a) -> int:
-    targets = [os.path.abspath(t) for t in (a.targets or [default_dir()])]
+    targets = [os.path.abspath(t) for t in (a.targets or [_mapping.default_dir()])]
     for t in targets:
-        if not os.path.exists(t) and t != default_dir():
+        if not os.path.exists(t) and t != _mapping.default_dir():
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
-        if t == default_dir() and os.path.lexists(t):
+        if t == _mapping.default_dir() and os.path.lexists(t):
             from ._mapping import check_private_dir
 
             check_private_dir(t)  # a planted one is refused, not watched
@@ -1440,7 +1440,7 @@ def main(argv=None) -> int:
         if isinstance(getattr(args, "path", None), str):
             try:
                 spool = _resolve(args.path)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, ShmqError):
                 pass
         code, message = _classify(exc, spool)
         print(f"shmq {name}: {message}", file=sys.stderr)
