@@ -399,9 +399,10 @@ def destroy_file(path: str) -> None:
 
     The file is opened with :func:`open_file` (no following, no blocking)
     and unlinked only if its geometry validates and ``path`` still names
-    that same inode.  Semaphores are unlinked only if they belong to the
-    spool's owner or to us: a file another user planted, naming one of our
-    spools' semaphore prefixes, cannot make us unlink our own semaphores.
+    that same inode.  The semaphores unlinked are those of the file's
+    owner (and, if the file is ours and others may write it, those other
+    users created): a file another user planted, naming one of our spools'
+    semaphore prefixes, cannot make us unlink our own semaphores.
 
     :raises FileNotFoundError: nothing at ``path``.
     :raises shmq.NotASpool: not a regular file (left alone).
@@ -415,7 +416,13 @@ def destroy_file(path: str) -> None:
     now = os.lstat(path)
     if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
         raise NotASpool(f"{path}: was replaced while being destroyed; left alone")
-    me = os.geteuid()
-    owners = {me, st.st_uid} if st.st_uid == me else {st.st_uid}
+    # Our own spool: its semaphores, and on a spool others may write, those its
+    # other users created (a group's, on first use).  Someone else's file: only
+    # that owner's semaphores, so a planted file naming the prefix of one of
+    # our spools cannot make us unlink (and so split) our live locks.
+    if st.st_uid == os.geteuid():
+        owners = None if st.st_mode & 0o022 else {st.st_uid}
+    else:
+        owners = {st.st_uid}
     unlink_semaphores(geo["sem_prefix"], geo["slot_count"], owners)
     os.unlink(path)

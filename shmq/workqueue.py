@@ -171,7 +171,7 @@ class WorkQueue:
             self._dead = Spool.create(self.path + ".dead", capacity=dead_capacity,
                                       on_full="overwrite", exist_ok=True)
             try:
-                self._dead_trust = codec.require_trust(self._dead, trusted)
+                codec.require_trust(self._dead, trusted)  # refused at once, as the main spool
             except BaseException:
                 self._dead.close()
                 raise
@@ -684,14 +684,20 @@ class WorkQueue:
     def dead_letters(self) -> list:
         """Messages that ran out of attempts, oldest first (replayed/purged ones excluded)."""
         self._check()
+        trust = self._dead_trusted()
         out = []
         for f, _hit in self._dead_frames():
-            rec = codec.decode_dead(f.data, self._dead_trust)
+            rec = codec.decode_dead(f.data, trust)
             obj, headers, key = rec["message"]
             out.append(DeadLetter(f.seq, rec["message_id"], obj, headers or {}, key, rec["attempts"],
                                   rec["error"], rec["last_holder_pid"], rec["enqueued_ns"] / _NS,
                                   rec["failed_ns"] / _NS))
         return out
+
+    def _dead_trusted(self):
+        # Decided again on each (cold) dead-letter read: the owner may have
+        # widened the file's mode since this handle attached.
+        return codec.require_trust(self._dead, self._opts["trusted"])
 
     def _tombstone(self, hit):
         sp = self._dead
@@ -706,12 +712,13 @@ class WorkQueue:
         """
         self._check()
         wanted = None if ids is None else set(ids)
+        trust = self._dead_trusted()
         n = 0
         with self._dead._wlock:  # one replayer at a time; tombstones under the DLQ's lock
             for f, hit in list(self._dead_frames()):
                 if wanted is not None and f.seq not in wanted:
                     continue
-                rec = codec.decode_dead(f.data, self._dead_trust)
+                rec = codec.decode_dead(f.data, trust)
                 obj, headers, key = rec["message"]
                 self.put(obj, key=key, headers=headers)
                 self._tombstone(hit)
@@ -722,10 +729,11 @@ class WorkQueue:
         """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""
         self._check()
         cutoff = None if older_than is None else time.time() - older_than
+        trust = self._dead_trusted()
         n = 0
         with self._dead._wlock:
             for f, hit in list(self._dead_frames()):
-                rec = codec.decode_dead(f.data, self._dead_trust, body=False)
+                rec = codec.decode_dead(f.data, trust, body=False)
                 if cutoff is None or rec["failed_ns"] / _NS < cutoff:
                     self._tombstone(hit)
                     n += 1
