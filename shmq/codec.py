@@ -68,7 +68,7 @@ class Trust:
         self.opted_in = bool(opted_in)
         me = os.geteuid()
         if self.uid != me:
-            self.reason = f"owned by {_user(self.uid)}, not by you ({_user(me)})"
+            self.reason = "owned by another user"
         elif self.mode & 0o022:
             who = [w for w, bit in (("group", 0o020), ("others", 0o002)) if self.mode & bit]
             self.reason = f"writable by {' and '.join(who)}"
@@ -82,9 +82,10 @@ class Trust:
 
     def error(self) -> UntrustedSpool:
         return UntrustedSpool(
-            f"{self.path} is {self.reason} (owner {_user(self.uid)}, mode {self.mode:04o}): "
-            "refusing to unpickle from it, since whoever can write it could run code in this "
-            "process; pass trusted=True (CLI: --unsafe-pickle) if you trust them")
+            f"{self.path} is {self.reason} (owner {_user(self.uid)}, mode {self.mode:04o}; you "
+            f"are {_user(os.geteuid())}): refusing to unpickle from it, since whoever can write "
+            "it could run code in this process; pass trusted=True (CLI: --unsafe-pickle) if "
+            "you trust them")
 
     def check(self) -> None:
         """:raises shmq.UntrustedSpool: pickles from this file must not be loaded."""

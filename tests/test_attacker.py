@@ -210,7 +210,8 @@ def test_planted_workqueue_main_spool_never_runs(attacker, shared, capsys):
     path = os.path.join(d, "jobs")
     as_user(attacker, _plant_workqueue, path, marker)
     try:
-        with pytest.raises(shmq.UntrustedSpool, match=f"jobs is owned by {attacker.pw_name}"):
+        with pytest.raises(shmq.UntrustedSpool,
+                           match=f"jobs is owned by another user \\(owner {attacker.pw_name} "):
             shmq.WorkQueue(path, capacity=65536, dead_capacity=8192)
         assert main(["stat", path]) == 0  # statistics read counters, never bodies
         capsys.readouterr()
@@ -225,7 +226,8 @@ def test_planted_dead_letter_spool_never_runs(attacker, shared, capsys, mode):
     path = os.path.join(d, "jobs")
     as_user(attacker, _plant_dead_letters, path + ".dead", marker, mode)
     try:
-        with pytest.raises(shmq.UntrustedSpool, match=rf"jobs\.dead is owned by {attacker.pw_name}"):
+        with pytest.raises(shmq.UntrustedSpool,
+                           match=rf"jobs\.dead is owned by another user \(owner {attacker.pw_name} "):
             shmq.WorkQueue(path, capacity=65536, dead_capacity=8192)
         assert os.path.exists(path)  # the victim's own main spool was created, then closed
         assert main(["stat", path]) == 0  # counts the dead letters without unpickling them
