@@ -128,7 +128,7 @@ class ShmqCollector:
     ``shmq_up{spool=...}`` is 0 for a path that cannot be read.  Usage::
 
         from prometheus_client import REGISTRY
-        REGISTRY.register(ShmqCollector(["/dev/shm/shmq"]))
+        REGISTRY.register(ShmqCollector([f"/dev/shm/shmq-{os.geteuid()}"]))  # your spools
 
     :raises ImportError: prometheus_client is not installed (at construction).
     """
