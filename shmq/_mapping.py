@@ -26,7 +26,7 @@ import time
 import posix_ipc
 
 from . import _format as F
-from .errors import NotASpool, ShmqError, SpoolFormatError
+from .errors import NotASpool, ShmqError
 
 #: The shared directory of shmq before 0.2 (mode 1777, like /tmp).  Bare names no
 #: longer resolve there; explicit paths into it keep working (docs/security.md).

@@ -34,7 +34,7 @@ from ._format import (
     W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
 )
 from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
-from ._mapping import SEM_WRITER, group_sem_name, open_file, resolve_path, sem_name
+from ._mapping import SEM_WRITER, group_sem_name, open_file, open_semaphore, resolve_path, sem_name
 from .errors import SpoolFormatError
 
 __all__ = ["Report", "verify", "repair"]
@@ -99,6 +99,7 @@ class _View:
         self.path = path
         fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
+        self.st = st
         self.mm = None
         try:
             self.size = st.st_size
@@ -543,11 +544,8 @@ def repair(path, *, lock_timeout=2.0) -> Report:
 
 
 def _break_writer_lock(v, actions):
-    import posix_ipc
-
     ctl = v.ctl
-    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
     try:
         word = ctl[W_LOCK_HOLDER]
@@ -661,8 +659,7 @@ def _header_at(v, pos):
 def _with_writer_lock(v, actions, timeout, fn):
     import posix_ipc
 
-    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     try:
         try:
             sem.acquire(timeout)
@@ -679,13 +676,15 @@ def _with_writer_lock(v, actions, timeout, fn):
         sem.close()
 
 
-def _break_group_lock(v, i, actions):
-    import posix_ipc
+def _sem(v, name):
+    """A lock semaphore of the spool being repaired; one another user squatted is refused."""
+    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid)
 
+
+def _break_group_lock(v, i, actions):
     slots, w = v.slots, i * F.SLOT_WORDS
     byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
-    sem = posix_ipc.Semaphore(group_sem_name(v.geo["sem_prefix"], i), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, group_sem_name(v.geo["sem_prefix"], i))
     ofd_lock(v.fd, byte, wait=True)
     try:
         word = slots[w + F.S_LOCK_HOLDER]
