@@ -490,3 +490,38 @@ def test_our_own_semaphores_are_accepted_and_get_the_spool_mode(spool_dir):
     finally:
         r.close()
         sp.close()
+
+
+@needs_root
+def test_squatted_joinable_queue_counter_is_refused(spool_dir):
+    path = os.path.join(spool_dir, "jq")
+    sp = shmq.Spool.create(path, capacity=65536, on_full="block")
+    name = _mapping.sem_name(sp._sem_prefix, _mapping.SEM_UNFINISHED)
+    sp.close()
+    _squat(name)  # would let its owner make join() return early, or never
+    try:
+        with pytest.raises(shmq.ShmqError, match="squatted"):
+            shmq.JoinableQueue(path=path)
+        shmq.Queue(path=path).close()  # a plain Queue does not use that semaphore
+    finally:
+        _unlink(name)
+
+
+@needs_root
+def test_fsck_repair_refuses_a_squatted_writer_semaphore(spool_dir, capsys):
+    import posix_ipc
+
+    path = os.path.join(spool_dir, "s")
+    sp = shmq.Spool.create(path, capacity=4096)
+    name = _mapping.sem_name(sp._sem_prefix, _mapping.SEM_WRITER)
+    sp.close()
+    _unlink(name)
+    posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o666, initial_value=0).close()  # "held"
+    os.chown(_mapping.semaphore_file(name), 65534, 65534)
+    try:
+        code = main(["fsck", "--repair", path])
+        err = capsys.readouterr().err
+        assert code != 0 and "squatted" in err, err
+        assert posix_ipc.Semaphore(name).value == 0  # not posted by the repair
+    finally:
+        _unlink(name)
