@@ -414,6 +414,19 @@ def _workqueue_text(wq) -> str:
             f"{wq.lease_slots_used}/{wq.lease_slots}")
 
 
+def _has_board(path) -> bool:
+    """A dispatcher status board beside ``path``: a regular file only (a FIFO planted
+    at PATH.dispatch must not make ``stat`` block opening it)."""
+    import stat as _st
+
+    from .dispatch import board_path
+
+    try:
+        return _st.S_ISREG(os.lstat(board_path(path)).st_mode)
+    except OSError:
+        return False
+
+
 def _cmd_stat(a) -> int:
     from .metrics import prometheus_text, workqueue_prometheus_text
     from .workqueue import WorkQueue
@@ -430,9 +443,7 @@ def _cmd_stat(a) -> int:
                 d = stat_dict(st)
                 if wq is not None:
                     d["workqueue"] = dataclasses.asdict(wq)
-                from .dispatch import board_path
-
-                if os.path.exists(board_path(st.path)):
+                if _has_board(st.path):
                     from .dispatch import status
 
                     d["dispatcher"] = status(st.path)
@@ -445,9 +456,7 @@ def _cmd_stat(a) -> int:
                 text = stat_text(st)
                 if wq is not None:
                     text += "\n" + _workqueue_text(wq)
-                from .dispatch import board_path
-
-                if os.path.exists(board_path(st.path)):
+                if _has_board(st.path):
                     from .dispatch import format_status, status
 
                     text += "\n" + format_status(status(st.path))

@@ -173,6 +173,17 @@ def test_cli_export_ls_top_on_a_planted_file_return_promptly(capsys, plant, spoo
     assert ("no spools in" if kind == "directory" else "not a shmq spool") in out
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_cli_stat_ignores_a_planted_dispatcher_board(capsys, plant, spool_dir, kind):
+    path = os.path.join(spool_dir, "jobs")
+    shmq.Spool.create(path, capacity=4096).close()
+    plant(kind, path + ".dispatch")
+    for argv in (["stat", path], ["stat", path, "--json"]):
+        code, exc = prompt(main, argv)
+        assert (code, exc) == (0, None), capsys.readouterr().err
+    assert "dispatcher" not in capsys.readouterr().out
+
+
 def test_open_file_refuses_a_device():
     with pytest.raises(shmq.NotASpool, match="character device"):
         shmq.Spool.open("/dev/null")
