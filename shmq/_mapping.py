@@ -178,21 +178,23 @@ def group_sem_name(prefix: str, slot: int) -> str:
     return sem_name(prefix, f"g{slot}")
 
 
-def open_semaphore(name: str, initial: int, mode: int = 0o600, *, owner: int | None = None):
+def open_semaphore(name: str, initial: int, mode: int = 0o600, *, owner: int | None = None,
+                   group: int | None = None):
     """Open (or create: a group's on first use, or after a reboot kept a disk
     spool) a named semaphore, readable and writable by whoever may use the spool.
 
-    ``owner`` is the uid owning the spool file (default: us); ``mode`` its
-    permission bits.  An existing semaphore is used only if it belongs to us
-    or to the spool's owner, or if the spool is writable by group or others
-    (then anyone who may write the spool may hold its locks): a semaphore
-    another user created under the name (a squatted name) is refused.
+    ``owner`` and ``group`` are the uid and gid of the spool file (default:
+    us, no group); ``mode`` its permission bits.  An existing semaphore is
+    used only if its creator could write the spool anyway: us, the spool's
+    owner, root, a member of the spool's group if the spool is
+    group-writable, anyone if it is world-writable.  A semaphore another
+    user created under the name (a squatted name) is refused.
 
     :raises shmq.ShmqError: the semaphore was squatted by another user.
     """
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode=mode, initial_value=initial)
     try:
-        _check_semaphore(name, os.geteuid() if owner is None else owner, mode)
+        _check_semaphore(name, os.geteuid() if owner is None else owner, mode, group)
     except BaseException:
         sem.close()  # not ours to unlink
         raise
@@ -204,7 +206,29 @@ def semaphore_file(name: str) -> str:
     return os.path.join(SEM_DIR, "sem." + name.lstrip("/"))
 
 
-def _check_semaphore(name: str, owner: int, mode: int) -> None:
+def _in_group(uid: int, gid: int) -> bool:
+    import grp
+    import pwd
+
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    if pw.pw_gid == gid:
+        return True
+    try:
+        return pw.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
+
+
+def _could_write(uid: int, owner: int, mode: int, group: int | None) -> bool:
+    """Could ``uid`` write a spool of this owner, mode and group?  (Root could.)"""
+    return (uid in (os.geteuid(), owner, 0) or bool(mode & 0o002)
+            or (bool(mode & 0o020) and group is not None and _in_group(uid, group)))
+
+
+def _check_semaphore(name: str, owner: int, mode: int, group: int | None = None) -> None:
     # glibc's sem_open() creates /dev/shm/sem.NAME with the umask applied, and
     # /dev/shm is shared by every user: fstat an O_NOFOLLOW open of that file
     # to learn who created it, and chmod our own to the spool's mode.
@@ -221,11 +245,11 @@ def _check_semaphore(name: str, owner: int, mode: int) -> None:
         me = os.geteuid()
         if not stat.S_ISREG(st.st_mode):
             problem = f"is {_kind(st.st_mode)}"
-        elif st.st_uid in (me, owner) or mode & 0o022:
+        elif _could_write(st.st_uid, owner, mode, group):
             problem = None
         else:
-            problem = f"belongs to uid {st.st_uid}, not to you (uid {me}) or the spool's owner " \
-                      f"(uid {owner})"
+            problem = f"belongs to uid {st.st_uid}, who cannot write the spool (you are uid " \
+                      f"{me}, its owner uid {owner})"
         if problem:
             raise ShmqError(f"semaphore {name} ({path}) {problem}: another user may have squatted "
                             "its name; refusing to use it (remove that file, or recreate the "

@@ -311,7 +311,8 @@ class JoinableQueue(Queue):
     def _attach(self, spool, trusted):
         super()._attach(spool, trusted)
         self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0,
-                                          spool._sem_mode, owner=spool._map.st_uid)
+                                          spool._sem_mode, owner=spool._map.st_uid,
+                                          group=spool._map.st.st_gid)
 
     def task_done(self) -> None:
         """Mark one item as processed.

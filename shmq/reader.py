@@ -514,7 +514,7 @@ class GroupReader(_SlotReader):
     def _make_lock(self):
         sp = self._spool
         sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1, sp._sem_mode,
-                             owner=sp._map.st_uid)
+                             owner=sp._map.st_uid, group=sp._map.st.st_gid)
         w = self._w
         return RecoverableLock(sem, sp._slots, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN, sp._map, sp._slot_byte(self._slot, F.SLOT_RECOVERY_BYTE),
                                recovery_timeout=sp._recovery_timeout)

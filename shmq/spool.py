@@ -150,16 +150,16 @@ class Spool:
         prefix = geo["sem_prefix"]
         self._sem_prefix = prefix
         self._sem_mode = mode = m.st_mode & 0o666
-        own = m.st_uid  # semaphores another user squatted are refused (_mapping)
-        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode, owner=own)
+        own = {"owner": m.st_uid, "group": m.st.st_gid}  # squatted semaphores are refused
+        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode, **own)
         self._wlock = RecoverableLock(
             self._writer_sem, self._ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
             F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout,
             on_recover=self._recover_writer)
         self._data_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_READ_WAITERS), 0, mode, owner=own))
+            sem_name(prefix, SEM_READ_WAITERS), 0, mode, **own))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode, owner=own))
+            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode, **own))
         if os.fstat(m.fd).st_nlink == 0:
             # Destroyed while we opened it: our O_CREAT may have re-created
             # semaphores that destroy() had just unlinked; do not leak them.

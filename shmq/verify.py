@@ -678,7 +678,7 @@ def _with_writer_lock(v, actions, timeout, fn):
 
 def _sem(v, name):
     """A lock semaphore of the spool being repaired; one another user squatted is refused."""
-    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid)
+    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid, group=v.st.st_gid)
 
 
 def _break_group_lock(v, i, actions):

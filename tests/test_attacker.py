@@ -364,3 +364,32 @@ def test_destroying_a_planted_file_never_unlinks_our_semaphores(attacker, shared
     finally:
         mine.close()
         shmq.Spool.destroy(mine.path)
+
+
+def test_group_writable_spool_accepts_members_semaphores_only(attacker, shared):
+    """Sharing with a group: a member may create a group's semaphore; a non-member may not."""
+    d, _marker = shared
+    path = os.path.join(d, "shared")
+    sp = shmq.Spool.create(path, capacity=65536, mode=0o660)
+    sp.put(b"x")
+    name = _mapping.group_sem_name(sp._sem_prefix, 0)
+    sp.close()
+    try:
+        os.chown(path, 0, 0)  # group root: the attacker is not a member
+        as_user(attacker, _squat_semaphore, name)
+        sp = shmq.Spool.open(path)
+        try:
+            with pytest.raises(shmq.ShmqError, match=f"belongs to uid {attacker.pw_uid}, who cannot "
+                               "write the spool"):
+                sp.reader("workers", group=True)
+        finally:
+            sp.close()
+        os.chown(path, 0, attacker.pw_gid)  # now its group: the same semaphore is a member's
+        sp = shmq.Spool.open(path)
+        try:
+            assert sp.reader("workers", group=True).get(timeout=5).data == b"x"
+        finally:
+            sp.close()
+    finally:
+        _semaphores_of(path)
+        os.unlink(path)
