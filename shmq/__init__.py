@@ -10,7 +10,7 @@ from .errors import (
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
-from .spool import Frame, Spool
+from .spool import Frame, Reservation, Spool
 from .stats import ReaderStats, SpoolStats
 from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
@@ -25,7 +25,7 @@ if _platform.machine() not in ("x86_64", "AMD64"):
                    "frames before their bytes", RuntimeWarning, stacklevel=2)
 
 __all__ = [
-    "Spool", "Frame", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
+    "Spool", "Frame", "Reservation", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
     "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",

@@ -21,9 +21,9 @@ import fcntl
 import os
 import time
 
-import posix_ipc
 import psutil
 
+from . import _core
 from ._format import pack_flock, unpack_flock
 from .errors import Timeout
 
@@ -131,28 +131,39 @@ def ofd_locked_by_other(fd: int, byte: int) -> bool:
 # --- recoverable semaphore lock ------------------------------------------
 
 
-class RecoverableLock:
+class RecoverableLock(_core.Lock):
     """A cross-process mutex that survives its holder being SIGKILLed.
 
-    Guarantees: mutual exclusion among live processes; a holder that dies
-    holding the lock delays other processes by at most about
+    Guarantees: mutual exclusion among live processes and threads; a holder
+    that dies holding the lock delays other processes by at most about
     ``recovery_timeout`` (plus one more period if it died in the two-store
     window where no holder is recorded) before one of them takes the lock
     over, bumping the fencing token in ``words[token_word]`` and calling
     ``on_recover`` while holding it, so the protected structure can be
     repaired.  A holder that is alive but slow is never broken.
 
-    ``words`` is a shared ``'Q'`` memoryview; ``holder_word``/``token_word``
+    Taking and releasing are single calls into the compiled core (which
+    records the holder word), so ``with lock:`` is atomic with respect to
+    Python signal handlers: a KeyboardInterrupt raised in the block still
+    releases the lock, and none can land between taking it and entering
+    the block.
+
+    ``words`` is a shared ``'Q'`` memoryview; ``holder``/``token_word``
     index the holder record in it (see :func:`holder_word`).  ``file.fd`` is
     the spool's descriptor (it changes after a fork) and ``recovery_byte``
     the file byte locked (fcntl OFD) while one process breaks the lock.
+    Call :meth:`close` before unmapping ``words``.
     """
 
     __slots__ = ("sem", "words", "holder", "token_word", "breaks_word", "file",
-                 "recovery_byte", "recovery_timeout", "on_recover")
+                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_seen")
 
     def __init__(self, sem, words, holder, token_word, file, recovery_byte, *,
                  breaks_word=None, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, on_recover=None):
+        # on_stuck by name, not a bound method: no reference cycle keeps the
+        # lock (and its export of the mapping) alive after its owner is gone.
+        super().__init__(sem.name, words, holder, holder_word(), float(recovery_timeout),
+                         "recover_if_dead")
         self.sem = sem
         self.words = words
         self.holder = holder
@@ -162,32 +173,44 @@ class RecoverableLock:
         self.recovery_byte = recovery_byte
         self.recovery_timeout = recovery_timeout
         self.on_recover = on_recover
+        self._unknown_seen = 0
+
+    def recover_if_dead(self) -> bool:
+        """Break the lock if its recorded holder is dead; True if it was broken.
+
+        Called after a wait of about ``recovery_timeout`` for the lock
+        failed (by ``with lock:`` and by the compiled core's callers).  A
+        broken lock is released again at once (the caller retries), so
+        Python holds the lock only while ``on_recover`` repairs the
+        structure.  A lock held with no holder recorded is broken only if
+        that persists for a second period (a holder between sem_wait and
+        recording itself, or killed between clearing and sem_post).
+        """
+        word = self.words[self.holder]
+        if word and holder_alive(word):
+            self._unknown_seen = 0
+            return False
+        if not word:
+            self._unknown_seen += 1
+            if self._unknown_seen < 2:
+                return False
+        self._unknown_seen = 0
+        if self._break(word):
+            self.release()
+            return True
+        return False
 
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting at most ``timeout`` seconds (None: forever).
 
+        Prefer ``with lock:``; a caller of ``acquire`` must release in a
+        ``finally`` (or call ``release_if_held``) that also covers this call.
+
         :raises shmq.Timeout: the holder is alive and did not release in time.
         """
-        try:
-            self.sem.acquire(0)  # sem_trywait: userspace only when uncontended
-        except posix_ipc.BusyError:
-            self._acquire_slow(timeout)
-        self.words[self.holder] = _holder or holder_word()
-
-    def release(self) -> None:
-        self.words[self.holder] = 0
-        self.sem.release()
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
-
-    def _acquire_slow(self, timeout):
+        if self.try_acquire(0):
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
-        unknown_holder_seen = 0
         while True:
             wait = self.recovery_timeout
             if deadline is not None:
@@ -195,24 +218,9 @@ class RecoverableLock:
                 if wait <= 0:
                     raise Timeout(f"lock not acquired within {timeout} s (held by pid "
                                   f"{holder_pid(self.words[self.holder])})")
-            try:
-                self.sem.acquire(wait)
+            if self.try_acquire(wait):
                 return
-            except posix_ipc.BusyError:
-                pass
-            word = self.words[self.holder]
-            if word and holder_alive(word):
-                unknown_holder_seen = 0
-                continue
-            if not word:
-                # Held but no holder recorded: a holder between sem_wait and
-                # recording itself, or killed between clearing and sem_post.
-                # Only break it if that persists for a second full period.
-                unknown_holder_seen += 1
-                if unknown_holder_seen < 2:
-                    continue
-            if self._break(word):
-                return
+            self.recover_if_dead()
 
     def _break(self, word) -> bool:
         """Take over a dead holder's lock; True if this process now owns it."""
@@ -226,6 +234,7 @@ class RecoverableLock:
                 return False
             self.words[self.holder] = holder_word()
             self.words[self.token_word] = token + 1
+            self.set_holder(holder_word())
             if self.breaks_word is not None:
                 self.words[self.breaks_word] += 1
             # The semaphore stays at 0: this process inherits the dead

@@ -394,10 +394,10 @@ class Mapping:
     def close(self) -> None:
         if self.mm is None:
             return
-        self.slots.release()
-        self.ctl.release()
-        self._view.release()
         try:
+            self.slots.release()
+            self.ctl.release()
+            self._view.release()
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a view; the kernel unmaps at exit

@@ -1,58 +1,232 @@
-"""Wake-ups between processes: a waiter count, a doorbell byte, an inotify watch.
+"""Wake-ups between processes: a waiter count, a doorbell byte, one inotify instance per process.
 
 A process that must wait (a reader with nothing to read, a writer with no
 room) registers in a *waiter semaphore* used as an atomic counter, re-checks
-its condition, then sleeps on an inotify watch of the spool file.  The other
-side, after publishing, reads the counter and rings the doorbell (a 1-byte
-``pwrite``) only when it is non-zero: stores through the mapping raise no
-inotify event, ``pwrite`` raises ``IN_MODIFY``.
+its condition, then sleeps until the spool file is modified.  The other side,
+after publishing, reads the counter (after a full fence, in the compiled
+core) and rings the doorbell (a 1-byte ``pwrite``) only when it is non-zero:
+stores through the mapping raise no inotify event, ``pwrite`` raises
+``IN_MODIFY``.
 
-No lost wake-ups: registration is ``sem_post`` (a locked instruction, so a
-full fence on x86) before the re-check, and the publisher reads the counter
-after its own fence (the writer lock's ``sem_post``).  Unread identical
-inotify events merge into one, so a wake means "re-check", never a count.  A
-bounded safety-net timeout (``SAFETY_NET_S``) still caps any sleep, covering
-a waiter killed while registered (it only costs a spurious doorbell) and
-publishers without a fence.
+One inotify instance serves every handle and thread of a process
+(:class:`Watcher`): instances are a per-user limited resource
+(``fs.inotify.max_user_instances``, 128 by default, shared by all of that
+user's processes), watches are cheap.  One waiting thread at a time polls the
+descriptor ("the pump"); when it wakes it drains the events and bumps a
+generation counter that wakes every other waiting thread through a
+condition variable, so any number of threads can wait on one handle.  A wake
+means "re-check", never a count: unread identical inotify events merge.
+
+No lost wake-ups: registration is ``sem_post`` (a full fence) before the
+re-check; an event that arrives after the re-check stays queued on the
+descriptor until the pump reads it.  A bounded safety-net timeout
+(``SAFETY_NET_S``) still caps any sleep, covering a waiter killed while
+registered (it only costs a spurious doorbell).  If the kernel refuses even
+one inotify instance, waits fall back to short sleeps (logged once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import select
+import threading
 import time
 
 import inotify_simple
 import posix_ipc
+
+log = logging.getLogger("shmq")
 
 #: Upper bound on one sleep: the cost of a wake-up that was somehow missed.
 SAFETY_NET_S = 0.1
 #: Spin this long re-checking before parking: with 2 vCPUs a parked waiter
 #: costs a scheduler hop, a short spin catches the next frame of a stream.
 SPIN_S = 30e-6
+#: Sleep between re-checks when no inotify instance could be had.
+FALLBACK_SLEEP_S = 0.002
 
 _READ_BYTES = 64 * 1024
+
+
+class Watcher:
+    """This process's one inotify instance, shared by all handles and threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._ino = None
+        self._failed = None  # the OSError that refused an instance, if any
+        self._watches = {}  # (st_dev, st_ino) -> [wd, refcount]
+        self._gen = 0
+        self._pumping = False
+        self._async = {}  # event loop -> set of futures waiting on it
+
+    # -- watches ----------------------------------------------------------
+
+    def _instance(self):
+        if self._ino is None and self._failed is None:
+            try:
+                ino = inotify_simple.INotify()
+            except OSError as exc:
+                self._failed = exc
+                log.warning("shmq: no inotify instance (%s); blocking waits poll every %.0f ms "
+                            "instead: raise fs.inotify.max_user_instances", exc,
+                            FALLBACK_SLEEP_S * 1000)
+                return None
+            os.set_blocking(ino.fileno(), False)
+            self._ino = ino
+        return self._ino
+
+    def watch(self, fd: int):
+        """Watch the inode behind ``fd``; return a key for :meth:`unwatch` (None: fallback)."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with self._lock:
+            entry = self._watches.get(key)
+            if entry is not None:
+                entry[1] += 1
+                return key
+            ino = self._instance()
+            if ino is None:
+                return None
+            try:
+                # Watch the inode behind our descriptor, not the path: the
+                # path may have been unlinked (destroy) or replaced since.
+                wd = ino.add_watch(f"/proc/self/fd/{fd}", inotify_simple.flags.MODIFY)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:  # ENOSPC: max_user_watches reached
+                    raise
+                log.warning("shmq: inotify watch refused (%s); this spool's waits poll", exc)
+                return None
+            self._watches[key] = [wd, 1]
+            return key
+
+    def unwatch(self, key) -> None:
+        if key is None:
+            return
+        with self._lock:
+            entry = self._watches.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._watches[key]
+                try:
+                    self._ino.rm_watch(entry[0])
+                except OSError:
+                    pass  # the inode is gone (IN_IGNORED already removed it)
+
+    # -- waiting ----------------------------------------------------------
+
+    def _drain(self):
+        try:
+            os.read(self._ino.fileno(), _READ_BYTES)
+        except (BlockingIOError, OSError):
+            pass
+
+    def _bump(self):
+        """Wake every waiting thread and coroutine: "something changed, re-check"."""
+        with self._cond:
+            self._gen += 1
+            self._cond.notify_all()
+            loops = list(self._async.items())
+        for loop, futs in loops:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, futs)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep until any watched file is modified or ``seconds`` pass (thread-safe)."""
+        with self._cond:
+            gen = self._gen
+            pump = self._ino is not None and not self._pumping
+            if pump:
+                self._pumping = True
+            elif self._ino is not None:
+                self._cond.wait_for(lambda: self._gen != gen or not self._pumping, seconds)
+                return
+        if not pump:  # no inotify: the fallback polls
+            time.sleep(min(seconds, FALLBACK_SLEEP_S))
+            return
+        try:
+            fd = self._ino.fileno()
+            # select(), not a shared poll object: several threads may be here
+            # over time, and poll objects refuse concurrent use.
+            ready, _, _ = select.select([fd], [], [], seconds)
+            if ready:
+                self._drain()
+        finally:
+            with self._cond:
+                self._pumping = False
+            self._bump()
+
+    # -- asyncio ----------------------------------------------------------
+
+    def attach_loop(self, loop):
+        """Register the inotify fd with ``loop`` once; return the futures set for it."""
+        with self._lock:
+            futs = self._async.get(loop)
+            if futs is not None:
+                return futs
+            for old in [lp for lp in self._async if lp.is_closed()]:
+                del self._async[old]
+            futs = self._async[loop] = set()
+        if self._ino is not None:
+            loop.add_reader(self._ino.fileno(), self._on_readable, loop)
+        return futs
+
+    def _on_readable(self, loop):
+        self._drain()
+        self._bump()
+
+
+def _resolve(futs):
+    for fut in list(futs):
+        if not fut.done():
+            fut.set_result(None)
+
+
+_watcher = Watcher()
+
+
+def watcher() -> Watcher:
+    """The process-wide watcher (re-created in fork children)."""
+    return _watcher
+
+
+def _after_fork_in_child():
+    global _watcher
+    old = _watcher
+    _watcher = Watcher()
+    if old._ino is not None:
+        # The inherited instance is the parent's open file: reading it here
+        # would steal the parent's events.  Close the child's copy only,
+        # without touching event loops, whose epoll set the child shares.
+        try:
+            old._ino.close()
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Doorbell:
     """One side's wake-up channel: waiters on ``sem`` sleep until ``ring()``.
 
     ``file.fd`` is the spool's descriptor (it changes after a fork); ``byte``
-    is the doorbell byte.
-    The inotify instance is created lazily (on the first wait) and is
-    per-handle: inotify instances are a per-user limited resource (128 by
-    default, fs.inotify.max_user_instances).
+    is the doorbell byte.  Thread-safe: any number of threads may wait.
     """
 
     def __init__(self, file, byte: int, sem):
         self.file = file
         self.byte = byte
         self.sem = sem
-        self._inotify = None
-        self._poll = None
-        self._async_waiters: set[asyncio.Future] = set()
-        self._async_loop = None
+        self._key = None
+        self._watched = False
+        self._lock = threading.Lock()
 
     # -- publisher side ---------------------------------------------------
 
@@ -66,26 +240,11 @@ class Doorbell:
     # -- waiter side ------------------------------------------------------
 
     def _watch(self):
-        if self._inotify is None:
-            ino = inotify_simple.INotify()
-            try:
-                # Watch the inode behind our descriptor, not the path: the
-                # path may have been unlinked (destroy) or replaced since.
-                ino.add_watch(f"/proc/self/fd/{self.file.fd}", inotify_simple.flags.MODIFY)
-            except OSError:
-                ino.close()
-                raise
-            os.set_blocking(ino.fileno(), False)
-            self._inotify = ino
-            self._poll = select.poll()
-            self._poll.register(ino.fileno(), select.POLLIN)
-        return self._inotify
-
-    def _drain(self):
-        try:
-            os.read(self._inotify.fileno(), _READ_BYTES)
-        except BlockingIOError:
-            pass
+        if not self._watched:
+            with self._lock:
+                if not self._watched:
+                    self._key = watcher().watch(self.file.fd)
+                    self._watched = True
 
     def wait(self, ready, timeout: float | None) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
@@ -114,11 +273,7 @@ class Doorbell:
                     if left <= 0:
                         return False
                     wait = min(wait, left)
-                if self._poll.poll(max(1, int(wait * 1000))) and not ready():
-                    # Drain only when the wake was not for us: on the hot path
-                    # the event is left queued (a later wait sees one spurious,
-                    # merged wake and drains then), saving a read on the way out.
-                    self._drain()
+                watcher().sleep(wait)
         finally:
             self._unregister()
 
@@ -135,7 +290,7 @@ class Doorbell:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._watch()
-        self._attach_loop(loop)
+        futs = watcher().attach_loop(loop)
         self.sem.release()
         try:
             while True:
@@ -148,49 +303,24 @@ class Doorbell:
                         return False
                     wait = min(wait, left)
                 fut = loop.create_future()
-                self._async_waiters.add(fut)
+                futs.add(fut)
                 try:
                     await asyncio.wait_for(fut, wait)
                 except asyncio.TimeoutError:
                     pass
                 finally:
-                    self._async_waiters.discard(fut)
+                    futs.discard(fut)
         finally:
             self._unregister()
 
-    def _attach_loop(self, loop):
-        if self._async_loop is loop:
-            return
-        if self._async_loop is not None and not self._async_loop.is_closed():
-            try:
-                self._async_loop.remove_reader(self._inotify.fileno())
-            except Exception:
-                pass
-        loop.add_reader(self._inotify.fileno(), self._on_readable)
-        self._async_loop = loop
-
-    def _on_readable(self):
-        self._drain()
-        for fut in list(self._async_waiters):
-            if not fut.done():
-                fut.set_result(None)
-
     def forget_after_fork(self):
-        """In a fork child: drop the inherited inotify instance without touching
-        the event loop, whose epoll set the child shares with its parent."""
-        if self._inotify is not None:
-            self._inotify.close()  # the child's copy only: the parent's stays open
-        self._inotify = self._poll = self._async_loop = None
-        self._async_waiters = set()
+        """In a fork child: the process-wide watcher is new; watch again on demand."""
+        self._key = None
+        self._watched = False
+        self._lock = threading.Lock()
 
     def close(self):
-        if self._inotify is not None:
-            if self._async_loop is not None and not self._async_loop.is_closed():
-                try:
-                    self._async_loop.remove_reader(self._inotify.fileno())
-                except Exception:
-                    pass
-            self._async_loop = None
-            self._inotify.close()
-            self._inotify = None
-            self._poll = None
+        if self._watched:
+            watcher().unwatch(self._key)
+            self._key = None
+            self._watched = False

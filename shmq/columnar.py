@@ -155,10 +155,10 @@ class PinnedView:
 
 def put_array(spool, arr, *, block=True, timeout=None):
     """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
-    from .spool import _check_block_timeout
+    from .spool import check_block_timeout
 
     head, data = encode_array(arr)
-    return spool._append(((head, data),), _check_block_timeout(block, timeout), F.CODEC_NUMPY)
+    return spool._append(((head, data),), check_block_timeout(block, timeout), F.CODEC_NUMPY)
 
 
 def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
@@ -167,14 +167,14 @@ def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
     Frames hold at most ``max_frame_bytes`` of records (default: a quarter of
     the ring); returns the first seq.
     """
-    from .spool import _check_block_timeout
+    from .spool import check_block_timeout
 
     if not isinstance(arr, np.ndarray) or arr.ndim != 1:
         raise TypeError("put_many() of records takes a 1-d numpy array")
     limit = max_frame_bytes or max(arr.dtype.itemsize, spool.capacity // 4)
     per = max(1, limit // max(1, arr.dtype.itemsize))
     parts = tuple(encode_array(arr[i:i + per]) for i in range(0, max(len(arr), 1), per))
-    return spool._append(parts, _check_block_timeout(block, timeout), F.CODEC_NUMPY)
+    return spool._append(parts, check_block_timeout(block, timeout), F.CODEC_NUMPY)
 
 
 def _arrow():
@@ -187,7 +187,7 @@ def _arrow():
 
 def put_arrow(spool, data, *, block=True, timeout=None):
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
-    from .spool import _check_block_timeout
+    from .spool import check_block_timeout
 
     pa = _arrow()
     if isinstance(data, pa.Table):
@@ -214,7 +214,7 @@ def put_arrow(spool, data, *, block=True, timeout=None):
         if sink.tell() != size:
             raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
 
-    return spool._append((Deferred(size, fill),), _check_block_timeout(block, timeout), F.CODEC_ARROW)
+    return spool._append((Deferred(size, fill),), check_block_timeout(block, timeout), F.CODEC_ARROW)
 
 
 def decode_arrow(buf):
@@ -232,10 +232,10 @@ def next_frame(reader, block, timeout, copy, want_codec):
     the frame is pinned; the caller wraps it in a PinnedView.
     """
     from .reader import GroupReader
-    from .spool import _check_block_timeout
+    from .spool import check_block_timeout
 
     if timeout is not None or not block:
-        timeout = _check_block_timeout(block, timeout)
+        timeout = check_block_timeout(block, timeout)
     sp = reader._spool
     deadline = None
     while True:
@@ -274,39 +274,29 @@ def _pinned_read(sp, seq, pos):
 
 
 def _take_cursor(reader, copy):
+    from .spool import Frame
+
     sp = reader._spool
-    seq, pos = reader._seq, reader._pos
+    seq, pos = reader._get_cursor()
     if not copy and seq < sp._ctl[F.W_NEXT_SEQ]:
         got = _pinned_read(sp, seq, pos)
         if got is not None:
             view, codec, fpos, npos = got
-            reader._seq, reader._pos = seq + 1, npos
-            reader._consumed(_frame(sp, seq, fpos, view))
+            reader._advanced(seq + 1, npos)
             return seq, view, codec, fpos
-    frame, reader._seq, reader._pos, lost, codec = sp._read(seq, pos)
-    if lost:
-        reader._count_lost(lost)
-    if frame is None:
+    frame = reader._cur.get()
+    if type(frame) is not Frame:
         return None
-    reader._consumed(frame)
-    return frame[0], frame[2], codec, None
-
-
-def _frame(sp, seq, fpos, view):
-    from .spool import Frame
-
-    ts = F.FRAME.unpack_from(sp._mm, sp._base + fpos % sp._ring)[3]
-    return tuple.__new__(Frame, (seq, ts, view))
+    return frame[0], frame[2], frame.codec, None
 
 
 def _take_group(reader, copy, timeout):
     if copy:
-        codecs = []
-        out = reader._take(1, codecs, timeout)
-        return (out[0][0], out[0][2], codecs[0], None) if out else None
+        f = reader._locked(reader._cur.get, timeout)
+        return (f[0], f[2], f.codec, None) if f is not None else None
     sp, slots, w = reader._spool, reader._spool._slots, reader._w
-    reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
-    try:
+    try:  # the try covers the acquire: no signal can land between the two
+        reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
         seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
         if seq >= sp._ctl[F.W_NEXT_SEQ]:
             return None
@@ -321,7 +311,7 @@ def _take_group(reader, copy, timeout):
         slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, seq + 1
         return seq, view, codec, fpos
     finally:
-        reader._lock.release()
+        reader._lock.release_if_held()
 
 
 def _get(reader, block, timeout, copy, codec, decode):
@@ -385,10 +375,8 @@ def _records_run(reader, max_frames, dtype):
     Lock-free like Spool._read_run: views over the mapping are concatenated
     (the one copy), then FIRST_POS is re-checked against the run's start.
     """
-    from .spool import Frame
-
     sp = reader._spool
-    seq, pos = reader._seq, reader._pos
+    seq, pos = reader._get_cursor()
     nxt = sp._ctl[F.W_NEXT_SEQ]
     arrays, frames, start = [], [], None
     while len(arrays) < max_frames and seq < nxt:
@@ -409,15 +397,14 @@ def _records_run(reader, max_frames, dtype):
         if start is None:
             start = fpos
         arrays.append(arr.reshape(-1))
-        frames.append(tuple.__new__(Frame, (seq, hit[4], view)))
+        frames.append(seq)
         seq, pos = seq + 1, fpos + hit[2]
     if not arrays:
         return None
     out = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
     if sp._ctl[F.W_FIRST_POS] > start:  # overwritten while copying: take the slow path
         return None
-    reader._seq, reader._pos = seq, pos
-    reader._consumed_many(frames, 0)
+    reader._advanced(seq, pos)
     return out
 
 
@@ -429,7 +416,7 @@ def _peek_dtype(reader):
     if isinstance(reader, GroupReader):
         seq, pos = sp._slots[reader._w + F.S_SEQ], sp._slots[reader._w + F.S_POS]
     else:
-        seq, pos = reader._seq, reader._pos
+        seq, pos = reader._get_cursor()
     if seq >= sp._ctl[F.W_NEXT_SEQ]:
         raise Empty
     hit = sp._header_at(sp._frame_pos(pos))

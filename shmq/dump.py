@@ -112,7 +112,7 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
     ctl = sp._ctl
     try:
         while stop is None or r.position < stop:
-            hit = _peek(sp, r._seq, r._pos)  # the header is read before the payload copy
+            hit = _peek(sp, *r._get_cursor())  # the header is read before the payload copy
             try:
                 f = r.get(block=True, timeout=timeout) if follow else r.get(block=False)
             except Empty:
@@ -315,8 +315,7 @@ def _patch_timestamps(sp, seq0, stamps):
     try:
         words = view[base:base + ring].cast("Q")
         try:
-            sp._wlock.acquire()
-            try:
+            with sp._wlock:
                 try:
                     pos = sp._locate(seq0)
                 except FrameLost:
@@ -336,8 +335,6 @@ def _patch_timestamps(sp, seq0, stamps):
                     words[(hit[1] % ring) // 8 + _TS_WORD] = ts
                     pos = hit[1] + hit[2]
                     seq += 1
-            finally:
-                sp._wlock.release()
         finally:
             words.release()
     finally:

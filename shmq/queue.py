@@ -27,13 +27,16 @@ from multiprocessing import resource_tracker
 
 import posix_ipc
 
+from . import _core
 from . import _format as F
 from . import codec as _codec
 from ._mapping import SEM_UNFINISHED, open_semaphore, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
-from .spool import Spool, _check_block_timeout
+from .spool import Spool, check_block_timeout
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+
+_EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
 GROUP = "queue"
 DEFAULT_CAPACITY = "32MiB"
@@ -96,6 +99,9 @@ class Queue:
         self._reader = spool.reader(GROUP, group=True)
         self._maxsize = spool._ctl[F.W_QUEUE_MAXSIZE]
         self._backlog = self._maxsize or None
+        self._backlog_word = self._maxsize or -1  # the core's "no bound"
+        self._core = spool._core
+        self._get_obj = self._reader._cur.get_obj
         self._trusted = trusted
         self._closed = False
 
@@ -136,10 +142,12 @@ class Queue:
         if self._unfinished is not None:
             self._unfinished.release()  # counted first: a crash leaves it high, never low
         try:
-            if self._backlog is None and block and timeout is None and codec != F.CODEC_PICKLE_OOB:
-                self._spool.put(item, codec=codec)
-            else:
-                self._spool._append((item,), _check_block_timeout(block, timeout), codec,
+            if timeout is not None:
+                check_block_timeout(block, timeout)  # bad timeouts fail even if there is room
+            # The core either writes it (seq >= 0) or says why not: room,
+            # a stuck lock, a pin; the general path then waits as asked.
+            if self._core.put(item, codec, self._backlog_word) < 0:
+                self._spool._append((item,), check_block_timeout(block, timeout), codec,
                                     self._backlog)
         except Timeout as exc:  # a stuck live lock holder: the stdlib would say Full
             if self._unfinished is not None:
@@ -158,10 +166,16 @@ class Queue:
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        codecs = []
-        data = self._reader.get(block, timeout, codecs)[2]
-        # unpickle after the group lock was released (inside reader.get)
-        return _decode(data, codecs[0])
+        if timeout is not None:
+            check_block_timeout(block, timeout)  # bad timeouts fail even if an item is there
+        obj = self._get_obj()  # take, release the group lock, unpickle: one call into the core
+        if obj is _EMPTY or obj is _STUCK or obj is _UNDECODED:
+            if obj is _UNDECODED:
+                f = self._reader._cur.last
+            else:
+                f = self._reader.get(block, timeout)
+            return _decode(f[2], f.codec)
+        return obj
 
     def put_nowait(self, obj):
         return self.put(obj, False)
@@ -224,10 +238,10 @@ class Queue:
             codecs = {c for _i, c in encoded}
             if len(codecs) == 1:
                 self._spool._append(tuple(i for i, _c in encoded),
-                                    _check_block_timeout(block, timeout), codecs.pop(), self._backlog)
+                                    check_block_timeout(block, timeout), codecs.pop(), self._backlog)
             else:
                 for item, codec in encoded:
-                    self._spool._append((item,), _check_block_timeout(block, timeout), codec,
+                    self._spool._append((item,), check_block_timeout(block, timeout), codec,
                                         self._backlog)
         except BaseException:
             if self._unfinished is not None:
@@ -239,15 +253,14 @@ class Queue:
         """Remove and return 1..``max_items`` items, blocking only for the first."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        codecs = []
-        frames = self._reader.get_many(max_items, block, timeout, codecs)
-        return [_decode(f[2], c) for f, c in zip(frames, codecs)]
+        frames = self._reader.get_many(max_items, block, timeout)
+        return [_decode(f[2], f.codec) for f in frames]
 
     async def get_async(self, timeout=None):
         """``await`` the next item; the event loop parks on the spool's inotify fd."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        timeout = _check_block_timeout(True, timeout)
+        timeout = check_block_timeout(True, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:

@@ -1,10 +1,16 @@
 """The spool: a shared-memory ring of frames with many writers and many readers.
 
 Writers serialize on one recoverable semaphore lock, append frames and
-publish them with a single aligned store of ``NEXT_SEQ`` (the commit point).
-Readers never take the writer lock: they read ``NEXT_SEQ``, read the frame at
-their cursor, check its seq, copy it, and re-check ``FIRST_SEQ`` to detect an
-overwrite that raced with the copy (seqlock style).  See docs/format.md.
+publish them with a release store of ``NEXT_SEQ`` (the commit point).
+Readers never take the writer lock: they acquire-load ``NEXT_SEQ``, read the
+frame at their cursor, check its seq, copy it, and re-check ``FIRST_POS`` to
+detect an overwrite that raced with the copy (seqlock style).  See
+docs/format.md.
+
+The hot path (put, put_many, reads, eviction, the lock's fast path) is the
+compiled core :mod:`shmq._core`; this module keeps the lifecycle, the
+general write path for what the core hands back (zero-copy pins in the way,
+deferred payloads, ``sync=True``), lock recovery and statistics shaping.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pickle
 import time
 import weakref
 import zlib
 
+from . import _core
 from . import _format as F
 from ._format import (
     FLAG_CRC, FLAG_PAD, FRAME, FRAME_BYTES, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES,
@@ -32,8 +40,14 @@ from ._mapping import (
 )
 from ._notify import Doorbell
 from posix_ipc import BusyError
-from .errors import FrameLost, Full, ShmqError, SpoolFormatError, TooLarge
+from .errors import FrameLost, Full, ShmqError, SpoolFormatError, Timeout, TooLarge
 from .stats import ReaderStats, SpoolStats
+
+_core.setup(SpoolFormatError, pickle.loads)
+# The core mirrors the layout of _format: refuse to run if they ever disagree.
+_mismatch = {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v}
+if _mismatch:  # pragma: no cover - a build of the core from another version
+    raise ImportError(f"shmq._core does not match shmq._format: {_mismatch}")
 
 log = logging.getLogger("shmq")
 
@@ -51,39 +65,38 @@ _MAX_COUNTER = 1 << 62
 _MASK64 = (1 << 64) - 1
 _ZEROS = (0,)
 
-#: Test hook for the fault-injection harness (stress/kill9.py): when set, it is
-#: called as hook(point, spool) inside the writer's critical section, on the
-#: general (batch) write path only, at points "evicting" (between the FIRST_POS
-#: and FIRST_SEQ stores), "frame-written" (after each frame of a batch) and
-#: "committed" (between the NEXT_SEQ and NEXT_POS stores).  Never set in
-#: production; the check costs one global lookup per batch.
+#: Test hook for the fault-injection harness (stress/kill9.py), set with
+#: :func:`set_crash_hook`: called as hook(point, spool) inside the writer's
+#: critical section, on batch writes, at points "evicting" (between the
+#: FIRST_POS and FIRST_SEQ stores), "frame-written" (after each frame of a
+#: batch) and "committed" (between the NEXT_SEQ and NEXT_POS stores).  Never
+#: set in production.
 _crash_hook = None
 
 
-class _NoRoom(Exception):
-    """Internal: the fast path found the ring full; retry on the general path."""
+def set_crash_hook(hook) -> None:
+    """Install the fault-injection hook in the core and the general path (tests only)."""
+    global _crash_hook
+    _crash_hook = hook
+    _core.set_crash_hook(hook)
 
 
-class Frame(tuple):
-    """One message: ``(seq, timestamp_ns, data)``; ``data`` is ``bytes``.
-
-    A plain tuple subclass (cheaper to build than a namedtuple) with named
-    accessors.
-    """
-
-    __slots__ = ()
-    seq = property(lambda self: self[0], doc="Sequence number (strictly increasing).")
-    timestamp_ns = property(lambda self: self[1], doc="Wall-clock ns when it was put.")
-    data = property(lambda self: self[2], doc="The payload bytes.")
-
-    def __repr__(self):
-        return f"Frame(seq={self[0]}, timestamp_ns={self[1]}, data={self[2]!r:.60})"
-
-
+#: One message: ``(seq, timestamp_ns, data)``, a tuple with named fields
+#: (built by the core); ``frame.codec`` is the payload's codec tag.
+Frame = _core.Frame
+#: An open reservation (see :meth:`Spool.reserve`).
+Reservation = _core.Reservation
 _new_frame = tuple.__new__
+_LOCK_STUCK, _NO_ROOM, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.NO_ROOM, _core.SLOW, _core.TOO_LARGE
+_NO_PIN_MARK = (1 << 64) - 1
 
 
-def _check_block_timeout(block, timeout):
+def check_block_timeout(block, timeout):
+    """Validate a stdlib-style (block, timeout) pair; return the timeout to use (0: do not wait).
+
+    :raises TypeError: timeout is not a number.
+    :raises ValueError: NaN or negative.
+    """
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be a number or None, not {type(timeout).__name__}")
@@ -160,11 +173,18 @@ class Spool:
             sem_name(prefix, SEM_READ_WAITERS), 0, mode, **own))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
             sem_name(prefix, SEM_SPACE_WAITERS), 0, mode, **own))
+        # the core opens the same three names, which open_semaphore has just checked
+        self._core = _core.Ring(
+            m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
+            geo["slot_count"], F.POLICIES.index(self._policy), self._checksum,
+            sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
+            sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
         if os.fstat(m.fd).st_nlink == 0:
             # Destroyed while we opened it: our O_CREAT may have re-created
             # semaphores that destroy() had just unlinked; do not leak them.
             for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
                 sem.close()
+            self._core.close()
             unlink_semaphores(prefix, 0)
             raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
                                     m.path)
@@ -172,14 +192,12 @@ class Spool:
         self._readers = weakref.WeakSet()
         self._slot_refs = {}  # slot -> readers of this handle attached to it
         self._locate_hint = None
-        self._full_marker = None
+        self._full_marker = None  # room marker of the Python general path
         self._pin_slot = None  # this handle's slot in the table for zero-copy pins
         self._pins = {}  # pinned position -> views referencing it
-        self._rate_until = 0  # end of the second self._rate_word counts
+        self._rate_until = 0  # end of the second self._rate_word counts (general path)
         self._rate_word = W_RATE + 1
         self._holder = holder_word()
-        self._data_waiters = self._data_bell.sem
-        self._space_waiters = self._space_bell.sem
 
     def _check_control(self):
         """Refuse control words no writer could have left (bit rot, foreign writes).
@@ -290,8 +308,9 @@ class Spool:
         self._space_bell.close()
         for sem in (self._writer_sem, self._data_bell.sem, self._space_bell.sem):
             sem.close()
+        self._core.close()  # drops its export of the mapping: unmapping can proceed
+        self._wlock.close()
         self._ctl = self._slots = self._mm = self._view = None
-        self._fast_limit = -1
         self._map.close()
         _open_spools.discard(self)
 
@@ -319,6 +338,8 @@ class Spool:
         self._data_bell.forget_after_fork()
         self._space_bell.forget_after_fork()
         self._holder = holder_word()
+        self._core.set_fd(self._map.fd, self._holder)
+        self._wlock.set_holder(self._holder)
         self._pin_slot = None  # the parent's pins stay the parent's
         self._pins = {}
         for r in list(self._readers):
@@ -369,65 +390,14 @@ class Spool:
         :raises shmq.Full: no room (policy "error", or block policy timed out).
         :raises shmq.Timeout: the writer lock's (live) holder did not release in time.
         """
-        if type(data) is bytes:
-            n = len(data)
+        if block and timeout is None and not self._sync:
+            seq = self._core.put(data, codec)  # the whole uncontended put, in C
+            if seq >= 0:
+                return seq
+            timeout = None
         else:
-            data = _as_view(data)
-            n = len(data) if type(data) is not memoryview else data.nbytes
-        if n > self._fast_limit or timeout is not None or not block:
-            # closed handles and sync=True have a limit of -1: the general path
-            return self._append((data,), _check_block_timeout(block, timeout), codec)
-        ctl = self._ctl
-        # Fast path: one frame that fits before the ring's end without
-        # evicting anything; everything else takes the general path.  The
-        # writer lock's uncontended acquire/release is inlined here (it is
-        # RecoverableLock.acquire/release): this is the hottest code we have.
-        need = FRAME_BYTES + ((n + 7) & ~7)
-        crc = _crc(data) if self._checksum else 0
-        sem = self._writer_sem
-        try:
-            sem.acquire(0)
-        except BusyError:
-            self._wlock._acquire_slow(None)
-        ctl[W_LOCK_HOLDER] = self._holder
-        try:
-            seq = ctl[W_NEXT_SEQ]
-            pos = ctl[W_NEXT_POS]
-            ring = self._ring
-            off = pos % ring
-            end = pos + need
-            if ring - off < need or end - ctl[W_FIRST_POS] > ring:
-                seq = self._write_locked((data,), ((n, need),), need,
-                                         [crc] if self._checksum else None, self._crc_flag, codec)
-                if seq is None:
-                    raise _NoRoom
-            else:
-                ts = _time_ns()
-                o = self._base + off
-                mm = self._mm
-                _pack_frame(mm, o, seq, need, n, ts, crc, self._crc_flag, codec, 0)
-                mm[o + FRAME_BYTES:o + FRAME_BYTES + n] = data
-                ctl[W_NEXT_SEQ] = seq + 1  # <- the commit point
-                ctl[W_NEXT_POS] = end
-                # statistics, exact under the lock (see _account_put)
-                ctl[W_PUT_BYTES] = (ctl[W_PUT_BYTES] + n) & _MASK64
-                ctl[W_LAST_PUT_NS] = ts
-                if ts >= self._rate_until:
-                    self._roll_rate(ts)
-                ctl[self._rate_word] = (ctl[self._rate_word] + 1) & _MASK64
-        except _NoRoom:
-            ctl[W_LOCK_HOLDER] = 0
-            sem.release()
-            return self._append((data,), None, codec)
-        except BaseException:
-            ctl[W_LOCK_HOLDER] = 0
-            sem.release()
-            raise
-        ctl[W_LOCK_HOLDER] = 0
-        sem.release()  # sem_post: also the fence before reading the waiter count
-        if self._data_waiters.value:
-            self._data_bell.ring()
-        return seq
+            timeout = check_block_timeout(block, timeout)
+        return self._append((data,), timeout, codec)
 
     def put_many(self, items, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
         """Append several frames as one atomic, contiguous batch; return the first seq.
@@ -443,13 +413,134 @@ class Spool:
             from .columnar import put_records
 
             return put_records(self, items, block=block, timeout=timeout)
-        views = tuple(d if type(d) is bytes else _as_view(d) for d in items)
-        if not views:
+        if type(items) is not list and type(items) is not tuple:
+            items = list(items)
+        if not items:
             raise ValueError("put_many() needs at least one item")
-        return self._append(views, _check_block_timeout(block, timeout), codec)
+        return self._append(items, check_block_timeout(block, timeout), codec)
 
     def _append(self, views, timeout, codec, max_backlog=None, before_commit=None):
-        """General write path: a batch of frames, each a bytes-like or a tuple of them.
+        """Write a batch through the core; wait for the lock's recovery or for room.
+
+        ``views`` is a list or tuple of frames, each bytes-like or a tuple of
+        bytes-likes (segments written one after the other, no concatenation).
+        ``max_backlog`` bounds the frames not yet consumed by the slowest
+        named reader/group (shmq.Queue's ``maxsize``); exceeding it waits
+        like a full ring.  Deferred payloads, ``before_commit`` hooks,
+        ``sync=True`` and zero-copy pins in the way take the general path
+        (:meth:`_append_general`).
+
+        :raises shmq.TooLarge: can never fit.
+        :raises shmq.Full: no room in time (or policy "error").
+        :raises shmq.Timeout: the lock's live holder did not release it in time.
+        """
+        if self._mm is None:
+            self._check_open()
+        if before_commit is not None or self._sync or any(type(v) is Deferred for v in views):
+            return self._append_general(views, timeout, codec, max_backlog, before_commit)
+        backlog = -1 if max_backlog is None else max_backlog
+        rt = self._recovery_timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        # The lock is held for a copy; only a live holder that is stuck (or a
+        # dead one not yet recovered) delays us, so even a non-blocking put
+        # waits for it, up to the recovery timeout.
+        lock_deadline = None if timeout is None else now + max(rt, timeout)
+        while True:
+            lock_wait = rt if lock_deadline is None else max(0.0, min(rt, lock_deadline - time.monotonic()))
+            st = self._core.put_many(views, codec, backlog, lock_wait)
+            if st >= 0:
+                return st
+            if st == _LOCK_STUCK:
+                if lock_deadline is not None and time.monotonic() >= lock_deadline:
+                    raise Timeout(f"writer lock of {self.path} not acquired within "
+                                  f"{max(rt, timeout)} s (held by pid "
+                                  f"{holder_pid(self._ctl[F.W_LOCK_HOLDER])})")
+                self._wlock.recover_if_dead()
+                continue
+            if st == _TOO_LARGE:
+                self._raise_too_large(views, max_backlog)
+            if st == _SLOW:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return self._append_general(views, left, codec, max_backlog, before_commit)
+            # _NO_ROOM
+            if self._policy == "error" and max_backlog is None:
+                raise Full(f"spool {self.path} is full (on_full='error')")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Full(f"spool {self.path} is still full after {timeout} s")
+            marker = self._core.full_marker()  # taken under the lock: no change is missed
+            self._space_bell.wait(lambda: self._room_marker() != marker, left)
+
+    def reserve(self, nbytes, *, codec=F.CODEC_RAW, timeout=None) -> "Reservation":
+        """Room for one frame of exactly ``nbytes``, written in place (zero-copy)::
+
+            with sp.reserve(len(payload)) as buf:   # a writable memoryview
+                buf[:] = payload                    # or np.frombuffer(buf, ...)[:] = ...
+
+        The frame is committed (gets ``reservation.seq``) when the block exits
+        cleanly and abandoned when it raises; a process killed inside the
+        block exposes nothing (its lock is recovered like any writer's).
+        While a reservation is open it holds the writer lock: other writers
+        wait, so keep the block short, and do not put to the same spool from
+        the same thread inside it (that raises RuntimeError).  The buffer is
+        valid only inside the block.
+
+        Blocks like :meth:`put` for room (``on_full="block"``) or a stuck lock.
+
+        :raises shmq.TooLarge: ``nbytes`` can never fit.
+        :raises shmq.Full: no room in time (or policy "error").
+        :raises shmq.Timeout: the lock's live holder did not release it in time.
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, not {nbytes}")
+        if nbytes > self._max_payload:
+            raise TooLarge(f"frame of {nbytes} bytes can never fit: this spool's largest "
+                           f"frame is {self._max_payload} bytes (capacity {self._ring})")
+        timeout = check_block_timeout(True, timeout)
+        rt = self._recovery_timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        lock_deadline = None if timeout is None else now + max(rt, timeout)
+        while True:
+            lock_wait = rt if lock_deadline is None else max(0.0, min(rt, lock_deadline - time.monotonic()))
+            got = self._core.reserve(nbytes, codec, lock_wait)
+            if type(got) is not int:
+                return got
+            if got == _LOCK_STUCK:
+                if lock_deadline is not None and time.monotonic() >= lock_deadline:
+                    raise Timeout(f"writer lock of {self.path} not acquired within "
+                                  f"{max(rt, timeout)} s")
+                self._wlock.recover_if_dead()
+                continue
+            if got == _SLOW:  # a zero-copy pin is in the way: reclaim dead holders' pins
+                with self._wlock:
+                    self._pin_floor(1 << 62)
+            elif self._policy == "error":
+                raise Full(f"spool {self.path} is full (on_full='error')")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Full(f"spool {self.path} is still full after {timeout} s")
+            marker = self._core.full_marker()
+            self._space_bell.wait(lambda: self._room_marker() != marker,
+                                  0.1 if got == _SLOW and left is None else left)
+
+    def _raise_too_large(self, views, max_backlog):
+        sizes = [_payload_size(v) for v in views]
+        big = max(sizes)
+        if big > self._max_payload:
+            raise TooLarge(f"frame of {big} bytes can never fit: this spool's largest "
+                           f"frame is {self._max_payload} bytes (capacity {self._ring})")
+        if max_backlog is not None and len(views) > max_backlog:
+            raise TooLarge(f"batch of {len(views)} items can never fit under maxsize {max_backlog}")
+        raise TooLarge(f"batch of {len(views)} frames needs more than the ring's {self._ring} "
+                       "bytes; split it")
+
+    def _append_general(self, views, timeout, codec, max_backlog=None, before_commit=None):
+        """General write path, in Python: a batch of frames, each a bytes-like or a tuple of them.
 
         A tuple is written as one frame, its segments copied one after the
         other straight into the ring (no concatenation copy).
@@ -461,6 +552,7 @@ class Spool:
         """
         if self._mm is None:
             self._check_open()
+        views = tuple(v if type(v) in (bytes, tuple, Deferred) else _as_view(v) for v in views)
         ring = self._ring
         needs = []
         total = 0
@@ -496,12 +588,12 @@ class Spool:
             # put waits for it, up to the recovery timeout.
             lock_wait = None if deadline is None else max(self._recovery_timeout,
                                                           deadline - time.monotonic())
-            self._wlock.acquire(lock_wait)
-            try:
+            try:  # the try covers the acquire: no signal can land between the two
+                self._wlock.acquire(lock_wait)
                 seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog,
                                          before_commit)
             finally:
-                self._wlock.release()  # sem_post: also the fence before reading waiters
+                self._wlock.release_if_held()  # sem_post: also the fence before reading waiters
             if seq is not None:
                 if self._data_bell.has_waiters():
                     self._data_bell.ring()
@@ -673,9 +765,12 @@ class Spool:
         return self._floor(F.S_SEQ)
 
     def _room_marker(self):
-        """What must change before a writer blocked on a full spool retries."""
+        """What must change before a writer blocked on a full spool retries
+        (the same pair as the core's ``full_marker()``)."""
         floor = self._floor_pos()
-        return (self._ctl[W_FIRST_POS] if floor is None else floor, self._pin_floor(None))
+        pin = self._pin_floor(None)
+        return (self._ctl[W_FIRST_POS] if floor is None else floor,
+                _NO_PIN_MARK if pin is None else pin)
 
     # -- pins: frames referenced by zero-copy views (shmq.columnar) ----------------
 
@@ -715,8 +810,7 @@ class Spool:
                 raise ShmqError(f"{self.path}: pin slot {name} is in use")
             self._slots[i * F.SLOT_WORDS + F.S_POS] = F.NO_PIN
             self._pin_slot = i
-        self._wlock.acquire()
-        try:
+        with self._wlock:
             if self._ctl[W_FIRST_POS] > pos:
                 return False
             self._pins[pos] = self._pins.get(pos, 0) + 1
@@ -724,8 +818,6 @@ class Spool:
             if pos < self._slots[w + F.S_POS]:
                 self._slots[w + F.S_POS] = pos
             return True
-        finally:
-            self._wlock.release()
 
     def _unpin(self, pos) -> None:
         if self._mm is None or self._pin_slot is None:
@@ -865,128 +957,27 @@ class Spool:
         return pos
 
     def _first_cursor(self):
-        """A consistent ``(seq, pos)`` of the oldest frame, read lock-free."""
-        ctl = self._ctl
-        for _ in range(10000):
-            seq = ctl[W_FIRST_SEQ]  # seq before pos: the writer stores pos first
-            pos = ctl[W_FIRST_POS]
-            nxt = ctl[W_NEXT_SEQ]
-            if seq >= nxt:
-                return seq, pos
-            hit = self._header_at(pos)
-            if hit is not None and seq <= hit[0] < nxt and ctl[W_FIRST_POS] == pos:
-                return hit[0], pos
-        raise SpoolFormatError(f"{self.path}: cannot find the oldest frame (ring corrupt?); "
-                               "run 'shmq fsck --repair'")
+        """A consistent ``(seq, pos)`` of the oldest frame, read lock-free (in the core)."""
+        return self._core.first_cursor()
 
     def _latest_cursor(self):
         """``(NEXT_SEQ, NEXT_POS)`` as a consistent pair (takes the writer lock briefly)."""
-        self._wlock.acquire()
-        try:
-            return self._ctl[W_NEXT_SEQ], self._ctl[W_NEXT_POS]
-        finally:
-            self._wlock.release()
+        while True:
+            cur = self._core.latest(self._recovery_timeout)
+            if cur is not None:
+                return cur
+            self._wlock.recover_if_dead()
 
     def _read(self, seq, pos, verify=False):
         """Read the frame at cursor ``(seq, pos)``; return ``(frame, seq', pos', lost, codec)``.
 
         ``frame`` is None when the cursor caught up (after counting a loss).
-        Lock-free, seqlock style: writers advance ``FIRST_POS`` before they
-        overwrite anything, so a frame is intact iff ``FIRST_POS <= pos``
-        still holds after the copy; otherwise it is counted as lost.
+        Lock-free, seqlock style (in the core): writers advance ``FIRST_POS``
+        before they overwrite anything, so a frame is intact iff
+        ``FIRST_POS <= pos`` still holds after the copy; otherwise it is
+        counted as lost.
         """
-        ctl, mm, ring, base = self._ctl, self._mm, self._ring, self._base
-        lost = 0
-        pads = 0  # a frame is preceded by at most one pad: more means corruption
-        while True:
-            if seq >= ctl[W_NEXT_SEQ]:
-                return None, seq, pos, lost, 0
-            off = pos % ring
-            if ring - off < FRAME_BYTES:
-                pos += ring - off
-                off = 0
-            o = base + off
-            hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(mm, o)
-            if hseq != seq or off + stored > ring or stored < FRAME_BYTES + length:
-                seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
-                lost += skipped
-                continue
-            if flags & FLAG_PAD:
-                if ctl[W_FIRST_POS] > pos:  # the pad itself was overwritten
-                    seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
-                    lost += skipped
-                else:
-                    pads += 1
-                    if pads > 2 or off == 0:  # a pad never starts the ring, never repeats
-                        raise SpoolFormatError(f"{self.path}: corrupt padding at seq {seq} "
-                                               f"(ring offset {off}); run 'shmq fsck'")
-                    pos += stored
-                continue
-            if codec == CODEC_PICKLE_OOB or codec == F.CODEC_NUMPY:
-                # one copy into a writable buffer: arrays rebuilt over it are writable
-                data = bytearray(self._view[o + FRAME_BYTES:o + FRAME_BYTES + length])
-            else:
-                data = mm[o + FRAME_BYTES:o + FRAME_BYTES + length]
-            if ctl[W_FIRST_POS] > pos:  # overwritten while we copied
-                seq, pos, skipped = self._resync(seq, pos, hseq, off, stored, length)
-                lost += skipped
-                continue
-            if verify and flags & FLAG_CRC and _crc(data) != crc:
-                raise SpoolFormatError(f"{self.path}: frame {seq} fails its CRC check "
-                                       "(memory corruption?); run 'shmq fsck'")
-            return _new_frame(Frame, (seq, ts, data)), seq + 1, pos + stored, lost, codec
-
-    def _read_run(self, seq, pos, max_frames, out):
-        """Append up to ``max_frames`` plain consecutive frames to ``out``; return the cursor.
-
-        The batch fast path: stops at anything unusual (a pad, the ring's end,
-        a header that does not match, an out-of-band payload) and leaves it
-        to :meth:`_read`.  One ``FIRST_POS`` check covers the whole run:
-        eviction is oldest-first, so if the run's first frame survived the
-        copy, all of it did.
-        """
-        ctl, mm, ring, base = self._ctl, self._mm, self._ring, self._base
-        end = min(ctl[W_NEXT_SEQ], seq + max_frames)
-        start, n0 = pos, len(out)
-        append = out.append
-        off = pos % ring
-        while seq < end:
-            if ring - off < FRAME_BYTES:
-                break
-            o = base + off
-            hseq, stored, length, ts, _crc32, flags, codec, _x = _unpack_frame(mm, o)
-            if (hseq != seq or flags & FLAG_PAD or off + stored > ring
-                    or stored < FRAME_BYTES + length or codec == CODEC_PICKLE_OOB):
-                break
-            o += FRAME_BYTES
-            append(_new_frame(Frame, (seq, ts, mm[o:o + length])))
-            seq += 1
-            pos += stored
-            off += stored  # a run never wraps (a wrap means a pad or a short tail: stop)
-        if ctl[W_FIRST_POS] > start:  # overwritten under us: let _read sort it out
-            del out[n0:]
-            return None
-        return seq, pos
-
-    def _resync(self, seq, pos, hseq, off, stored, length):
-        """The header at the cursor is not frame ``seq`` (or was evicted): find out why."""
-        ctl = self._ctl
-        if seq < ctl[W_FIRST_SEQ] or pos < ctl[W_FIRST_POS]:
-            s, p = self._first_cursor()
-            if s < seq:
-                # Our cursor was not evicted after all (FIRST_* moved under
-                # us); it must be on the first frame itself.
-                raise SpoolFormatError(f"{self.path}: reader cursor seq {seq} is ahead of the "
-                                       f"oldest frame {s} yet unreadable; run 'shmq fsck'")
-            return s, p, s - seq  # overwritten: jump to the oldest frame, count exactly
-        if (seq < hseq < ctl[W_NEXT_SEQ] and stored >= FRAME_BYTES + length
-                and off + stored <= self._ring and stored % 8 == 0):
-            # A cursor committed with its position but not its seq (process
-            # killed between the two stores): the frames in between were read.
-            return hseq, pos, 0
-        raise SpoolFormatError(
-            f"{self.path}: corrupt frame header at seq {seq} (ring offset {off}: header says "
-            f"seq {hseq}, {stored} bytes stored, {length} bytes long); run 'shmq fsck'")
+        return self._core.read(seq, pos, verify)
 
     def _locate(self, seq):
         """Byte position of frame ``seq`` (walks from the oldest frame or a hint)."""
@@ -1287,6 +1278,15 @@ class Deferred:
 
     def __init__(self, nbytes, fill):
         self.nbytes, self.fill = nbytes, fill
+
+
+def _payload_size(v):
+    tv = type(v)
+    if tv is tuple:
+        return sum(memoryview(x).nbytes for x in v)
+    if tv is Deferred:
+        return v.nbytes
+    return memoryview(v).nbytes
 
 
 def _crc_parts(v):

@@ -32,7 +32,7 @@ from ._format import (
 from ._lock import holder_alive, holder_pid
 from ._mapping import read_geometry, resolve_path
 from .errors import Empty, LeaseLost, ShmqError
-from .spool import Spool, _check_block_timeout
+from .spool import Spool, check_block_timeout
 
 __all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
 
@@ -302,7 +302,7 @@ class WorkQueue:
         if headers is not None and not isinstance(headers, dict):
             raise TypeError(f"headers must be a dict, not {type(headers).__name__}")
         if not_before is None and delay is not None:
-            delay = _check_block_timeout(True, delay)
+            delay = check_block_timeout(True, delay)
             not_before = time.time() + delay
         elif not_before is not None:
             not_before = float(not_before)
@@ -319,7 +319,7 @@ class WorkQueue:
             items.append(codec.encode_workq(obj, headers, k, head))  # pickled outside any lock
             hashes.append(h)
         index = self._index_keys if any(hashes) else None
-        seq = self._spool._append(tuple(items), _check_block_timeout(True, timeout), F.CODEC_WORKQ,
+        seq = self._spool._append(tuple(items), check_block_timeout(True, timeout), F.CODEC_WORKQ,
                                   before_commit=(lambda s, placed: index(s, placed, hashes)) if index else None)
         return seq
 
@@ -398,10 +398,10 @@ class WorkQueue:
         self._check()
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ValueError("max_messages must be a positive int")
-        lease = _check_block_timeout(True, lease)
+        lease = check_block_timeout(True, lease)
         if not lease:
             raise ValueError("lease must be positive")
-        timeout = _check_block_timeout(True, timeout)
+        timeout = check_block_timeout(True, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             got, next_due = self._lease_some(max_messages, lease)
@@ -477,8 +477,8 @@ class WorkQueue:
                 self._update_low()
         if check_live:
             self._next_liveness = time.monotonic() + self._liveness_interval
-        if freed and sp._space_waiters.value:
-            sp._space_bell.ring()
+        if freed:
+            sp._core.ring_space()
         wait = None if next_due_ns is None else max(0.0, (next_due_ns - now_ns) / _NS)
         return grants, wait
 
@@ -622,12 +622,11 @@ class WorkQueue:
             self._ctl[F.W_WQ_ACKED] += 1
             self._update_low()
         sp = self._spool
-        if sp._space_waiters.value:
-            sp._space_bell.ring()
+        sp._core.ring_space()
 
     def _nack(self, msg, delay, error):
         self._check()
-        delay = 0.0 if delay is None else _check_block_timeout(True, delay)
+        delay = 0.0 if delay is None else check_block_timeout(True, delay)
         rec = _error_record(error)
         with self._lock:
             lw = self._owned(msg)
@@ -640,12 +639,11 @@ class WorkQueue:
                 reg[lw + L_DUE_NS] = time.time_ns() + int(delay * _NS)
                 reg[lw + L_STATE] = LEASE_RETRY
         sp = self._spool
-        if sp._data_waiters.value:  # a consumer may be waiting for exactly this
-            sp._data_bell.ring()
+        sp._core.ring_data()  # a consumer may be waiting for exactly this
 
     def _extend(self, msg, seconds):
         self._check()
-        seconds = _check_block_timeout(True, seconds)
+        seconds = check_block_timeout(True, seconds)
         with self._lock:
             lw = self._owned(msg)
             deadline = time.time_ns() + int(seconds * _NS)

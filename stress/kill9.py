@@ -344,7 +344,7 @@ def _paused_writer(path, point, ready):
             ready.set()
             time.sleep(600)  # killed here, inside the critical section
 
-    _spool_mod._crash_hook = hook
+    _spool_mod.set_crash_hook(hook)
     sp = shmq.Spool.open(path, recovery_timeout=RECOVERY_S)
     sp.put_many([b"p" * 700, b"q" * 700, b"r" * 700])
 

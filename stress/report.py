@@ -18,10 +18,17 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS = ("mp.Queue", "faster-fifo", "faster-fifo-batch", "ring")
+#: Ratio columns of the throughput table, each shown only if the run has that peer.
+PEERS = ("mp.Queue", "faster-fifo", "ring", "pyzmq", "posix-mq", "iceoryx2")
+
+
+def measured(r):
+    return bool(r) and "items_per_s" in r
 
 
 def fmt_rate(r):
+    if not measured(r):
+        return r.get("status", "not run") if r else "not run"
     v = r["items_per_s"]
     s = f"{v / 1e6:.3f} M/s" if v >= 1e5 else f"{v / 1e3:.1f} k/s"
     if r["gb_per_s"]:
@@ -29,9 +36,19 @@ def fmt_rate(r):
     return s
 
 
+def _peer_entry(row, peer, c):
+    """The peer's entry to compare contender ``c`` with: its batch variant for a batch contender."""
+    cand = [p for p in row if p.startswith(peer) and measured(row[p])]
+    if len(cand) > 1:
+        cand = [p for p in cand if ("batch" in p) == ("batch" in c)] or cand
+    return cand[0] if cand else None
+
+
 def throughput_table(results, scenarios=None, contenders=None):
-    lines = ["| scenario | contender | median | vs mp.Queue | vs faster-fifo | vs ring |",
-             "|---|---|---|---|---|---|"]
+    peers = [p for p in PEERS if any(_peer_entry(row, p, "") or _peer_entry(row, p, "batch")
+                                     for row in results.values())]
+    lines = ["| scenario | contender | median | " + " | ".join(f"vs {p}" for p in peers) + " |",
+             "|---|---|---|" + "---|" * len(peers)]
     for scen, row in results.items():
         if scenarios and scen not in scenarios:
             continue
@@ -39,22 +56,21 @@ def throughput_table(results, scenarios=None, contenders=None):
             if contenders and not any(c.startswith(x) for x in contenders):
                 continue
             cells = []
-            for peer in ("mp.Queue", "faster-fifo", "ring"):
-                cand = [p for p in row if p.startswith(peer) and (peer != "faster-fifo" or
-                        ("batch" in p) == ("batch" in c))]
-                if c in cand or not cand:
+            for peer in peers:
+                other = _peer_entry(row, peer, c)
+                if not measured(r) or other is None or other == c or c.startswith(peer):
                     cells.append("")
                 else:
-                    cells.append(f"{r['items_per_s'] / row[cand[0]]['items_per_s']:.2f}x")
+                    cells.append(f"{r['items_per_s'] / row[other]['items_per_s']:.2f}x")
             lines.append(f"| {scen} | {c} | {fmt_rate(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def targets_table(targets):
-    lines = ["| target | this run | status |", "|---|---|---|"]
+    lines = ["| issue | target | this run | status |", "|---|---|---|---|"]
     for t in targets:
         status = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['shown']} | {status} |")
+        lines.append(f"| {t.get('issue', '')} | {t['target']} | {t['shown']} | {status} |")
     return "\n".join(lines)
 
 
@@ -70,19 +86,24 @@ def latency_table(lat):
 def machine_line(data):
     m = data["machine"]
     mode = "quick" if data.get("quick") else "full"
+    mode = data.get("mode", mode)
+    peers = f"faster-fifo {m.get('faster_fifo') or 'not installed'}"
+    if "pyzmq" in m:
+        peers += (f", pyzmq {m['pyzmq']}, posix_ipc {m['posix_ipc']} (fs.mqueue msg_max "
+                  f"{m['mqueue_limits'].get('msg_max')}, msgsize_max {m['mqueue_limits'].get('msgsize_max')}), "
+                  f"iceoryx2 {m['iceoryx2']}, Spool.reserve {'present' if m.get('reserve_api') else 'absent'}")
     return (f"{m['cpu']} x{m['cpus']}, {m['platform']}, Python {m['python']}, shmq {m['shmq']}, "
-            f"faster-fifo {m.get('faster_fifo') or 'not installed'}; {mode} run of {m['date']}, "
-            f"median of {data['repeats']} interleaved runs")
+            f"{peers}; {mode} run of {m['date']}, median of {data['repeats']} interleaved runs")
 
 
 def readme_line(data):
     row = data["throughput"].get("1->1 100 B", {})
-    if "spool" not in row:
+    if not measured(row.get("spool")):
         return "(no run)"
     sp = row["spool"]["items_per_s"]
     parts = [f"`Spool.put`/`get`: **{sp / 1e6:.2f} M frames/s**"]
-    for peer in ("mp.Queue", "faster-fifo", "ring"):
-        if peer in row:
+    for peer in ("mp.Queue", "faster-fifo", "ring", "pyzmq", "posix-mq"):
+        if measured(row.get(peer)):
             v = row[peer]["items_per_s"]
             parts.append(f"{peer}: {v / 1e6:.2f} M/s (shmq {sp / v:.2f}x)")
     return "; ".join(parts) + f". Machine: {machine_line(data)}."

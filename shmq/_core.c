@@ -1,0 +1,1868 @@
+/*
+ * shmq._core: the ring's hot path in C (see docs/format.md, "The compiled core").
+ *
+ * This is the one place that knows the frame layout on the hot path:
+ * writing and committing frames, reading them lock-free, group takes and
+ * named-reader commits, the writer lock's fast path and eviction.  Python
+ * (shmq/spool.py, shmq/reader.py) keeps the slow paths: creating and
+ * validating files, lock recovery, fsck, dumps, statistics shaping and
+ * blocking for frames or room.
+ *
+ * Thread and signal safety: every function here holds the GIL for the whole
+ * time it holds the writer lock or a group lock, and never runs Python code
+ * while holding one (the crash hook of the fault-injection harness aside).
+ * Python signal handlers and other threads only run between bytecodes, so
+ * a call is atomic for them: Ctrl-C can never leave a shared lock held.
+ * The GIL is released only to wait for a lock that is not yet ours.
+ *
+ * Memory ordering (C11 atomics, correct on x86-64 and aarch64):
+ *   writer: payload and header stores, then a release store of NEXT_SEQ
+ *           (the commit point); eviction stores FIRST_POS, then a release
+ *           fence, before any byte of the evicted region is overwritten.
+ *   reader: acquire load of NEXT_SEQ, copy, acquire fence, load FIRST_POS:
+ *           a frame is intact iff FIRST_POS did not pass it (seqlock).
+ *
+ * Every length, offset and sequence number read from the shared mapping is
+ * bounds-checked before use: a corrupt or hostile file can make a call fail
+ * with SpoolFormatError, never read outside the mapping.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <semaphore.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- layout: mirrors shmq/_format.py (checked at import, see LAYOUT) ---- */
+#define HEADER_BYTES 4096
+#define FRAME_BYTES 32
+#define ALIGN 8
+#define W_NEXT_SEQ 16
+#define W_NEXT_POS 17
+#define W_FIRST_SEQ 18
+#define W_FIRST_POS 19
+#define W_LOCK_HOLDER 22
+#define W_PUT_BYTES 26
+#define W_LAST_PUT_NS 27
+#define W_EVICTED 28
+#define W_HIGH_FRAMES 29
+#define W_HIGH_BYTES 30
+#define W_SLOT_HWM 31
+#define W_RATE 64
+#define RATE_SECONDS 60
+#define RATE_WORDS 3
+#define DOORBELL_BYTE 4000
+#define SLOT_BYTES 256
+#define SLOT_WORDS 32
+#define SLOT_FREE 0
+#define SLOT_READER 1
+#define SLOT_GROUP 2
+#define SLOT_PIN 3
+#define S_STATE 0
+#define S_SEQ 1
+#define S_POS 2
+#define S_LOST 5
+#define S_GETS 6
+#define S_GET_BYTES 7
+#define S_LAST_GET_NS 8
+#define S_DELAY_SUM_NS 9
+#define S_DELAY_MAX_NS 10
+#define S_LAG_HIGH 11
+#define S_LAG_LOW 12
+#define S_LOCK_HOLDER 13
+#define FLAG_PAD 0x1
+#define FLAG_CRC 0x4
+#define CODEC_NUMPY 3
+#define CODEC_PICKLE_OOB 6
+#define STATS_FLUSH_FRAMES 64
+#define MAX_BATCH 65536
+
+/* status codes returned to Python instead of a seq / frame */
+#define ST_LOCK_STUCK (-1) /* the lock was not free within lock_wait: Python checks the holder */
+#define ST_NO_ROOM (-2)    /* block/error policy (or maxsize): no room now */
+#define ST_SLOW (-3)       /* a zero-copy pin is in the way: Python's general path */
+#define ST_TOO_LARGE (-4)  /* the frame or batch can never fit */
+
+typedef struct {
+    uint64_t seq;
+    uint32_t stored;
+    uint32_t length;
+    uint64_t ts;
+    uint32_t crc;
+    uint16_t flags;
+    uint8_t codec;
+    uint8_t ext;
+} FrameHeader;
+
+_Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
+
+static PyObject *SpoolFormatError = NULL; /* set by _core.setup() */
+static PyObject *crash_hook = NULL;       /* fault-injection harness only */
+static PyObject *pickle_loads = NULL;     /* for Cursor.get_obj */
+static PyObject *EMPTY = NULL, *STUCK = NULL, *UNDECODED = NULL; /* get_obj's sentinels */
+static PyTypeObject *FrameType = NULL;
+
+/* ---- atomics on words of the shared mapping ---- */
+#define AW(p) ((_Atomic uint64_t *)(p))
+static inline uint64_t ld_acq(uint64_t *p) { return atomic_load_explicit(AW(p), memory_order_acquire); }
+static inline uint64_t ld_rlx(uint64_t *p) { return atomic_load_explicit(AW(p), memory_order_relaxed); }
+static inline void st_rel(uint64_t *p, uint64_t v) { atomic_store_explicit(AW(p), v, memory_order_release); }
+static inline void st_rlx(uint64_t *p, uint64_t v) { atomic_store_explicit(AW(p), v, memory_order_relaxed); }
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- CRC-32 (IEEE 802.3, the same as zlib.crc32) ---- */
+static uint32_t crc_table[256];
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[i] = c;
+    }
+}
+static uint32_t crc_update(uint32_t crc, const unsigned char *p, size_t n) {
+    crc = ~crc;
+    while (n--) crc = crc_table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* ---- the Ring object: one spool mapping's hot path ---- */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buf;
+    int have_buf;
+    char *base;
+    uint64_t *ctl;
+    uint64_t *slots;
+    char *ring;
+    uint64_t ring_bytes;
+    uint64_t slot_count;
+    uint64_t max_payload;
+    int policy; /* 0 overwrite, 1 block, 2 error */
+    int checksum;
+    int fd;
+    uint64_t holder;
+    sem_t *wsem, *rsem, *fsem;
+    uint64_t rate_until;
+    int rate_word;
+    uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
+    double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
+    struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
+    PyObject *path;
+} Ring;
+
+typedef struct Reservation_ {
+    PyObject_HEAD
+    Ring *ring;
+    uint64_t seq, off, nbytes, stored, end;
+    int codec, open; /* open: the writer lock is held for us */
+    unsigned long thread;
+    PyObject *view;
+} Reservation;
+
+static PyObject *corrupt(Ring *r, const char *fmt, ...) {
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    PyErr_Format(SpoolFormatError ? SpoolFormatError : PyExc_RuntimeError, "%U: %s", r->path, msg);
+    return NULL;
+}
+
+static int ring_check_open(Ring *r) {
+    if (!r->have_buf) {
+        PyErr_SetString(PyExc_ValueError, "spool handle is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static inline void read_header(Ring *r, uint64_t off, FrameHeader *h) { memcpy(h, r->ring + off, FRAME_BYTES); }
+
+static inline int header_sane(const FrameHeader *h, uint64_t off, uint64_t ring) {
+    return (uint64_t)h->stored >= FRAME_BYTES + (uint64_t)h->length && h->stored % ALIGN == 0 &&
+           off + h->stored <= ring;
+}
+
+/* Wait for a POSIX semaphore for at most wait_s seconds, GIL released while
+ * waiting.  0: acquired; 1: not within wait_s; -1: exception set (a signal
+ * handler raised: nothing is held at that point). */
+static int sem_lock(sem_t *s, double wait_s) {
+    if (sem_trywait(s) == 0) return 0;
+    if (errno != EAGAIN && errno != EINTR) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (wait_s <= 0) return 1;
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    double whole = (double)(long long)wait_s;
+    dl.tv_sec += (time_t)whole;
+    dl.tv_nsec += (long)((wait_s - whole) * 1e9);
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec += 1;
+        dl.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        int rc, err;
+        Py_BEGIN_ALLOW_THREADS
+        rc = sem_clockwait(s, CLOCK_MONOTONIC, &dl);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (rc == 0) return 0;
+        if (err == ETIMEDOUT) return 1;
+        if (err == EINTR) {
+            if (PyErr_CheckSignals() < 0) return -1; /* e.g. KeyboardInterrupt: we hold nothing */
+            continue;
+        }
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+}
+
+static inline void wlock_release(Ring *r) {
+    st_rlx(&r->ctl[W_LOCK_HOLDER], 0);
+    sem_post(r->wsem); /* a release operation: the holder word and all writes are visible first */
+}
+
+/* Wake the other side if it has registered waiters.  The seq_cst fence
+ * orders our publication before reading the waiter count (the Dekker pair
+ * with the waiter's "register, then re-check"). */
+static void ring_bell(Ring *r, sem_t *waiters) {
+    int v = 0;
+    atomic_thread_fence(memory_order_seq_cst);
+    if (sem_getvalue(waiters, &v) == 0 && v > 0) {
+        ssize_t rc = pwrite(r->fd, "", 1, DOORBELL_BYTE);
+        (void)rc; /* a failed doorbell costs a waiter its safety-net timeout, nothing more */
+    }
+}
+
+static uint64_t slot_hwm(Ring *r) {
+    uint64_t h = ld_rlx(&r->ctl[W_SLOT_HWM]);
+    return h < r->slot_count ? h : r->slot_count; /* clamped: a corrupt word must not index past the table */
+}
+
+/* Minimum of slot word `word` over named readers and groups; returns 0 and
+ * leaves *out alone when there are none. */
+static int slot_floor(Ring *r, int word, uint64_t *out) {
+    int found = 0;
+    uint64_t h = slot_hwm(r), m = 0;
+    for (uint64_t i = 0; i < h; i++) {
+        uint64_t *s = r->slots + i * SLOT_WORDS;
+        uint64_t st = ld_rlx(&s[S_STATE]);
+        if (st == SLOT_READER || st == SLOT_GROUP) {
+            uint64_t v = ld_acq(&s[word]);
+            if (!found || v < m) m = v;
+            found = 1;
+        }
+    }
+    if (found) *out = m;
+    return found;
+}
+
+static uint64_t pin_floor(Ring *r) {
+    uint64_t h = slot_hwm(r), m = UINT64_MAX;
+    for (uint64_t i = 0; i < h; i++) {
+        uint64_t *s = r->slots + i * SLOT_WORDS;
+        if (ld_rlx(&s[S_STATE]) == SLOT_PIN) {
+            uint64_t v = ld_acq(&s[S_POS]);
+            if (v < m) m = v;
+        }
+    }
+    return m;
+}
+
+static void take_full_marker(Ring *r) {
+    uint64_t f;
+    if (!slot_floor(r, S_POS, &f)) f = ld_rlx(&r->ctl[W_FIRST_POS]);
+    r->full_floor = f;
+    r->full_pin = pin_floor(r);
+}
+
+static void record_high_water(Ring *r) {
+    uint64_t *c = r->ctl;
+    uint64_t frames = ld_rlx(&c[W_NEXT_SEQ]) - ld_rlx(&c[W_FIRST_SEQ]);
+    uint64_t used = ld_rlx(&c[W_NEXT_POS]) - ld_rlx(&c[W_FIRST_POS]);
+    if (frames > ld_rlx(&c[W_HIGH_FRAMES])) st_rlx(&c[W_HIGH_FRAMES], frames);
+    if (used > ld_rlx(&c[W_HIGH_BYTES])) st_rlx(&c[W_HIGH_BYTES], used);
+}
+
+static int call_crash_hook(const char *point) {
+    if (!crash_hook) return 0;
+    PyObject *res = PyObject_CallFunction(crash_hook, "sO", point, Py_None);
+    if (!res) return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+/* Move FIRST_* past everything below byte position `limit` (writer lock
+ * held).  Returns 0 on success, ST_NO_ROOM / ST_SLOW, or -100 with an
+ * exception set.  Overwrite policy walks the evicted headers (a few loads
+ * each); block/error jump in one step to the slowest named cursor. */
+static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos) {
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    if (pin_floor(r) < limit) return ST_SLOW; /* a zero-copy view reads that frame */
+    uint64_t seq = ld_rlx(&c[W_FIRST_SEQ]), pos = ld_rlx(&c[W_FIRST_POS]), start_seq = seq;
+    uint64_t next_pos = ld_rlx(&c[W_NEXT_POS]);
+    record_high_water(r);
+    if (r->policy != 0) {
+        uint64_t floor;
+        if (!slot_floor(r, S_POS, &floor)) floor = pos; /* no consumers registered: keep everything */
+        if (floor < limit && floor < next_pos) {
+            take_full_marker(r);
+            return ST_NO_ROOM; /* unconsumed frames in the way */
+        }
+        if (floor >= next_pos) {
+            seq = next_seq; /* all consumed */
+        } else if (floor > pos) {
+            /* Jump to the slowest cursor: its header names its seq (a pad
+             * carries the seq of the frame after it). */
+            uint64_t off = floor % ring, p = floor;
+            if (ring - off < FRAME_BYTES) {
+                p += ring - off;
+                off = 0;
+            }
+            FrameHeader h;
+            read_header(r, off, &h);
+            if (h.seq < seq || h.seq >= next_seq || !header_sane(&h, off, ring)) {
+                corrupt(r, "reader cursor at position %llu does not point at a frame "
+                        "(header says seq %llu); run 'shmq fsck --repair'",
+                        (unsigned long long)floor, (unsigned long long)h.seq);
+                return -100;
+            }
+            seq = h.seq;
+            pos = floor;
+            (void)p;
+        }
+        if (seq >= next_seq) pos = batch_pos;
+        st_rlx(&c[W_FIRST_POS], pos);
+        atomic_thread_fence(memory_order_release);
+        if (call_crash_hook("evicting") < 0) return -100;
+        st_rel(&c[W_FIRST_SEQ], seq);
+        st_rlx(&c[W_EVICTED], ld_rlx(&c[W_EVICTED]) + (seq - start_seq));
+        return 0;
+    }
+    while (pos < limit && seq < next_seq) {
+        uint64_t off = pos % ring;
+        if (ring - off < FRAME_BYTES) {
+            pos += ring - off;
+            continue;
+        }
+        FrameHeader h;
+        read_header(r, off, &h);
+        if (h.seq != seq || !header_sane(&h, off, ring)) {
+            corrupt(r, "ring is corrupt at seq %llu (offset %llu: header says seq %llu, %u bytes); "
+                    "run 'shmq fsck --repair'",
+                    (unsigned long long)seq, (unsigned long long)off, (unsigned long long)h.seq, h.stored);
+            return -100;
+        }
+        pos += h.stored;
+        if (!(h.flags & FLAG_PAD)) seq++;
+    }
+    if (seq >= next_seq) pos = batch_pos; /* everything evicted: the ring restarts at this batch */
+    st_rlx(&c[W_FIRST_POS], pos);         /* position first: readers re-derive seq from its header */
+    atomic_thread_fence(memory_order_release); /* ... and see it before any overwritten byte */
+    if (call_crash_hook("evicting") < 0) return -100;
+    st_rel(&c[W_FIRST_SEQ], seq);
+    st_rlx(&c[W_EVICTED], ld_rlx(&c[W_EVICTED]) + (seq - start_seq));
+    return 0;
+}
+
+static void roll_rate(Ring *r, uint64_t ts) {
+    uint64_t sec = ts / 1000000000ull;
+    int b = W_RATE + (int)(sec % RATE_SECONDS) * RATE_WORDS;
+    r->rate_word = b + 1;
+    r->rate_until = (sec + 1) * 1000000000ull;
+    if (ld_rlx(&r->ctl[b]) != sec) {
+        st_rlx(&r->ctl[b], sec);
+        st_rlx(&r->ctl[b + 1], 0);
+        st_rlx(&r->ctl[b + 2], 0);
+    }
+}
+
+/* One item of a batch: up to a few segments written one after the other. */
+#define MAX_SEGS 64
+typedef struct {
+    Py_buffer views[MAX_SEGS];
+    int nviews;
+    uint64_t n;
+    uint32_t crc;
+} Item;
+
+static int get_segment(PyObject *o, Py_buffer *v) {
+    if (PyUnicode_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "frames are bytes-like objects, not str: encode it first (e.g. s.encode())");
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS) == 0) return 0;
+    if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+        Py_buffer probe;
+        PyErr_Clear();
+        if (PyObject_GetBuffer(o, &probe, PyBUF_STRIDES) == 0) {
+            PyBuffer_Release(&probe);
+            PyErr_SetString(PyExc_ValueError, "frame buffer must be C-contiguous");
+            return -1;
+        }
+        PyErr_Clear();
+    } else if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+        return -1;
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "frames are bytes-like objects, not %.100s", Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+static void release_items(Item *items, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < k; i++)
+        for (int j = 0; j < items[i].nviews; j++) PyBuffer_Release(&items[i].views[j]);
+}
+
+static int load_item(Item *it, PyObject *o, int checksum) {
+    it->nviews = 0;
+    it->n = 0;
+    it->crc = 0;
+    if (PyTuple_CheckExact(o)) {
+        Py_ssize_t k = PyTuple_GET_SIZE(o);
+        if (k > MAX_SEGS) {
+            PyErr_Format(PyExc_ValueError, "a frame has at most %d segments", MAX_SEGS);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (get_segment(PyTuple_GET_ITEM(o, j), &it->views[j]) < 0) {
+                for (int q = 0; q < it->nviews; q++) PyBuffer_Release(&it->views[q]);
+                it->nviews = 0;
+                return -1;
+            }
+            it->nviews++;
+            it->n += (uint64_t)it->views[j].len;
+        }
+    } else {
+        if (get_segment(o, &it->views[0]) < 0) return -1;
+        it->nviews = 1;
+        it->n = (uint64_t)it->views[0].len;
+    }
+    if (checksum) {
+        uint32_t crc = 0;
+        for (int j = 0; j < it->nviews; j++) crc = crc_update(crc, it->views[j].buf, (size_t)it->views[j].len);
+        it->crc = crc;
+    }
+    return 0;
+}
+
+/* Place, write and publish a batch (writer lock held).  Returns the first
+ * seq, or a negative status (-100: exception set). */
+static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, uint64_t total,
+                            int codec, int64_t max_backlog, uint64_t *placed) {
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    uint64_t seq0 = ld_rlx(&c[W_NEXT_SEQ]), start = ld_rlx(&c[W_NEXT_POS]);
+    if (max_backlog >= 0) {
+        uint64_t floor;
+        if (slot_floor(r, S_SEQ, &floor) && seq0 - floor + (uint64_t)count > (uint64_t)max_backlog) {
+            take_full_marker(r);
+            return ST_NO_ROOM;
+        }
+    }
+    /* Placement: a frame that does not fit before the ring's end is preceded
+     * by padding to the end (a PAD header if 32+ bytes remain). */
+    uint64_t pos = start, pad_off = 0, pad_gap = 0;
+    Py_ssize_t pad_k = -1;
+    int npads = 0;
+    uint64_t pads_off[2], pads_gap[2];
+    Py_ssize_t pads_k[2];
+    int restart = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t off = pos % ring;
+        if (ring - off < needs[k]) {
+            if (npads == 2) { restart = 1; break; } /* wraps more than once: start at the ring's start */
+            if (ring - off >= FRAME_BYTES) {
+                pads_off[npads] = off;
+                pads_gap[npads] = ring - off;
+                pads_k[npads] = k;
+                npads++;
+            }
+            pos += ring - off;
+        }
+        placed[k] = pos;
+        pos += needs[k];
+    }
+    if (restart || pos - placed[0] > ring) {
+        /* The batch would wrap onto itself: start it at the ring's start. */
+        pos = start;
+        uint64_t off = pos % ring;
+        npads = 0;
+        if (off && ring - off >= FRAME_BYTES) {
+            pads_off[0] = off;
+            pads_gap[0] = ring - off;
+            pads_k[0] = 0;
+            npads = 1;
+        }
+        if (off) pos += ring - off;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            placed[k] = pos;
+            pos += needs[k];
+        }
+    }
+    (void)pad_off; (void)pad_gap; (void)pad_k;
+    uint64_t end = pos;
+    if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
+        int st = make_room(r, end - ring, seq0, placed[0]);
+        if (st != 0) return st;
+    }
+    uint64_t ts = now_ns();
+    for (int p = 0; p < npads; p++) {
+        FrameHeader h = {seq0 + (uint64_t)pads_k[p], (uint32_t)pads_gap[p], 0, ts, 0, FLAG_PAD, 0, 0};
+        memcpy(r->ring + pads_off[p], &h, FRAME_BYTES);
+    }
+    uint64_t nbytes = 0, seq = seq0;
+    uint16_t flags = r->checksum ? FLAG_CRC : 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t off = placed[k] % ring;
+        FrameHeader h = {seq, (uint32_t)needs[k], (uint32_t)items[k].n, ts, items[k].crc, flags, (uint8_t)codec, 0};
+        memcpy(r->ring + off, &h, FRAME_BYTES);
+        char *dst = r->ring + off + FRAME_BYTES;
+        for (int j = 0; j < items[k].nviews; j++) {
+            memcpy(dst, items[k].views[j].buf, (size_t)items[k].views[j].len);
+            dst += items[k].views[j].len;
+        }
+        uint64_t pad = needs[k] - FRAME_BYTES - items[k].n;
+        if (pad) memset(dst, 0, (size_t)pad);
+        seq++;
+        nbytes += items[k].n;
+        if (crash_hook && count > 1 && call_crash_hook("frame-written") < 0) return -100;
+    }
+    st_rel(&c[W_NEXT_SEQ], seq); /* <- the commit point */
+    if (crash_hook && count > 1 && call_crash_hook("committed") < 0) return -100;
+    st_rlx(&c[W_NEXT_POS], end);
+    /* statistics, exact under the lock: puts are next_seq itself */
+    st_rlx(&c[W_PUT_BYTES], ld_rlx(&c[W_PUT_BYTES]) + nbytes);
+    st_rlx(&c[W_LAST_PUT_NS], ts);
+    if (ts >= r->rate_until) roll_rate(r, ts);
+    st_rlx(&c[r->rate_word], ld_rlx(&c[r->rate_word]) + (uint64_t)count);
+    return (int64_t)seq0;
+}
+
+
+static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait) {
+    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
+                                            "thread would deadlock: commit or abandon it first");
+        return -100;
+    }
+    uint64_t stack_needs[64], stack_placed[64];
+    uint64_t *needs = stack_needs, *placed = stack_placed;
+    if (count > 64) {
+        needs = PyMem_Malloc(sizeof(uint64_t) * 2 * (size_t)count);
+        if (!needs) {
+            PyErr_NoMemory();
+            return -100;
+        }
+        placed = needs + count;
+    }
+    int64_t res;
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (items[k].n > r->max_payload) {
+            res = ST_TOO_LARGE;
+            goto out;
+        }
+        needs[k] = FRAME_BYTES + ((items[k].n + 7) & ~(uint64_t)7);
+        total += needs[k];
+    }
+    if (total > r->ring_bytes || (max_backlog >= 0 && count > max_backlog)) {
+        res = ST_TOO_LARGE;
+        goto out;
+    }
+    int lk = sem_lock(r->wsem, lock_wait);
+    if (lk != 0) {
+        res = lk > 0 ? ST_LOCK_STUCK : -100;
+        goto out;
+    }
+    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
+    res = write_locked(r, items, count, needs, total, codec, max_backlog, placed);
+    wlock_release(r);
+    if (res >= 0) ring_bell(r, r->rsem);
+out:
+    if (needs != stack_needs) PyMem_Free(needs);
+    return res;
+}
+
+/* ---- reservations: zero-copy writes ---- */
+
+
+static PyTypeObject ReservationType;
+
+static void reservation_unlock(Reservation *rv) {
+    Ring *r = rv->ring;
+    rv->open = 0;
+    if (r->reserved_by == rv) r->reserved_by = NULL;
+    if (r->have_buf) wlock_release(r);
+}
+
+static void reservation_drop_view(Reservation *rv) {
+    if (rv->view) {
+        PyObject *res = PyObject_CallMethod(rv->view, "release", NULL);
+        if (!res) PyErr_Clear(); /* a derived view still exports it: documented as invalid now */
+        Py_XDECREF(res);
+        Py_CLEAR(rv->view);
+    }
+}
+
+static PyObject *Reservation_commit(Reservation *rv, PyObject *unused) {
+    if (!rv->open) {
+        PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
+        return NULL;
+    }
+    Ring *r = rv->ring;
+    if (!r->have_buf) {
+        rv->open = 0;
+        PyErr_SetString(PyExc_ValueError, "spool handle is closed");
+        return NULL;
+    }
+    reservation_drop_view(rv);
+    uint64_t *c = r->ctl;
+    char *payload = r->ring + rv->off + FRAME_BYTES;
+    uint64_t pad = rv->stored - FRAME_BYTES - rv->nbytes;
+    if (pad) memset(payload + rv->nbytes, 0, (size_t)pad);
+    uint64_t ts = now_ns();
+    FrameHeader h = {rv->seq, (uint32_t)rv->stored, (uint32_t)rv->nbytes, ts, 0, 0, (uint8_t)rv->codec, 0};
+    if (r->checksum) {
+        h.crc = crc_update(0, (const unsigned char *)payload, (size_t)rv->nbytes);
+        h.flags = FLAG_CRC;
+    }
+    memcpy(r->ring + rv->off, &h, FRAME_BYTES);
+    st_rel(&c[W_NEXT_SEQ], rv->seq + 1); /* <- the commit point */
+    st_rlx(&c[W_NEXT_POS], rv->end);
+    st_rlx(&c[W_PUT_BYTES], ld_rlx(&c[W_PUT_BYTES]) + rv->nbytes);
+    st_rlx(&c[W_LAST_PUT_NS], ts);
+    if (ts >= r->rate_until) roll_rate(r, ts);
+    st_rlx(&c[r->rate_word], ld_rlx(&c[r->rate_word]) + 1);
+    reservation_unlock(rv);
+    ring_bell(r, r->rsem);
+    return PyLong_FromUnsignedLongLong(rv->seq);
+}
+
+static PyObject *Reservation_abandon(Reservation *rv, PyObject *unused) {
+    if (rv->open) {
+        reservation_drop_view(rv);
+        reservation_unlock(rv); /* nothing was published: the space is reused by the next write */
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reservation_enter(Reservation *rv, PyObject *unused) {
+    if (!rv->open) {
+        PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
+        return NULL;
+    }
+    if (!rv->view) {
+        /* A slice of a view over the mmap object itself: the mapping knows it
+         * is exported, so closing the spool cannot unmap it under the view. */
+        Ring *r = rv->ring;
+        if (ring_check_open(r) < 0) return NULL;
+        PyObject *mv = PyMemoryView_FromObject(r->buf.obj);
+        if (!mv) return NULL;
+        Py_ssize_t a = (Py_ssize_t)(r->ring - r->base + rv->off + FRAME_BYTES);
+        PyObject *lo = PyLong_FromSsize_t(a), *hi = PyLong_FromSsize_t(a + (Py_ssize_t)rv->nbytes);
+        PyObject *sl = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
+        Py_XDECREF(lo);
+        Py_XDECREF(hi);
+        if (!sl) {
+            Py_DECREF(mv);
+            return NULL;
+        }
+        rv->view = PyObject_GetItem(mv, sl);
+        Py_DECREF(sl);
+        Py_DECREF(mv);
+        if (!rv->view) return NULL;
+    }
+    return Py_NewRef(rv->view);
+}
+
+static PyObject *Reservation_exit(Reservation *rv, PyObject *args) {
+    PyObject *et = Py_None;
+    if (PyTuple_GET_SIZE(args) > 0) et = PyTuple_GET_ITEM(args, 0);
+    if (et != Py_None) return Reservation_abandon(rv, NULL), Py_NewRef(Py_False);
+    PyObject *seq = Reservation_commit(rv, NULL);
+    if (!seq) return NULL;
+    Py_DECREF(seq);
+    Py_RETURN_FALSE;
+}
+
+static void Reservation_dealloc(Reservation *rv) {
+    if (rv->open) reservation_unlock(rv); /* dropped without commit: abandoned */
+    Py_XDECREF(rv->view);
+    Py_XDECREF(rv->ring);
+    Py_TYPE(rv)->tp_free((PyObject *)rv);
+}
+
+static PyObject *Reservation_get_seq(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->seq); }
+static PyObject *Reservation_get_nbytes(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->nbytes); }
+static PyObject *Reservation_get_open(Reservation *rv, void *x) { return PyBool_FromLong(rv->open); }
+
+static PyGetSetDef Reservation_getset[] = {
+    {"seq", (getter)Reservation_get_seq, NULL, "the seq the frame gets when committed", NULL},
+    {"nbytes", (getter)Reservation_get_nbytes, NULL, "payload size", NULL},
+    {"open", (getter)Reservation_get_open, NULL, "True until committed or abandoned", NULL},
+    {NULL}};
+
+static PyMethodDef Reservation_methods[] = {
+    {"commit", (PyCFunction)Reservation_commit, METH_NOARGS, "publish the frame; return its seq"},
+    {"abandon", (PyCFunction)Reservation_abandon, METH_NOARGS, "release the space without publishing anything"},
+    {"__enter__", (PyCFunction)Reservation_enter, METH_NOARGS, "a writable memoryview of the payload"},
+    {"__exit__", (PyCFunction)Reservation_exit, METH_VARARGS, "commit on a clean exit, abandon on an exception"},
+    {NULL}};
+
+static PyTypeObject ReservationType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq.Reservation",
+    .tp_basicsize = sizeof(Reservation),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Reservation_dealloc,
+    .tp_methods = Reservation_methods,
+    .tp_getset = Reservation_getset,
+    .tp_doc = "Room for one frame, written in place: `with sp.reserve(n) as buf: buf[:] = ...` commits on a\n"
+              "clean exit and abandons on an exception; a process killed inside exposes nothing.\n"
+              "The writer lock is held while it is open: keep the block short.",
+};
+
+static PyObject *Ring_reserve(Ring *r, PyObject *args) {
+    /* reserve(nbytes, codec, lock_wait) -> Reservation, or a negative status */
+    unsigned long long nbytes;
+    int codec;
+    double wait;
+    if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "this thread already holds an open reservation of this spool: "
+                                            "commit or abandon it first (it holds the writer lock)");
+        return NULL;
+    }
+    if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);
+    uint64_t need = FRAME_BYTES + ((nbytes + 7) & ~(uint64_t)7);
+    int lk = sem_lock(r->wsem, wait);
+    if (lk < 0) return NULL;
+    if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
+    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    uint64_t seq = ld_rlx(&c[W_NEXT_SEQ]), pos = ld_rlx(&c[W_NEXT_POS]);
+    uint64_t off = pos % ring, pad_off = 0, pad_gap = 0;
+    int has_pad = 0;
+    if (ring - off < need) {
+        if (ring - off >= FRAME_BYTES) {
+            has_pad = 1;
+            pad_off = off;
+            pad_gap = ring - off;
+        }
+        pos += ring - off;
+    }
+    uint64_t end = pos + need;
+    if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
+        int st = make_room(r, end - ring, seq, pos);
+        if (st != 0) {
+            wlock_release(r);
+            if (st == -100) return NULL;
+            return PyLong_FromLong(st);
+        }
+    }
+    if (has_pad) {
+        FrameHeader h = {seq, (uint32_t)pad_gap, 0, now_ns(), 0, FLAG_PAD, 0, 0};
+        memcpy(r->ring + pad_off, &h, FRAME_BYTES);
+    }
+    /* A header that is not frame `seq` yet: nothing past NEXT_SEQ is read, and
+     * recovery after a kill re-derives NEXT_POS from committed frames only. */
+    memset(r->ring + pos % ring, 0, FRAME_BYTES);
+    Reservation *rv = PyObject_New(Reservation, &ReservationType);
+    if (!rv) {
+        wlock_release(r);
+        return NULL;
+    }
+    rv->ring = (Ring *)Py_NewRef((PyObject *)r);
+    rv->seq = seq;
+    rv->off = pos % ring;
+    rv->nbytes = nbytes;
+    rv->stored = need;
+    rv->end = end;
+    rv->codec = codec;
+    rv->open = 1;
+    rv->thread = PyThread_get_thread_ident();
+    rv->view = NULL;
+    r->reserved_by = rv;
+    return (PyObject *)rv;
+}
+
+static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
+    /* put(data, codec=0, max_backlog=-1, lock_wait=default) -> seq or status */
+    if (nargs < 1 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "put(data, codec=0, max_backlog=-1, lock_wait=None)");
+        return NULL;
+    }
+    if (ring_check_open(r) < 0) return NULL;
+    int codec = 0;
+    long long backlog = -1;
+    double wait = r->lock_wait;
+    if (nargs > 1 && (codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (nargs > 2 && (backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
+    if (nargs > 3 && args[3] != Py_None && (wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    Item item;
+    if (load_item(&item, args[0], r->checksum) < 0) return NULL;
+    int64_t res = ring_write(r, &item, 1, codec, backlog, wait);
+    release_items(&item, 1);
+    if (res == -100) return NULL;
+    return PyLong_FromLongLong(res);
+}
+
+static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
+    /* put_many(items, codec=0, max_backlog=-1, lock_wait=default) -> first seq or status */
+    if (nargs < 1 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "put_many(items, codec=0, max_backlog=-1, lock_wait=None)");
+        return NULL;
+    }
+    if (ring_check_open(r) < 0) return NULL;
+    int codec = 0;
+    long long backlog = -1;
+    double wait = r->lock_wait;
+    if (nargs > 1 && (codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (nargs > 2 && (backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
+    if (nargs > 3 && args[3] != Py_None && (wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "put_many() needs a sequence of bytes-like objects");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count == 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "put_many() needs at least one item");
+        return NULL;
+    }
+    if (count > MAX_BATCH) {
+        Py_DECREF(seq);
+        return PyLong_FromLong(ST_TOO_LARGE);
+    }
+    Item *items = PyMem_Malloc(sizeof(Item) * (size_t)count);
+    if (!items) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject **objs = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t k;
+    for (k = 0; k < count; k++) {
+        if (load_item(&items[k], objs[k], r->checksum) < 0) {
+            release_items(items, k);
+            PyMem_Free(items);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    int64_t res = ring_write(r, items, count, codec, backlog, wait);
+    release_items(items, count);
+    PyMem_Free(items);
+    Py_DECREF(seq);
+    if (res == -100) return NULL;
+    return PyLong_FromLongLong(res);
+}
+
+/* ---- reading ---- */
+
+/* A consistent (seq, pos) of the oldest frame, read lock-free. */
+static int first_cursor(Ring *r, uint64_t *oseq, uint64_t *opos) {
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    for (int i = 0; i < 10000; i++) {
+        uint64_t seq = ld_acq(&c[W_FIRST_SEQ]); /* seq before pos: the writer stores pos first */
+        uint64_t pos = ld_acq(&c[W_FIRST_POS]);
+        uint64_t nxt = ld_acq(&c[W_NEXT_SEQ]);
+        if (seq >= nxt) {
+            *oseq = seq;
+            *opos = pos;
+            return 0;
+        }
+        uint64_t off = pos % ring;
+        if (ring - off < FRAME_BYTES) off = 0;
+        FrameHeader h;
+        read_header(r, off, &h);
+        atomic_thread_fence(memory_order_acquire);
+        if (header_sane(&h, off, ring) && seq <= h.seq && h.seq < nxt && ld_rlx(&c[W_FIRST_POS]) == pos) {
+            *oseq = h.seq;
+            *opos = pos;
+            return 0;
+        }
+    }
+    corrupt(r, "cannot find the oldest frame (ring corrupt?); run 'shmq fsck --repair'");
+    return -1;
+}
+
+/* The header at the cursor is not frame `seq` (or was evicted): find out why.
+ * Adds skipped frames to *lost. */
+static int resync(Ring *r, uint64_t *seq, uint64_t *pos, const FrameHeader *h, uint64_t off, uint64_t *lost) {
+    uint64_t *c = r->ctl;
+    if (*seq < ld_acq(&c[W_FIRST_SEQ]) || *pos < ld_acq(&c[W_FIRST_POS])) {
+        uint64_t s, p;
+        if (first_cursor(r, &s, &p) < 0) return -1;
+        if (s < *seq) {
+            corrupt(r, "reader cursor seq %llu is ahead of the oldest frame %llu yet unreadable; run 'shmq fsck'",
+                    (unsigned long long)*seq, (unsigned long long)s);
+            return -1;
+        }
+        *lost += s - *seq; /* overwritten: jump to the oldest frame, count exactly */
+        *seq = s;
+        *pos = p;
+        return 0;
+    }
+    if (*seq < h->seq && h->seq < ld_acq(&c[W_NEXT_SEQ]) && header_sane(h, off, r->ring_bytes)) {
+        /* A cursor committed with its position but not its seq (process
+         * killed between the two stores): the frames in between were read. */
+        *seq = h->seq;
+        return 0;
+    }
+    corrupt(r, "corrupt frame header at seq %llu (ring offset %llu: header says seq %llu, %u bytes stored, "
+            "%u bytes long); run 'shmq fsck'",
+            (unsigned long long)*seq, (unsigned long long)off, (unsigned long long)h->seq, h->stored, h->length);
+    return -1;
+}
+
+static PyObject *make_frame(uint64_t seq, uint64_t ts, PyObject *data, int codec) {
+    PyObject *f = PyStructSequence_New(FrameType);
+    if (!f) {
+        Py_DECREF(data);
+        return NULL;
+    }
+    PyObject *s = PyLong_FromUnsignedLongLong(seq), *t = PyLong_FromUnsignedLongLong(ts), *cd = PyLong_FromLong(codec);
+    if (!s || !t || !cd) {
+        Py_XDECREF(s);
+        Py_XDECREF(t);
+        Py_XDECREF(cd);
+        Py_DECREF(data);
+        Py_DECREF(f);
+        return NULL;
+    }
+    PyStructSequence_SET_ITEM(f, 0, s);
+    PyStructSequence_SET_ITEM(f, 1, t);
+    PyStructSequence_SET_ITEM(f, 2, data);
+    PyStructSequence_SET_ITEM(f, 3, cd);
+    return f;
+}
+
+#define RD_NONE ((PyObject *)1) /* caught up: nothing to read */
+
+/* Read the frame at cursor (seq, pos), lock-free.  Returns a new Frame,
+ * RD_NONE, or NULL with an exception set.  Advances the cursor and adds
+ * overwritten frames to *lost. */
+static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost,
+                          FrameHeader *hout) {
+    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    uint64_t seq = *seqp, pos = *posp;
+    int pads = 0;
+    for (;;) {
+        if (seq >= ld_acq(&c[W_NEXT_SEQ])) {
+            *seqp = seq;
+            *posp = pos;
+            return RD_NONE;
+        }
+        uint64_t off = pos % ring;
+        if (ring - off < FRAME_BYTES) {
+            pos += ring - off;
+            off = 0;
+        }
+        FrameHeader h;
+        read_header(r, off, &h);
+        if (h.seq != seq || !header_sane(&h, off, ring)) {
+            atomic_thread_fence(memory_order_acquire);
+            if (resync(r, &seq, &pos, &h, off, lost) < 0) return NULL;
+            continue;
+        }
+        if (h.flags & FLAG_PAD) {
+            atomic_thread_fence(memory_order_acquire);
+            if (ld_rlx(&c[W_FIRST_POS]) > pos) { /* the pad itself was overwritten */
+                if (resync(r, &seq, &pos, &h, off, lost) < 0) return NULL;
+            } else {
+                if (++pads > 2 || off == 0) { /* a pad never starts the ring, never repeats */
+                    return corrupt(r, "corrupt padding at seq %llu (ring offset %llu); run 'shmq fsck'",
+                                   (unsigned long long)seq, (unsigned long long)off);
+                }
+                pos += h.stored;
+            }
+            continue;
+        }
+        const char *src = r->ring + off + FRAME_BYTES;
+        PyObject *data;
+        if (h.codec == CODEC_PICKLE_OOB || h.codec == CODEC_NUMPY) /* arrays rebuilt over it are writable */
+            data = PyByteArray_FromStringAndSize(src, h.length);
+        else
+            data = PyBytes_FromStringAndSize(src, h.length);
+        if (!data) return NULL;
+        atomic_thread_fence(memory_order_acquire); /* the copy happens before the re-check */
+        if (ld_rlx(&c[W_FIRST_POS]) > pos) {          /* overwritten while we copied */
+            Py_DECREF(data);
+            if (resync(r, &seq, &pos, &h, off, lost) < 0) return NULL;
+            continue;
+        }
+        if (verify && (h.flags & FLAG_CRC)) {
+            const char *p = PyBytes_Check(data) ? PyBytes_AS_STRING(data) : PyByteArray_AS_STRING(data);
+            if (crc_update(0, (const unsigned char *)p, h.length) != h.crc) {
+                Py_DECREF(data);
+                return corrupt(r, "frame %llu fails its CRC check (memory corruption?); run 'shmq fsck'",
+                               (unsigned long long)seq);
+            }
+        }
+        *seqp = seq + 1;
+        *posp = pos + h.stored;
+        if (hout) *hout = h;
+        return make_frame(seq, h.ts, data, h.codec);
+    }
+}
+
+/* ---- Ring methods used by Python's slow paths ---- */
+
+static PyObject *Ring_read(Ring *r, PyObject *args) {
+    /* read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec) */
+    unsigned long long seq, pos;
+    int verify = 0;
+    if (!PyArg_ParseTuple(args, "KK|p", &seq, &pos, &verify)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    uint64_t s = seq, p = pos, lost = 0;
+    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL);
+    if (!f) return NULL;
+    if (f == RD_NONE) return Py_BuildValue("(OKKKi)", Py_None, s, p, lost, 0);
+    PyObject *codec = PyStructSequence_GET_ITEM(f, 3);
+    PyObject *res = Py_BuildValue("(NKKKO)", f, s, p, lost, codec);
+    return res;
+}
+
+static PyObject *Ring_first_cursor(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    uint64_t s, p;
+    if (first_cursor(r, &s, &p) < 0) return NULL;
+    return Py_BuildValue("(KK)", s, p);
+}
+
+static PyObject *Ring_latest(Ring *r, PyObject *args) {
+    /* latest(lock_wait) -> (NEXT_SEQ, NEXT_POS) as a consistent pair, or None if the lock is stuck */
+    double wait = r->lock_wait;
+    if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    int lk = sem_lock(r->wsem, wait);
+    if (lk < 0) return NULL;
+    if (lk > 0) Py_RETURN_NONE;
+    uint64_t s = ld_rlx(&r->ctl[W_NEXT_SEQ]), p = ld_rlx(&r->ctl[W_NEXT_POS]);
+    sem_post(r->wsem);
+    return Py_BuildValue("(KK)", s, p);
+}
+
+static PyObject *Ring_ring_space(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    ring_bell(r, r->fsem);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_ring_data(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    ring_bell(r, r->rsem);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
+    unsigned long long holder;
+    if (!PyArg_ParseTuple(args, "iK", &r->fd, &holder)) return NULL;
+    r->holder = holder;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
+    return Py_BuildValue("(KK)", r->full_floor, r->full_pin);
+}
+
+static void ring_release(Ring *r) {
+    if (r->reserved_by) { /* closing with a reservation open: abandon it (release the lock) */
+        r->reserved_by->open = 0;
+        if (r->have_buf && r->wsem) wlock_release(r);
+        r->reserved_by = NULL;
+    }
+    if (r->have_buf) {
+        PyBuffer_Release(&r->buf);
+        r->have_buf = 0;
+    }
+    if (r->wsem) sem_close(r->wsem);
+    if (r->rsem) sem_close(r->rsem);
+    if (r->fsem) sem_close(r->fsem);
+    r->wsem = r->rsem = r->fsem = NULL;
+    r->base = r->ring = NULL;
+    r->ctl = r->slots = NULL;
+}
+
+static PyObject *Ring_close(Ring *r, PyObject *unused) {
+    ring_release(r);
+    Py_RETURN_NONE;
+}
+
+static sem_t *open_sem(const char *name) {
+    sem_t *s = sem_open(name, 0);
+    if (s == SEM_FAILED) {
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+        return NULL;
+    }
+    return s;
+}
+
+static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
+    /* Ring(mm, path, ring_offset, ring_bytes, slot_offset, slot_count, policy, checksum,
+            writer_sem, read_waiters_sem, space_waiters_sem, fd, holder, lock_wait) */
+    PyObject *mm, *path;
+    unsigned long long ring_offset, ring_bytes, slot_offset, slot_count, holder;
+    int policy, checksum, fd;
+    const char *wname, *rname, *fname;
+    double lock_wait;
+    if (!PyArg_ParseTuple(args, "OUKKKKipsssiKd", &mm, &path, &ring_offset, &ring_bytes, &slot_offset, &slot_count,
+                          &policy, &checksum, &wname, &rname, &fname, &fd, &holder, &lock_wait))
+        return -1;
+    ring_release(r);
+    if (PyObject_GetBuffer(mm, &r->buf, PyBUF_WRITABLE) < 0) return -1;
+    r->have_buf = 1;
+    if (ring_bytes < 4096 || ring_bytes % 4096 || ring_offset % 4096 || ring_offset < HEADER_BYTES ||
+        slot_offset < HEADER_BYTES || slot_offset + slot_count * SLOT_BYTES > ring_offset ||
+        (uint64_t)r->buf.len < ring_offset + ring_bytes || policy < 0 || policy > 2) {
+        ring_release(r);
+        PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
+        return -1;
+    }
+    Py_XSETREF(r->path, Py_NewRef(path));
+    r->base = r->buf.buf;
+    r->ctl = (uint64_t *)r->base;
+    r->slots = (uint64_t *)(r->base + slot_offset);
+    r->ring = r->base + ring_offset;
+    r->ring_bytes = ring_bytes;
+    r->slot_count = slot_count;
+    r->max_payload = ring_bytes - FRAME_BYTES;
+    if (r->max_payload > 0xFFFFFFFFull - FRAME_BYTES - ALIGN) r->max_payload = 0xFFFFFFFFull - FRAME_BYTES - ALIGN;
+    r->policy = policy;
+    r->checksum = checksum;
+    r->fd = fd;
+    r->holder = holder;
+    r->lock_wait = lock_wait;
+    r->rate_until = 0;
+    r->rate_word = W_RATE + 1;
+    if (!(r->wsem = open_sem(wname)) || !(r->rsem = open_sem(rname)) || !(r->fsem = open_sem(fname))) {
+        ring_release(r);
+        return -1;
+    }
+    return 0;
+}
+
+static void Ring_dealloc(Ring *r) {
+    ring_release(r);
+    Py_XDECREF(r->path);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->max_payload); }
+
+static PyMethodDef Ring_methods[] = {
+    {"put", (PyCFunction)(void (*)(void))Ring_put, METH_FASTCALL,
+     "put(data, codec=0, max_backlog=-1, lock_wait=None) -> seq, or a negative status"},
+    {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL,
+     "put_many(items, codec=0, max_backlog=-1, lock_wait=None) -> first seq, or a negative status"},
+    {"read", (PyCFunction)Ring_read, METH_VARARGS, "read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec)"},
+    {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
+    {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
+    {"latest", (PyCFunction)Ring_latest, METH_VARARGS, "latest(lock_wait) -> (next_seq, next_pos) or None"},
+    {"ring_space", (PyCFunction)Ring_ring_space, METH_NOARGS, "wake writers waiting for room, if any"},
+    {"ring_data", (PyCFunction)Ring_ring_data, METH_NOARGS, "wake readers waiting for frames, if any"},
+    {"set_fd", (PyCFunction)Ring_set_fd, METH_VARARGS, "set_fd(fd, holder): after fork"},
+    {"full_marker", (PyCFunction)Ring_full_marker, METH_NOARGS, "room marker taken under the lock when full"},
+    {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},
+    {NULL}};
+
+static PyGetSetDef Ring_getset[] = {{"max_payload", (getter)Ring_get_max_payload, NULL, NULL, NULL}, {NULL}};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq._core.Ring",
+    .tp_basicsize = sizeof(Ring),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_getset = Ring_getset,
+    .tp_doc = "The hot path of one spool mapping (internal: use shmq.Spool).",
+};
+
+/* ---- Cursor: a reader's position, read and committed in C ---- */
+
+enum { K_ANON = 0, K_NAMED = 1, K_GROUP = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    Ring *ring;
+    uint64_t seq, pos, lost;
+    int64_t slot;
+    int kind, autocommit, verify;
+    sem_t *gsem;
+    uint64_t n, bytes, dsum, dmax, lag_peak, lost_pending;
+    PyObject *closed_msg;
+    PyObject *last; /* the frame get_obj() could not decode (UNDECODED) */
+} Cursor;
+
+static uint64_t *cur_slot(Cursor *c) { return c->ring->slots + c->slot * SLOT_WORDS; }
+
+static void count_read_rate(Ring *r, uint64_t n, uint64_t now) {
+    /* Unlocked read-modify-write: concurrent readers may lose an update
+     * (documented as approximate); the per-reader counters are exact. */
+    uint64_t sec = now / 1000000000ull;
+    int b = W_RATE + (int)(sec % RATE_SECONDS) * RATE_WORDS;
+    if (ld_rlx(&r->ctl[b]) != sec) {
+        st_rlx(&r->ctl[b], sec);
+        st_rlx(&r->ctl[b + 1], 0);
+        st_rlx(&r->ctl[b + 2], 0);
+    }
+    st_rlx(&r->ctl[b + 2], ld_rlx(&r->ctl[b + 2]) + n);
+}
+
+/* Publish accumulated counters to the slot (named: exclusive; group: lock held). */
+static void flush_locked(Cursor *c) {
+    if (c->slot < 0 || !(c->n || c->lost_pending)) return;
+    uint64_t *s = cur_slot(c), now = now_ns();
+    st_rlx(&s[S_GETS], ld_rlx(&s[S_GETS]) + c->n);
+    st_rlx(&s[S_GET_BYTES], ld_rlx(&s[S_GET_BYTES]) + c->bytes);
+    st_rlx(&s[S_DELAY_SUM_NS], ld_rlx(&s[S_DELAY_SUM_NS]) + c->dsum);
+    if (c->dmax > ld_rlx(&s[S_DELAY_MAX_NS])) st_rlx(&s[S_DELAY_MAX_NS], c->dmax);
+    if (c->kind == K_NAMED) st_rlx(&s[S_LOST], ld_rlx(&s[S_LOST]) + c->lost_pending);
+    if (c->n) {
+        st_rlx(&s[S_LAST_GET_NS], now);
+        if (c->lag_peak > ld_rlx(&s[S_LAG_HIGH])) st_rlx(&s[S_LAG_HIGH], c->lag_peak);
+    }
+    uint64_t nxt = ld_rlx(&c->ring->ctl[W_NEXT_SEQ]);
+    uint64_t cur = c->kind == K_GROUP ? ld_rlx(&s[S_SEQ]) : c->seq;
+    uint64_t lag = nxt > cur ? nxt - cur : 0;
+    if (lag < ld_rlx(&s[S_LAG_LOW])) st_rlx(&s[S_LAG_LOW], lag);
+    count_read_rate(c->ring, c->n, now);
+    c->n = c->bytes = c->dsum = c->dmax = c->lost_pending = 0;
+}
+
+static void account(Cursor *c, const FrameHeader *h, uint64_t now) {
+    uint64_t seq = h->seq, ts = h->ts;
+    if (!c->n) {
+        uint64_t nxt = ld_rlx(&c->ring->ctl[W_NEXT_SEQ]);
+        c->lag_peak = nxt > seq ? nxt - seq : 0;
+    }
+    c->n++;
+    c->bytes += h->length;
+    if (now > ts) { /* clocks can step backwards; never count a negative delay */
+        uint64_t dl = now - ts;
+        c->dsum += dl;
+        if (dl > c->dmax) c->dmax = dl;
+    }
+}
+
+static int cursor_check(Cursor *c) {
+    if (c->closed_msg) {
+        PyErr_SetObject(PyExc_ValueError, c->closed_msg);
+        return -1;
+    }
+    return ring_check_open(c->ring);
+}
+
+static void named_commit(Cursor *c) {
+    uint64_t *s = cur_slot(c);
+    st_rel(&s[S_POS], c->pos); /* position first: see resync */
+    st_rel(&s[S_SEQ], c->seq);
+}
+
+/* Read up to max frames from a private cursor (anonymous / named). */
+static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
+    Ring *r = c->ring;
+    PyObject *out = as_list ? PyList_New(0) : NULL;
+    if (as_list && !out) return NULL;
+    PyObject *single = NULL;
+    uint64_t lost = 0, now = 0;
+    Py_ssize_t got = 0;
+    while (got < max) {
+        FrameHeader h;
+        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h);
+        if (!f) {
+            Py_XDECREF(out);
+            return NULL;
+        }
+        if (f == RD_NONE) break;
+        if (c->kind == K_NAMED) {
+            if (!now) now = now_ns();
+            account(c, &h, now);
+        }
+        got++;
+        if (as_list) {
+            int rc = PyList_Append(out, f);
+            Py_DECREF(f);
+            if (rc < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        } else {
+            single = f;
+        }
+    }
+    if (lost) {
+        c->lost += lost;
+        c->lost_pending += lost;
+    }
+    if (c->kind == K_NAMED && (got || lost)) {
+        if (c->autocommit) named_commit(c);
+        if (c->n >= STATS_FLUSH_FRAMES || (lost && !got)) flush_locked(c);
+        if (c->autocommit && r->policy != 0) ring_bell(r, r->fsem);
+    }
+    if (as_list) return out;
+    if (single) return single;
+    Py_RETURN_NONE;
+}
+
+/* Take up to max frames from the group's shared cursor under its lock. */
+static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait) {
+    Ring *r = c->ring;
+    int lk = sem_lock(c->gsem, lock_wait);
+    if (lk < 0) return NULL;
+    if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
+    uint64_t *s = cur_slot(c);
+    st_rlx(&s[S_LOCK_HOLDER], r->holder);
+    uint64_t seq = ld_rlx(&s[S_SEQ]), pos = ld_rlx(&s[S_POS]), lost = 0, now = 0;
+    PyObject *out = as_list ? PyList_New(0) : NULL, *single = NULL;
+    Py_ssize_t got = 0;
+    PyObject *err = NULL;
+    if (as_list && !out) goto unlock;
+    while (got < max) {
+        FrameHeader h;
+        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h);
+        if (!f) {
+            Py_CLEAR(out);
+            err = (PyObject *)1;
+            break;
+        }
+        if (f == RD_NONE) break;
+        if (!now) now = now_ns();
+        account(c, &h, now);
+        got++;
+        if (as_list) {
+            int rc = PyList_Append(out, f);
+            Py_DECREF(f);
+            if (rc < 0) {
+                Py_CLEAR(out);
+                err = (PyObject *)1;
+                break;
+            }
+        } else {
+            single = f;
+        }
+    }
+    if (!err && (got || lost)) {
+        st_rel(&s[S_POS], pos); /* position first: see resync */
+        st_rel(&s[S_SEQ], seq);
+        if (lost) st_rlx(&s[S_LOST], ld_rlx(&s[S_LOST]) + lost);
+        if (c->n >= STATS_FLUSH_FRAMES) flush_locked(c);
+    }
+unlock:
+    st_rlx(&s[S_LOCK_HOLDER], 0);
+    sem_post(c->gsem);
+    if (err || (as_list && !out)) return NULL;
+    if (got && r->policy != 0) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
+    if (as_list) return out;
+    if (single) return single;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
+    /* get(lock_wait=None) -> Frame, None (nothing now) or ST_LOCK_STUCK (groups) */
+    if (cursor_check(c) < 0) return NULL;
+    if (c->kind == K_GROUP) {
+        double wait = c->ring->lock_wait;
+        if (nargs > 0 && args[0] != Py_None && (wait = PyFloat_AsDouble(args[0])) == -1 && PyErr_Occurred()) return NULL;
+        return group_take(c, 1, 0, wait);
+    }
+    return private_take(c, 1, 0);
+}
+
+static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
+    /* The shmq.Queue get path in one call: take one frame (group lock held
+     * for the copy only), then decode raw and pickle frames after releasing
+     * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
+     * lock was not free in time) or UNDECODED (another codec: see .last). */
+    if (cursor_check(c) < 0) return NULL;
+    PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    if (!f) return NULL;
+    if (f == Py_None) {
+        Py_DECREF(f);
+        return Py_NewRef(EMPTY);
+    }
+    if (PyLong_Check(f)) {
+        Py_DECREF(f);
+        return Py_NewRef(STUCK);
+    }
+    long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
+    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
+    if (codec == 0) { /* raw bytes travel as they are */
+        PyObject *out = Py_NewRef(data);
+        Py_DECREF(f);
+        return out;
+    }
+    if (codec == 1 && pickle_loads) { /* unpickled after the lock was released */
+        PyObject *out = PyObject_CallOneArg(pickle_loads, data);
+        Py_DECREF(f);
+        return out;
+    }
+    Py_XSETREF(c->last, f);
+    return Py_NewRef(UNDECODED);
+}
+
+static PyObject *Cursor_get_last(Cursor *c, void *x) {
+    PyObject *f = c->last ? c->last : Py_None;
+    Py_INCREF(f);
+    Py_CLEAR(c->last);
+    return f;
+}
+
+static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
+    /* get_many(max, lock_wait=None) -> list (maybe empty) or ST_LOCK_STUCK */
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "get_many(max, lock_wait=None)");
+        return NULL;
+    }
+    Py_ssize_t max = PyLong_AsSsize_t(args[0]);
+    if (max == -1 && PyErr_Occurred()) return NULL;
+    if (cursor_check(c) < 0) return NULL;
+    if (c->kind == K_GROUP) {
+        double wait = c->ring->lock_wait;
+        if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
+        return group_take(c, max, 1, wait);
+    }
+    return private_take(c, max, 1);
+}
+
+static PyObject *Cursor_commit(Cursor *c, PyObject *unused) {
+    if (cursor_check(c) < 0) return NULL;
+    if (c->kind == K_NAMED) {
+        named_commit(c);
+        flush_locked(c);
+        if (c->ring->policy != 0) ring_bell(c->ring, c->ring->fsem);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cursor_flush(Cursor *c, PyObject *args) {
+    /* flush(lock_wait) -> True if flushed (groups take their lock; False: lock stuck) */
+    double wait = c->ring->lock_wait;
+    if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
+    if (c->closed_msg || !c->ring->have_buf || c->slot < 0) Py_RETURN_TRUE;
+    if (c->kind == K_GROUP) {
+        if (!c->n) Py_RETURN_TRUE;
+        int lk = sem_lock(c->gsem, wait);
+        if (lk < 0) return NULL;
+        if (lk > 0) Py_RETURN_FALSE;
+        flush_locked(c);
+        sem_post(c->gsem);
+    } else {
+        flush_locked(c);
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Cursor_available(Cursor *c, PyObject *unused) {
+    if (c->closed_msg || !c->ring->have_buf) Py_RETURN_TRUE; /* let the caller raise */
+    uint64_t seq = c->kind == K_GROUP ? ld_acq(&cur_slot(c)[S_SEQ]) : c->seq;
+    return PyBool_FromLong(seq < ld_acq(&c->ring->ctl[W_NEXT_SEQ]));
+}
+
+static PyObject *Cursor_close(Cursor *c, PyObject *args) {
+    PyObject *msg = NULL;
+    if (!PyArg_ParseTuple(args, "|U", &msg)) return NULL;
+    if (!c->closed_msg) {
+        c->closed_msg = msg ? Py_NewRef(msg) : PyUnicode_FromString("reader is closed");
+        if (c->gsem) {
+            sem_close(c->gsem);
+            c->gsem = NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cursor_add_lost(Cursor *c, PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    c->lost += n;
+    c->lost_pending += n; /* published to the slot by the next flush */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Cursor_reset_stats(Cursor *c, PyObject *unused) {
+    c->n = c->bytes = c->dsum = c->dmax = c->lost_pending = 0;
+    Py_RETURN_NONE;
+}
+
+static int Cursor_init(Cursor *c, PyObject *args, PyObject *kw) {
+    /* Cursor(ring, kind, slot, seq, pos, autocommit, verify, group_sem_name or None) */
+    PyObject *ring;
+    int kind, autocommit, verify;
+    long long slot;
+    unsigned long long seq, pos;
+    PyObject *gname;
+    if (!PyArg_ParseTuple(args, "O!iLKKppO", &RingType, &ring, &kind, &slot, &seq, &pos, &autocommit, &verify, &gname))
+        return -1;
+    Ring *r = (Ring *)ring;
+    if (kind < 0 || kind > 2 || (kind != K_ANON && (slot < 0 || (uint64_t)slot >= r->slot_count))) {
+        PyErr_SetString(PyExc_ValueError, "bad cursor kind or slot");
+        return -1;
+    }
+    Py_XSETREF(c->ring, (Ring *)Py_NewRef(ring));
+    c->kind = kind;
+    c->slot = kind == K_ANON ? -1 : slot;
+    c->seq = seq;
+    c->pos = pos;
+    c->autocommit = autocommit;
+    c->verify = verify;
+    if (kind == K_GROUP) {
+        if (!PyUnicode_Check(gname)) {
+            PyErr_SetString(PyExc_TypeError, "a group cursor needs its semaphore name");
+            return -1;
+        }
+        if (!(c->gsem = open_sem(PyUnicode_AsUTF8(gname)))) return -1;
+    }
+    return 0;
+}
+
+static void Cursor_dealloc(Cursor *c) {
+    if (c->gsem) sem_close(c->gsem);
+    Py_XDECREF(c->ring);
+    Py_XDECREF(c->closed_msg);
+    Py_XDECREF(c->last);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+#define U64_GETSET(field)                                                                         \
+    static PyObject *Cursor_get_##field(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->field); } \
+    static int Cursor_set_##field(Cursor *c, PyObject *v, void *x) {                              \
+        unsigned long long n = PyLong_AsUnsignedLongLong(v);                                      \
+        if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;                           \
+        c->field = n;                                                                             \
+        return 0;                                                                                 \
+    }
+U64_GETSET(seq)
+U64_GETSET(pos)
+U64_GETSET(lost)
+
+static PyObject *Cursor_get_pending(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->n); }
+
+static PyGetSetDef Cursor_getset[] = {
+    {"seq", (getter)Cursor_get_seq, (setter)Cursor_set_seq, "next seq (private cursors)", NULL},
+    {"pos", (getter)Cursor_get_pos, (setter)Cursor_set_pos, "byte position of the next frame", NULL},
+    {"lost", (getter)Cursor_get_lost, (setter)Cursor_set_lost, "frames skipped by this cursor", NULL},
+    {"pending", (getter)Cursor_get_pending, NULL, "frames counted but not yet flushed to the slot", NULL},
+    {"last", (getter)Cursor_get_last, NULL, "the frame get_obj() returned UNDECODED for (read once)", NULL},
+    {NULL}};
+
+static PyMethodDef Cursor_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Cursor_get, METH_FASTCALL, "get(lock_wait=None) -> Frame | None | status"},
+    {"get_many", (PyCFunction)(void (*)(void))Cursor_get_many, METH_FASTCALL,
+     "get_many(max, lock_wait=None) -> list | status"},
+    {"get_obj", (PyCFunction)Cursor_get_obj, METH_NOARGS, "get_obj() -> object | EMPTY | STUCK | UNDECODED"},
+    {"commit", (PyCFunction)Cursor_commit, METH_NOARGS, "store the position in the slot (named readers)"},
+    {"flush", (PyCFunction)Cursor_flush, METH_VARARGS, "publish counters to the slot"},
+    {"available", (PyCFunction)Cursor_available, METH_NOARGS, "True if a frame is committed past the cursor"},
+    {"close", (PyCFunction)Cursor_close, METH_VARARGS, "close(message): later calls raise ValueError(message)"},
+    {"reset_stats", (PyCFunction)Cursor_reset_stats, METH_NOARGS, "drop unflushed counters (fork child)"},
+    {"add_lost", (PyCFunction)Cursor_add_lost, METH_O, "count frames skipped outside the core"},
+    {NULL}};
+
+static PyTypeObject CursorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq._core.Cursor",
+    .tp_basicsize = sizeof(Cursor),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Cursor_init,
+    .tp_dealloc = (destructor)Cursor_dealloc,
+    .tp_methods = Cursor_methods,
+    .tp_getset = Cursor_getset,
+    .tp_doc = "A reader's cursor over a Ring (internal: use Spool.reader).",
+};
+
+/* ---- Lock: a named semaphore + holder word, whose `with` is signal-safe ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer words;
+    int have_words;
+    uint64_t *holder_word;
+    uint64_t holder;
+    sem_t *sem;
+    double wait;
+    PyObject *on_stuck;
+    unsigned long owner; /* thread that holds it through this object, 0: none */
+} Lock;
+
+static int lock_open(Lock *l) {
+    if (!l->have_words || !l->sem) {
+        PyErr_SetString(PyExc_ValueError, "lock is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 acquired, 1 not within wait, -1 exception */
+static int lock_take(Lock *l, double wait) {
+    int rc = sem_lock(l->sem, wait);
+    if (rc == 0) {
+        st_rlx(l->holder_word, l->holder);
+        l->owner = PyThread_get_thread_ident();
+    }
+    return rc;
+}
+
+static void lock_give(Lock *l) {
+    l->owner = 0;
+    st_rlx(l->holder_word, 0);
+    sem_post(l->sem);
+}
+
+static PyObject *Lock_try_acquire(Lock *l, PyObject *args) {
+    double wait = l->wait;
+    if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
+    if (lock_open(l) < 0) return NULL;
+    int rc = lock_take(l, wait);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+static PyObject *Lock_release(Lock *l, PyObject *unused) {
+    if (lock_open(l) < 0) return NULL;
+    lock_give(l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
+    if (l->have_words && l->sem && l->owner == PyThread_get_thread_ident()) lock_give(l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Lock_enter(Lock *l, PyObject *unused) {
+    /* Waits as long as it takes; every `wait` seconds without the lock,
+     * on_stuck() (Python) may break a dead holder's lock or raise. */
+    for (;;) {
+        if (lock_open(l) < 0) return NULL;
+        int rc = lock_take(l, l->wait);
+        if (rc < 0) return NULL;
+        if (rc == 0) return Py_NewRef((PyObject *)l);
+        if (l->on_stuck && l->on_stuck != Py_None) {
+            PyObject *res = PyUnicode_Check(l->on_stuck) ? PyObject_CallMethodObjArgs((PyObject *)l, l->on_stuck, NULL)
+                                                         : PyObject_CallNoArgs(l->on_stuck);
+            if (!res) return NULL;
+            Py_DECREF(res);
+        }
+    }
+}
+
+static PyObject *Lock_exit(Lock *l, PyObject *args) {
+    if (l->have_words && l->sem) lock_give(l);
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Lock_set_holder(Lock *l, PyObject *arg) {
+    unsigned long long h = PyLong_AsUnsignedLongLong(arg);
+    if (h == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    l->holder = h;
+    l->owner = 0;
+    Py_RETURN_NONE;
+}
+
+static void lock_release_res(Lock *l) {
+    if (l->have_words) {
+        PyBuffer_Release(&l->words);
+        l->have_words = 0;
+    }
+    if (l->sem) {
+        sem_close(l->sem);
+        l->sem = NULL;
+    }
+}
+
+static PyObject *Lock_close(Lock *l, PyObject *unused) {
+    lock_release_res(l);
+    Py_RETURN_NONE;
+}
+
+static int Lock_init(Lock *l, PyObject *args, PyObject *kw) {
+    /* Lock(sem_name, words, index, holder, wait, on_stuck) -- words: a writable u64 buffer */
+    const char *name;
+    PyObject *words, *on_stuck;
+    Py_ssize_t index;
+    unsigned long long holder;
+    double wait;
+    if (!PyArg_ParseTuple(args, "sOnKdO", &name, &words, &index, &holder, &wait, &on_stuck)) return -1;
+    lock_release_res(l);
+    if (PyObject_GetBuffer(words, &l->words, PyBUF_WRITABLE) < 0) return -1;
+    l->have_words = 1;
+    if (index < 0 || (index + 1) * 8 > l->words.len || ((uintptr_t)l->words.buf % 8)) {
+        lock_release_res(l);
+        PyErr_SetString(PyExc_ValueError, "holder word out of range");
+        return -1;
+    }
+    l->holder_word = (uint64_t *)l->words.buf + index;
+    l->holder = holder;
+    l->wait = wait;
+    l->owner = 0;
+    Py_XSETREF(l->on_stuck, Py_NewRef(on_stuck));
+    if (!(l->sem = open_sem(name))) {
+        lock_release_res(l);
+        return -1;
+    }
+    return 0;
+}
+
+static int Lock_traverse(Lock *l, visitproc visit, void *arg) {
+    Py_VISIT(l->on_stuck);
+    return 0;
+}
+
+static int Lock_clear(Lock *l) {
+    Py_CLEAR(l->on_stuck);
+    return 0;
+}
+
+static void Lock_dealloc(Lock *l) {
+    PyObject_GC_UnTrack(l);
+    lock_release_res(l);
+    Lock_clear(l);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static PyObject *Lock_get_held(Lock *l, void *x) { return PyBool_FromLong(l->owner == PyThread_get_thread_ident()); }
+
+static PyGetSetDef Lock_getset[] = {{"held", (getter)Lock_get_held, NULL, "held by this thread", NULL}, {NULL}};
+
+static PyMethodDef Lock_methods[] = {
+    {"try_acquire", (PyCFunction)Lock_try_acquire, METH_VARARGS, "try_acquire(wait) -> True if now held"},
+    {"release", (PyCFunction)Lock_release, METH_NOARGS, "clear the holder word and post, in one call"},
+    {"release_if_held", (PyCFunction)Lock_release_if_held, METH_NOARGS, "release if this thread holds it"},
+    {"set_holder", (PyCFunction)Lock_set_holder, METH_O, "the holder word recorded on acquire (after fork)"},
+    {"close", (PyCFunction)Lock_close, METH_NOARGS, "release the buffer and the semaphore"},
+    {"__enter__", (PyCFunction)Lock_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Lock_exit, METH_VARARGS, NULL},
+    {NULL}};
+
+static PyTypeObject LockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmq._core.Lock",
+    .tp_basicsize = sizeof(Lock),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lock_init,
+    .tp_dealloc = (destructor)Lock_dealloc,
+    .tp_traverse = (traverseproc)Lock_traverse,
+    .tp_clear = (inquiry)Lock_clear,
+    .tp_methods = Lock_methods,
+    .tp_getset = Lock_getset,
+    .tp_doc = "A cross-process lock on a named semaphore recording its holder in a shared word.\n"
+              "Acquire and release are single C calls, so `with lock:` cannot be interrupted by a\n"
+              "Python signal handler between taking the lock and entering the block.",
+};
+
+/* ---- module ---- */
+
+static PyObject *core_setup(PyObject *m, PyObject *args) {
+    PyObject *fmt_err, *loads;
+    if (!PyArg_ParseTuple(args, "OO", &fmt_err, &loads)) return NULL;
+    Py_XSETREF(SpoolFormatError, Py_NewRef(fmt_err));
+    Py_XSETREF(pickle_loads, Py_NewRef(loads));
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_set_crash_hook(PyObject *m, PyObject *hook) {
+    Py_XSETREF(crash_hook, hook == Py_None ? NULL : Py_NewRef(hook));
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_crc32(PyObject *m, PyObject *args) {
+    Py_buffer b;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &crc)) return NULL;
+    uint32_t v = crc_update(crc, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(v);
+}
+
+static PyObject *frame_repr(PyObject *f) {
+    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
+    PyObject *r = PyObject_Repr(data);
+    if (!r) return NULL;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(r);
+    if (n > 60) Py_SETREF(r, PyUnicode_Substring(r, 0, 60));
+    if (!r) return NULL;
+    PyObject *out = PyUnicode_FromFormat("Frame(seq=%S, timestamp_ns=%S, data=%U)", PyStructSequence_GET_ITEM(f, 0),
+                                         PyStructSequence_GET_ITEM(f, 1), r);
+    Py_DECREF(r);
+    return out;
+}
+
+static PyMethodDef core_methods[] = {
+    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads)"},
+    {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
+    {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
+    {NULL}};
+
+static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "shmq._core",
+                                         "The ring's hot path in C (internal; see docs/format.md).", -1,
+                                         core_methods};
+
+static PyStructSequence_Field frame_fields[] = {
+    {"seq", "Sequence number (strictly increasing)."},
+    {"timestamp_ns", "Wall-clock ns when it was put."},
+    {"data", "The payload (bytes; a bytearray for numpy and out-of-band pickle frames)."},
+    {"codec", "The codec tag of the payload (shmq._format.CODEC_*)."},
+    {NULL}};
+
+static PyStructSequence_Desc frame_desc = {
+    "shmq.Frame",
+    "One message: (seq, timestamp_ns, data), a tuple with named fields; .codec names the payload's encoding.",
+    frame_fields, 3};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    crc_init();
+    if (PyType_Ready(&RingType) < 0 || PyType_Ready(&CursorType) < 0 || PyType_Ready(&ReservationType) < 0 ||
+        PyType_Ready(&LockType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&core_module);
+    if (!m) return NULL;
+    FrameType = PyStructSequence_NewType(&frame_desc);
+    if (!FrameType) return NULL;
+    FrameType->tp_repr = frame_repr;
+    PyType_Modified(FrameType);
+    PyModule_AddObjectRef(m, "Frame", (PyObject *)FrameType);
+    PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType);
+    PyModule_AddObjectRef(m, "Cursor", (PyObject *)&CursorType);
+    PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType);
+    PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
+    PyObject *layout = Py_BuildValue(
+        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
+        "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,
+        "W_NEXT_POS", W_NEXT_POS, "W_FIRST_SEQ", W_FIRST_SEQ, "W_FIRST_POS", W_FIRST_POS, "W_LOCK_HOLDER",
+        W_LOCK_HOLDER, "W_PUT_BYTES", W_PUT_BYTES, "W_LAST_PUT_NS", W_LAST_PUT_NS, "W_EVICTED", W_EVICTED,
+        "W_HIGH_FRAMES", W_HIGH_FRAMES, "W_HIGH_BYTES", W_HIGH_BYTES, "W_SLOT_HWM", W_SLOT_HWM, "W_RATE", W_RATE,
+        "RATE_SECONDS", RATE_SECONDS, "RATE_WORDS", RATE_WORDS, "DOORBELL_BYTE", DOORBELL_BYTE, "SLOT_BYTES",
+        SLOT_BYTES, "SLOT_WORDS", SLOT_WORDS, "S_STATE", S_STATE, "S_SEQ", S_SEQ, "S_POS", S_POS, "S_LOST", S_LOST,
+        "S_GETS", S_GETS, "S_GET_BYTES", S_GET_BYTES, "S_LAST_GET_NS", S_LAST_GET_NS, "S_DELAY_SUM_NS",
+        S_DELAY_SUM_NS, "S_DELAY_MAX_NS", S_DELAY_MAX_NS, "S_LAG_HIGH", S_LAG_HIGH, "S_LAG_LOW", S_LAG_LOW,
+        "S_LOCK_HOLDER", S_LOCK_HOLDER);
+    if (!layout) return NULL;
+    PyModule_AddObject(m, "LAYOUT", layout);
+    EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    STUCK = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    UNDECODED = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (!EMPTY || !STUCK || !UNDECODED) return NULL;
+    PyModule_AddObjectRef(m, "EMPTY", EMPTY);
+    PyModule_AddObjectRef(m, "STUCK", STUCK);
+    PyModule_AddObjectRef(m, "UNDECODED", UNDECODED);
+    PyModule_AddIntConstant(m, "LOCK_STUCK", ST_LOCK_STUCK);
+    PyModule_AddIntConstant(m, "NO_ROOM", ST_NO_ROOM);
+    PyModule_AddIntConstant(m, "SLOW", ST_SLOW);
+    PyModule_AddIntConstant(m, "TOO_LARGE", ST_TOO_LARGE);
+    return m;
+}

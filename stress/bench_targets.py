@@ -1,0 +1,155 @@
+"""The targets stress/bench.py checks, computed from one run's own figures.
+
+Issue 14 (the ring core in C) first, then the earlier targets still tracked
+(issue 4).  Each row: ``{"issue", "target", "value", "goal", "met", "shown"}``
+with ``met`` True, False, or None when the run could not measure it (a peer
+not installed, an API not there yet); ``shown`` says what was measured or why not.
+"""
+
+from __future__ import annotations
+
+#: 1 MiB frames through Spool.put/get before the C core (issue 14): the fallback
+#: baseline of the reservation target when iceoryx2 cannot run here.
+TODAY_1MIB_GBPS = 6.7
+SHMQ_PREFIXES = ("spool", "shmq.")
+
+
+def measured(r):
+    return bool(r) and "items_per_s" in r
+
+
+def status(row, name):
+    r = row.get(name)
+    if r is None:
+        return "not in this run"
+    return r.get("status", "measured")
+
+
+def rate(results, scen, name):
+    r = results.get(scen, {}).get(name)
+    return r["items_per_s"] if measured(r) else None
+
+
+def ratio(results, scen, a, b):
+    x, y = rate(results, scen, a), rate(results, scen, b)
+    return x / y if x and y else None
+
+
+def why_not(results, scen, *names):
+    """Why a ratio between ``names`` in ``scen`` is missing (the first unmeasured one)."""
+    row = results.get(scen)
+    if row is None:
+        return f"{scen!r} not run"
+    for n in names:
+        if not measured(row.get(n)):
+            return f"{n}: {status(row, n)}"
+    return "n/a"
+
+
+def worst_against(results, peer_prefix):
+    """Across every row where a contender named ``peer_prefix*`` ran: the lowest
+    ratio of the row's best shmq contender to the row's best such peer."""
+    worst = None
+    for scen, row in results.items():
+        peers = [r["items_per_s"] for c, r in row.items() if c.startswith(peer_prefix) and measured(r)]
+        ours = [r["items_per_s"] for c, r in row.items() if c.startswith(SHMQ_PREFIXES) and measured(r)
+                and ("wrapped" in c or "wrapped" not in scen)]  # a wrapped row races the wrapped spool
+        if peers and ours:
+            v = max(ours) / max(peers)
+            if worst is None or v < worst[0]:
+                worst = (v, scen)
+    return worst
+
+
+def targets(results, lat, sys_, misc):
+    rows = []
+
+    def add(issue, label, value, goal, fmt="{:.2f}x", why="not measured", at_most=False, extra=""):
+        met = None if value is None else (value <= goal if at_most else value >= goal)
+        shown = why if value is None else fmt.format(value) + extra
+        rows.append({"issue": issue, "target": label, "value": value, "goal": goal, "met": met, "shown": shown})
+
+    def add_ratio(label, scen, a, b, goal):
+        add(14, label, ratio(results, scen, a, b), goal, why=why_not(results, scen, a, b))
+
+    add_ratio("Spool 100 B >= 10x mp.Queue", "1->1 100 B", "spool", "mp.Queue", 10)
+    add_ratio("Spool 100 B >= 2x the inline pure-Python ring", "1->1 100 B", "spool", "ring", 2)
+    add_ratio("Spool 100 B, ring wrapped (1 MiB, steady state) >= 8x mp.Queue",
+              "1->1 100 B wrapped 1 MiB", "spool-wrapped", "mp.Queue", 8)
+    cliff = [(ratio(results, s, "spool-wrapped", "spool"), s) for s in
+             ("1->1 100 B wrapped 1 MiB", "1->1 1 KiB wrapped 1 MiB")]
+    cliff = [c for c in cliff if c[0] is not None]
+    w = min(cliff) if cliff else None
+    add(14, "no wrap cliff: wrapped >= 90% of unwrapped Spool (100 B, 1 KiB)", w and w[0], 0.9, "{:.0%}",
+        why=why_not(results, "1->1 100 B wrapped 1 MiB", "spool-wrapped", "spool"),
+        extra=w and f" ({w[1]})" or "")
+    add_ratio("shmq.Queue small dict >= 5x mp.Queue", "1->1 small dict", "shmq.Queue", "mp.Queue", 5)
+    add_ratio("shmq.Queue dict batches of 100 >= 4x faster-fifo batches", "1->1 small dict batch 100",
+              "shmq.Queue-batch", "faster-fifo-batch", 4)
+    add_ratio("shmq.Queue bytes batches of 100 >= 7x mp.Queue", "1->1 100 B batch 100",
+              "shmq.Queue-batch", "mp.Queue", 7)
+    add_ratio("shmq.Queue 2->2 100 B >= 4x mp.Queue", "2->2 100 B", "shmq.Queue", "mp.Queue", 4)
+    for label, prefix in (("faster-fifo", "faster-fifo"), ("pyzmq PUSH/PULL ipc://", "pyzmq"),
+                          ("posix_ipc.MessageQueue", "posix-mq")):
+        w = worst_against(results, prefix)
+        add(14, f"ahead of {label} in every row it runs in", w and w[0], 1.0,
+            why=f"{prefix}: not measured (see its rows)", extra=w and f" (worst: {w[1]})" or "")
+    scen = "1->1 1 MiB reserve"
+    res_gb = results.get(scen, {}).get("spool-reserve", {}).get("gb_per_s")
+    iox = results.get(scen, {}).get("iceoryx2", {})
+    if measured(iox):
+        add(14, "1 MiB via Spool.reserve >= 50% of iceoryx2's loan GB/s",
+            res_gb and res_gb / iox["gb_per_s"], 0.5, "{:.0%}", why=why_not(results, scen, "spool-reserve"),
+            extra=res_gb and f" ({res_gb:.2f} vs {iox['gb_per_s']:.2f} GB/s)" or "")
+    else:
+        add(14, f"1 MiB via Spool.reserve >= 2x {TODAY_1MIB_GBPS} GB/s (iceoryx2: {status(results.get(scen, {}), 'iceoryx2')})",
+            res_gb and res_gb / TODAY_1MIB_GBPS, 2, why=why_not(results, scen, "spool-reserve"),
+            extra=res_gb and f" ({res_gb:.2f} GB/s)" or "")
+    scen = "8 threads x 2 processes small dict"
+    name = "shmq.Queue 8 threads"
+    r = results.get(scen, {}).get(name)
+    v = ratio(results, scen, name, "mp.Queue 8 threads")
+    failed = r is not None and r.get("status", "").startswith("failed")
+    rows.append({"issue": 14, "target": "8 threads x 2 processes share one shmq.Queue: no error, loss or duplicate",
+                 "value": v, "goal": None, "met": True if measured(r) else (False if failed else None),
+                 "shown": (f"ran: {v:.2f}x mp.Queue" if v else "ran") if measured(r) else status(results.get(scen, {}), name)})
+    if sys_:
+        add(14, "zero syscalls per uncontended put+get", sys_["per_put_get"], 0.01, "{:.4f}/op", at_most=True)
+    else:
+        add(14, "zero syscalls per uncontended put+get", None, 0.01, why="not measured (strace missing or --skip-extras)")
+    if lat:
+        v = lat["spool"]["p50_us"] / lat["pipe"]["p50_us"]
+        add(14, "wake-up p50 <= 1.5x a pipe's", v, 1.5, at_most=True,
+            extra=f" ({lat['spool']['p50_us']:.0f} vs {lat['pipe']['p50_us']:.0f} us)")
+    else:
+        add(14, "wake-up p50 <= 1.5x a pipe's", None, 1.5, why="not measured (--skip-extras)")
+
+    # earlier targets (issue 4), still tracked
+    def add4(label, value, goal, fmt="{:.2f}x"):
+        add(4, label, value, goal, fmt)
+
+    add4("1 MiB bytes >= 1.5x faster-fifo GB/s", ratio(results, "1->1 1 MiB", "spool", "faster-fifo"), 1.5)
+    add4("records 100 B x1000 >= 10 M records/s",
+         (rate(results, "records 100 B x1000", "spool-records") or 0) / 1e6 or None, 10, "{:.2f} M/s")
+    add4("records >= 40% of the inline numpy ring",
+         ratio(results, "records 100 B x1000", "spool-records", "numpy-ring"), 0.4, "{:.0%}")
+    add4("records >= 50x faster-fifo put_many/get_many",
+         ratio(results, "records 100 B x1000", "spool-records", "faster-fifo-batch"), 50)
+    add4("1 MiB numpy copy=False >= 3x faster-fifo",
+         ratio(results, "1->1 1 MiB numpy array", "spool-array-view", "faster-fifo"), 3)
+    add4("Arrow 64k x 10 >= 50% of memcpy bandwidth",
+         ratio(results, "arrow 64k rows x 10 cols", "spool-arrow-view", "memcpy"), 0.5, "{:.0%}")
+    if misc:
+        add(4, "idle blocked reader CPU < 1%", misc["idle_reader_cpu_pct"], 1, "{:.2f}%", at_most=True)
+        add(4, "reader RSS independent of capacity", misc["reader_rss_growth_mb_1gib_spool"], 16,
+            "+{:.1f} MB for a 1 GiB spool", at_most=True)
+    return rows
+
+
+def print_targets(rows, out):
+    for issue, title in ((14, "targets of issue 14 (the ring core in C)"), (4, "earlier targets (issue 4)")):
+        print(f"\n{title}", file=out)
+        for r in rows:
+            if r["issue"] == issue:
+                mark = {True: "met", False: "NOT MET", None: "not measured"}[r["met"]]
+                print(f"  [{mark:>12}] {r['target']}: {r['shown']}", file=out)
