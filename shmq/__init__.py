@@ -6,7 +6,7 @@ See docs/guide.md.  This module only re-exports the public names.
 from ._format import FORMAT_VERSION
 from .errors import (
     Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout,
-    TooLarge,
+    TooLarge, UntrustedSpool,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
 from .reader import GroupReader, NamedReader, Reader
@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Spool", "Frame", "Reservation", "Queue", "JoinableQueue", "SimpleQueue", "Reader", "NamedReader", "GroupReader", "SpoolStats", "ReaderStats",
-    "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "NotASpool", "TooLarge",
+    "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
+    "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "FORMAT_VERSION",
 ]

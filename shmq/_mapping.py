@@ -2,9 +2,16 @@
 
 A spool is created under a temporary name, fully initialized, then
 ``link()``-ed into place: the path either does not exist or names a complete
-spool, even if the creator is killed midway.  Files are opened with
-``O_NOFOLLOW`` and created with an explicit ``fchmod`` (the mode is not
-subject to the umask, so ``mode=0o660`` means 0660).
+spool, even if the creator is killed midway.  Files are created with an
+explicit ``fchmod`` (the mode is not subject to the umask, so ``mode=0o660``
+means 0660).
+
+Other users of the host are not trusted (docs/security.md): every existing
+spool or side file is opened through :func:`open_file`, which never follows a
+symbolic link, never blocks (a FIFO planted at the path cannot wedge us) and
+refuses anything that is not a regular file; bare names live in a private
+per-user directory (:func:`default_dir`); and a named semaphore another user
+created under one of our names is refused (:func:`open_semaphore`).
 """
 
 from __future__ import annotations
@@ -22,19 +29,127 @@ import posix_ipc
 from . import _format as F
 from .errors import NotASpool, ShmqError, SpoolFormatError
 
-DEFAULT_DIR = "/dev/shm/shmq"
+#: The shared directory of shmq before 0.2 (mode 1777, like /tmp).  Bare names no
+#: longer resolve there; explicit paths into it keep working (docs/security.md).
+SHARED_DIR = "/dev/shm/shmq"
+#: Where glibc keeps named semaphores: ``sem_open("/NAME")`` is the file ``sem.NAME``.
+SEM_DIR = "/dev/shm"
 
 SEM_WRITER = "w"  # writer lock
 SEM_READ_WAITERS = "r"  # readers waiting for frames
 SEM_SPACE_WAITERS = "f"  # writers waiting for room (block policy)
 SEM_UNFINISHED = "u"  # JoinableQueue: items put and not yet task_done()
 
+# O_NONBLOCK: open() of a FIFO with no writer (or of some devices) would block
+# forever; with it, a FIFO opens at once and fstat() rejects it, a socket fails
+# with ENXIO.  On a regular file O_NONBLOCK changes nothing (open(2)).
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+def default_dir() -> str:
+    """The private directory bare names live in: ``/dev/shm/shmq-<euid>``.
+
+    Computed at each call from the effective uid (a process that changes
+    user gets that user's directory).
+    """
+    return f"/dev/shm/shmq-{os.geteuid()}"
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _not_a_spool(path: str, mode: int) -> NotASpool:
+    what = _kind(mode)
+    if what == "a symbolic link":
+        return NotASpool(f"{path}: is a symbolic link, not a shmq spool; refusing to follow it")
+    return NotASpool(f"{path}: is {what}, not a shmq spool (not a regular file); refusing to open it")
+
+
+def open_file(path: str, write: bool = True):
+    """Open an existing spool or side file; return ``(fd, os.stat_result of that fd)``.
+
+    The one way shmq opens a file that already exists: ``O_NOFOLLOW |
+    O_NONBLOCK | O_CLOEXEC``, and anything but a regular file (a symbolic
+    link, FIFO, socket, device or directory) is refused at once, before
+    and after the open, so whatever is planted at ``path`` neither blocks
+    us nor is followed.  The caller owns the returned descriptor.
+
+    :raises FileNotFoundError: nothing at ``path``.
+    :raises shmq.NotASpool: not a regular file.
+    :raises PermissionError: not readable (or writable, with ``write``).
+    """
+    try:
+        st = os.lstat(path)  # refuse devices before open() can have side effects
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no spool at this path "
+                                "(create it with shmq.Spool.create)", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_a_spool(path, st.st_mode)
+    try:
+        fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | _OPEN_FLAGS)
+    except OSError as exc:
+        # replaced between lstat and open: report what is there now
+        if exc.errno == errno.ELOOP:
+            raise _not_a_spool(path, stat.S_IFLNK) from None
+        if exc.errno in (errno.ENXIO, errno.EWOULDBLOCK, errno.EISDIR):
+            raise NotASpool(f"{path}: is not a regular file, not a shmq spool; refusing to open "
+                            "it") from None
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, "no spool at this path "
+                                    "(create it with shmq.Spool.create)", path) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_a_spool(path, st.st_mode)
+    return fd, st
+
+
+def check_private_dir(path: str, create: bool = False) -> None:
+    """Check (and with ``create`` make, mode 0700) a per-user directory.
+
+    It must be a real directory (not a symbolic link), owned by the
+    effective user, and not writable by group or others: otherwise another
+    user could plant, replace or squat the spools in it.
+
+    :raises shmq.ShmqError: it is unsafe (the message says why and what to do).
+    :raises FileNotFoundError: it does not exist and ``create`` is false.
+    """
+    if create:
+        try:
+            os.mkdir(path, 0o700)  # the umask can only narrow 0700
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        raise ShmqError(f"{path} {problem}: not a safe directory for your spools (another user "
+                        "may have planted it); remove it, or use a full path")
+
 
 def resolve_path(path) -> str:
-    """A bare name (no slash) lives under ``/dev/shm/shmq/``; paths are kept as given.
+    """A bare name (no slash) lives in the private :func:`default_dir`; paths are kept as given.
+
+    For a bare name, the directory is checked when it exists (see
+    :func:`check_private_dir`); :func:`create_file` creates it.
 
     :raises TypeError: not a str or os.PathLike.
     :raises ValueError: empty, NUL byte, or a bare name that is '.' or '..'.
+    :raises shmq.ShmqError: the private directory is unsafe.
     """
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
@@ -47,7 +162,12 @@ def resolve_path(path) -> str:
     if "/" not in path:
         if path in (".", ".."):
             raise ValueError(f"invalid spool name {path!r}")
-        return os.path.join(DEFAULT_DIR, path)
+        d = default_dir()
+        try:
+            check_private_dir(d)
+        except FileNotFoundError:
+            pass  # created by create_file; opening a name in it fails as "no spool"
+        return os.path.join(d, path)
     return os.path.abspath(path)
 
 
@@ -59,26 +179,89 @@ def group_sem_name(prefix: str, slot: int) -> str:
     return sem_name(prefix, f"g{slot}")
 
 
-def open_semaphore(name: str, initial: int, mode: int = 0o600):
+def open_semaphore(name: str, initial: int, mode: int = 0o600, *, owner: int | None = None,
+                   group: int | None = None):
     """Open (or create: a group's on first use, or after a reboot kept a disk
-    spool) a named semaphore, readable and writable by whoever may use the spool."""
+    spool) a named semaphore, readable and writable by whoever may use the spool.
+
+    ``owner`` and ``group`` are the uid and gid of the spool file (default:
+    us, no group); ``mode`` its permission bits.  An existing semaphore is
+    used only if its creator could write the spool anyway: us, the spool's
+    owner, root, a member of the spool's group if the spool is
+    group-writable, anyone if it is world-writable.  A semaphore another
+    user created under the name (a squatted name) is refused.
+
+    :raises shmq.ShmqError: the semaphore was squatted by another user.
+    """
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode=mode, initial_value=initial)
-    _chmod_semaphore(name, mode)
+    try:
+        _check_semaphore(name, os.geteuid() if owner is None else owner, mode, group)
+    except BaseException:
+        sem.close()  # not ours to unlink
+        raise
     return sem
 
 
-def _chmod_semaphore(name: str, mode: int) -> None:
-    # sem_open() applies the umask; glibc keeps named semaphores in /dev/shm.
+def semaphore_file(name: str) -> str:
+    """The file glibc keeps the named semaphore ``name`` in."""
+    return os.path.join(SEM_DIR, "sem." + name.lstrip("/"))
+
+
+def _in_group(uid: int, gid: int) -> bool:
+    import grp
+    import pwd
+
     try:
-        path = "/dev/shm/sem." + name.lstrip("/")
-        if os.stat(path).st_uid == os.geteuid():
-            os.chmod(path, mode)
-    except OSError:
-        pass
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    if pw.pw_gid == gid:
+        return True
+    try:
+        return pw.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
 
 
-#: Where glibc keeps named semaphores: "/shmq.P.w" is the file /dev/shm/sem.shmq.P.w.
-SEM_DIR = "/dev/shm"
+def _could_write(uid: int, owner: int, mode: int, group: int | None) -> bool:
+    """Could ``uid`` write a spool of this owner, mode and group?  (Root could.)"""
+    return (uid in (os.geteuid(), owner, 0) or bool(mode & 0o002)
+            or (bool(mode & 0o020) and group is not None and _in_group(uid, group)))
+
+
+def _check_semaphore(name: str, owner: int, mode: int, group: int | None = None) -> None:
+    # glibc's sem_open() creates /dev/shm/sem.NAME with the umask applied, and
+    # /dev/shm is shared by every user: fstat an O_NOFOLLOW open of that file
+    # to learn who created it, and chmod our own to the spool's mode.
+    path = semaphore_file(name)
+    try:
+        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.EACCES:  # unreadable to us, yet sem_open worked: not ours
+            raise ShmqError(f"semaphore {name} ({path}) cannot be checked (permission denied); "
+                            "another user may have squatted its name: refusing to use it") from None
+        return  # unlinked meanwhile (destroy): nothing to check
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if not stat.S_ISREG(st.st_mode):
+            problem = f"is {_kind(st.st_mode)}"
+        elif _could_write(st.st_uid, owner, mode, group):
+            problem = None
+        else:
+            problem = f"belongs to uid {st.st_uid}, who cannot write the spool (you are uid " \
+                      f"{me}, its owner uid {owner})"
+        if problem:
+            raise ShmqError(f"semaphore {name} ({path}) {problem}: another user may have squatted "
+                            "its name; refusing to use it (remove that file, or recreate the "
+                            "spool)")
+        if st.st_uid == me and stat.S_IMODE(st.st_mode) != mode:
+            try:
+                os.fchmod(fd, mode)  # sem_open() applied the umask
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 def sem_prefix_of(st: os.stat_result) -> str:
@@ -110,10 +293,16 @@ def semaphore_names(prefix: str, slot_count: int = 0) -> list[str]:
     return list(dict.fromkeys(names + present))
 
 
-def unlink_semaphores(prefix: str, slot_count: int) -> None:
-    """Unlink every semaphore of the spool with ``prefix`` (missing ones are fine).
-    Processes that have them open keep them until they close them."""
+def unlink_semaphores(prefix: str, slot_count: int, owners=None) -> None:
+    """Unlink a spool's semaphores (those owned by a uid in ``owners``, if given);
+    missing ones are fine.  Processes that have them open keep them until they close."""
     for name in semaphore_names(prefix, slot_count):
+        if owners is not None:
+            try:
+                if os.lstat(semaphore_file(name)).st_uid not in owners:
+                    continue
+            except OSError:
+                continue  # absent
         try:
             posix_ipc.unlink_semaphore(name)
         except posix_ipc.ExistentialError:
@@ -122,17 +311,21 @@ def unlink_semaphores(prefix: str, slot_count: int) -> None:
 
 def has_semaphores(prefix: str) -> bool:
     """True if any semaphore of the spool with ``prefix`` exists."""
-    return any(os.path.exists(os.path.join(SEM_DIR, "sem." + n.lstrip("/")))
-               for n in semaphore_names(prefix))
+    return any(os.path.exists(semaphore_file(n)) for n in semaphore_names(prefix))
 
 
-def _ensure_default_dir(path: str) -> None:
+def _ensure_dir(path: str) -> None:
     parent = os.path.dirname(path)
-    if parent != DEFAULT_DIR:
+    if parent == default_dir():
+        check_private_dir(parent, create=True)
         return
+    if parent != SHARED_DIR:
+        return
+    # The pre-0.2 shared directory, for explicit paths into it: shared by users
+    # like /tmp (sticky, umask-proof); docs/security.md says what that exposes.
     try:
         os.mkdir(parent, 0o1777)
-        os.chmod(parent, 0o1777)  # shared by users like /tmp: sticky, umask-proof
+        os.chmod(parent, 0o1777)
     except FileExistsError:
         pass
     st = os.lstat(parent)
@@ -177,7 +370,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
 
     :raises FileExistsError: something already exists at ``path``.
     """
-    _ensure_default_dir(path)
+    _ensure_dir(path)
     slot_offset, lease_offset, ring_offset, ring_bytes, file_bytes = F.ring_geometry(
         ring_bytes, slots, leases)
     parent = os.path.dirname(path)
@@ -186,10 +379,11 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(6)}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))
-    # Semaphores with this prefix can only be debris of a spool removed without
-    # Spool.destroy (plain rm) whose inode number this file now reuses: no live
-    # file has this inode, so they belong to nobody.
-    unlink_semaphores(prefix, 0)
+    # Our semaphores with this prefix can only be debris of a spool removed
+    # without Spool.destroy (plain rm) whose inode number this file now reuses:
+    # no live file has this inode.  Another user's are left alone (and make
+    # the exclusive creation below fail: a squatted name is never used).
+    unlink_semaphores(prefix, 0, {os.geteuid()})
     linked = False
     try:
         os.fchmod(fd, mode)
@@ -212,7 +406,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
         for which, initial in ((SEM_WRITER, 1), (SEM_READ_WAITERS, 0), (SEM_SPACE_WAITERS, 0)):
             posix_ipc.Semaphore(sem_name(prefix, which), posix_ipc.O_CREX, mode=sem_mode,
                                 initial_value=initial).close()
-            _chmod_semaphore(sem_name(prefix, which), sem_mode)
+            _check_semaphore(sem_name(prefix, which), os.geteuid(), sem_mode)  # applies the mode
         os.pwrite(fd, geometry, 0)  # control words are all zero: seq 0, empty ring
         try:
             os.link(tmp, path)  # atomic publish; never replaces an existing file
@@ -236,19 +430,8 @@ class Mapping:
 
     def __init__(self, path: str):
         self.path = path
+        fd, st = open_file(path, write=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
-            if exc.errno == errno.ENOENT:
-                raise FileNotFoundError(errno.ENOENT, "no spool at this path "
-                                        "(create it with shmq.Spool.create)", path) from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotASpool(f"{path}: not a regular file")
             head = os.pread(fd, F.GEOMETRY.size, 0)
             self.geo = F.unpack_geometry(head, st.st_size, path)
             self.mm = mmap.mmap(fd, self.geo["file_bytes"], mmap.MAP_SHARED,
@@ -257,6 +440,7 @@ class Mapping:
             os.close(fd)
             raise
         self.fd = fd
+        self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
         self.st_uid = st.st_uid
         self.st_mode = st.st_mode
         self._view = memoryview(self.mm)
@@ -288,30 +472,39 @@ class Mapping:
         self.mm = None
 
 
-def destroy_file(path: str) -> None:
-    """Remove the spool file at ``path`` and its semaphores, whatever state the file is in.
+def read_geometry(path: str) -> dict:
+    """Decode a spool's geometry without mapping it (for destroy and listings).
 
-    The semaphores are found from the file's inode (:func:`sem_prefix_of`)
-    and, when the header can still be decoded, from its ``sem_prefix`` too
-    (spools created before the prefix was derived, or copied files).  A
-    truncated or header-corrupt spool is removed; a file that is not a spool
-    (foreign magic, not a regular file, a symlink) is refused and left alone.
-    A file whose header is gone entirely (e.g. truncated to 0 bytes) counts
-    as a spool when semaphores derived from its inode exist.
+    :raises shmq.NotASpool: not a regular file (nothing is opened that would block).
+    :raises shmq.SpoolFormatError: a regular file, but not a spool.
+    """
+    fd, st = open_file(path, write=False)
+    try:
+        return F.unpack_geometry(os.pread(fd, F.GEOMETRY.size, 0), st.st_size, path)
+    finally:
+        os.close(fd)
+
+
+def destroy_file(path: str) -> None:
+    """Unlink the spool at ``path`` and its semaphores, whatever state the file is in;
+    never anything else.
+
+    The file is opened with :func:`open_file` (no following, no blocking).
+    Its semaphores are found from its inode (:func:`sem_prefix_of`) and, when
+    the header still decodes, from its ``sem_prefix`` too, so a truncated or
+    header-corrupt spool is removed with its semaphores; a file that is not a
+    spool (foreign magic, not a regular file) is refused and left alone, as
+    is a headerless file no semaphore of ours derives from.  ``path`` must
+    still name the same inode when it is unlinked.  The semaphores unlinked
+    are those of the file's owner (and, if the file is ours and others may
+    write it, those its other users created): a file another user planted,
+    naming one of our spools' prefixes, cannot make us unlink our own locks.
 
     :raises FileNotFoundError: nothing at ``path``.
-    :raises shmq.NotASpool: not a spool (it is not removed).
+    :raises shmq.NotASpool: not a spool (left alone).
     """
+    fd, st = open_file(path, write=False)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotASpool(f"{path}: not a spool (not a regular file); left alone")
         derived = sem_prefix_of(st)
         prefixes, slots = [derived], 0
         try:
@@ -324,16 +517,18 @@ def destroy_file(path: str) -> None:
         else:
             prefixes.append(geo["sem_prefix"])
             slots = geo["slot_count"]
-        # Re-check under the name we are about to unlink: it must still be this file.
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise FileNotFoundError(errno.ENOENT, "the spool was replaced while removing it",
-                                    path)
-        for prefix in dict.fromkeys(prefixes):
-            unlink_semaphores(prefix, slots)
-        os.unlink(path)
     finally:
         os.close(fd)
+    now = os.lstat(path)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise NotASpool(f"{path}: was replaced while being destroyed; left alone")
+    if st.st_uid == os.geteuid():
+        owners = None if st.st_mode & 0o022 else {st.st_uid}
+    else:
+        owners = {st.st_uid}
+    for prefix in dict.fromkeys(prefixes):
+        unlink_semaphores(prefix, slots, owners)
+    os.unlink(path)
 
 
 def open_by(path: str) -> list[int]:
@@ -376,10 +571,3 @@ def mark_from_network(path: str) -> None:
         os.close(fd)
 
 
-def read_geometry(path: str) -> dict:
-    """Decode a spool's geometry without mapping it (for destroy and listings)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return F.unpack_geometry(os.pread(fd, F.GEOMETRY.size, 0), os.fstat(fd).st_size, path)
-    finally:
-        os.close(fd)

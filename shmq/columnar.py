@@ -85,6 +85,8 @@ def decode_array(buf, writable=False):
             shape = tuple(int(x) for x in desc["shape"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ShmqError(f"numpy frame with a corrupt descriptor: {exc}") from None
+        if dtype.hasobject:  # object pointers from shared memory: never (docs/security.md)
+            raise ShmqError("numpy frame with an object dtype: refused (frames carry no pointers)")
         if len(_DESCS) > 256:
             _DESCS.clear()
         parsed = _DESCS[raw] = (dtype, shape)

@@ -16,6 +16,7 @@ __all__ = [
     "FrameLost",
     "SpoolFormatError",
     "NotASpool",
+    "UntrustedSpool",
     "TooLarge",
     "ReaderBusy",
     "LeaseLost",
@@ -71,12 +72,24 @@ class SpoolFormatError(ShmqError, ValueError):
 
 
 class NotASpool(SpoolFormatError):
-    """The path holds something that is not a spool: a foreign file, a directory, a symlink.
-
-    Never touched: shmq refuses to modify or remove it.
-    """
+    """The path holds something that is not a spool: a foreign file, a directory, a
+    symbolic link, a FIFO, a socket or a device.  Raised at once, without blocking or
+    following it; shmq refuses to modify or remove it."""
 
     kind = "not_spool"
+
+
+class UntrustedSpool(ShmqError, PermissionError):
+    """Refusing to unpickle from a spool another user owns or can write (pass
+    ``trusted=True``, or ``--unsafe-pickle`` on the command line, if you trust them).
+
+    The message names the file, its owner and its mode.
+    """
+
+    kind = "untrusted"
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
 
 
 class TooLarge(ShmqError, ValueError):

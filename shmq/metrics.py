@@ -128,7 +128,7 @@ class ShmqCollector:
     ``shmq_up{spool=...}`` is 0 for a path that cannot be read.  Usage::
 
         from prometheus_client import REGISTRY
-        REGISTRY.register(ShmqCollector(["/dev/shm/shmq"]))
+        REGISTRY.register(ShmqCollector([f"/dev/shm/shmq-{os.geteuid()}"]))  # your spools
 
     :raises ImportError: prometheus_client is not installed (at construction).
     """
@@ -234,9 +234,11 @@ def peek(path) -> dict:
     :raises OSError: cannot read the file.
     :raises shmq.SpoolFormatError: not a spool.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    from ._mapping import open_file
+
+    fd, st = open_file(path, write=False)  # never follows, never blocks, regular files only
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         head = os.pread(fd, F.HEADER_BYTES, 0)
         geo = F.unpack_geometry(head[:F.GEOMETRY.size], size, path)
     finally:

@@ -20,7 +20,6 @@ A queue created with ``path`` is persistent until ``shmq.Spool.destroy``.
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
 import time
 import weakref
@@ -30,6 +29,7 @@ import posix_ipc
 
 from . import _core
 from . import _format as F
+from . import codec as _codec
 from ._mapping import SEM_UNFINISHED, open_semaphore, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool, check_block_timeout
@@ -40,49 +40,12 @@ _EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
 GROUP = "queue"
 DEFAULT_CAPACITY = "32MiB"
-_dumps = pickle.dumps
-_loads = pickle.loads
-_PROTO = 5
 _TRACKED_SEMS = ("w", "r", "f", "u")
 
 
-def _encode(obj):
-    """Pickle ``obj``; return ``(frame item, codec)``; out-of-band buffers stay uncopied.
-
-    ``bytes`` travel as they are (codec raw): no pickling copy either way.
-    """
-    if type(obj) is bytes:
-        return obj, F.CODEC_RAW
-    buffers = []
-    data = _dumps(obj, _PROTO, buffer_callback=buffers.append)
-    if not buffers:
-        return data, F.CODEC_PICKLE
-    raws = [b.raw() for b in buffers]
-    lens = [r.nbytes for r in raws]
-    parts = [F.pack_oob_header(len(data), lens), data, F.oob_padding(len(data))]
-    for r, n in zip(raws, lens):
-        parts += [r, F.oob_padding(n)]
-    return tuple(parts), F.CODEC_PICKLE_OOB
-
-
-def _decode(data, codec):
-    if codec == F.CODEC_PICKLE:
-        return _loads(data)
-    if codec == F.CODEC_RAW:
-        return data
-    if codec == F.CODEC_PICKLE_OOB:
-        pickled, buffers = F.unpack_oob(memoryview(data))
-        return _loads(pickled, buffers=buffers)
-    raise ShmqError(f"frame with codec {codec} is not a queue item (was the spool written by "
-                    "something other than shmq.Queue?)")
-
-
-def _trusted(spool) -> bool:
-    """A spool other users can write might carry hostile pickles."""
-    m = spool._map
-    # a spool fed from the network (shmq sub) holds another host's bytes: never trusted
-    return (m.st_uid == os.geteuid() and not m.st_mode & 0o022
-            and not F.from_network(spool._geo))
+# The codec layer (shmq.codec) owns pickling and the trust decision.
+_encode = _codec.encode
+_decode = _codec.decode_item  # only after _codec.require_trust() at attach
 
 
 class Queue:
@@ -127,11 +90,11 @@ class Queue:
         if spool.on_full != "block":
             spool.close()
             raise ShmqError(f"{spool.path} is a '{spool.on_full}' spool; a queue needs on_full='block'")
-        if not trusted and not _trusted(spool):
+        try:
+            _codec.require_trust(spool, trusted)  # fstat of the mapped fd: ours and private?
+        except BaseException:
             spool.close()
-            raise ShmqError(f"{spool.path} is writable by other users, owned by another, or fed "
-                            "from the network (shmq sub); refusing to unpickle from it (pass "
-                            "trusted=True if you trust its writers)")
+            raise
         self._spool = spool
         self._reader = spool.reader(GROUP, group=True)
         self._maxsize = spool._ctl[F.W_QUEUE_MAXSIZE]
@@ -370,7 +333,8 @@ class JoinableQueue(Queue):
     def _attach(self, spool, trusted):
         super()._attach(spool, trusted)
         self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0,
-                                          spool._sem_mode)
+                                          spool._sem_mode, owner=spool._map.st_uid,
+                                          group=spool._map.st.st_gid)
 
     def task_done(self) -> None:
         """Mark one item as processed.

@@ -429,12 +429,14 @@ class GroupReader(_SlotReader):
     def _lock_name(self):
         sp = self._spool
         name = group_sem_name(sp._sem_prefix, self._slot)
-        open_semaphore(name, 1, sp._sem_mode).close()  # create it on the group's first use
+        # create it on the group's first use; one another user squatted is refused
+        open_semaphore(name, 1, sp._sem_mode, owner=sp._map.st_uid, group=sp._map.st.st_gid).close()
         return name
 
     def _make_lock(self):
         sp = self._spool
-        sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1, sp._sem_mode)
+        sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1, sp._sem_mode,
+                             owner=sp._map.st_uid, group=sp._map.st.st_gid)
         w = self._w
         return RecoverableLock(sem, sp._slots, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN, sp._map,
                                sp._slot_byte(self._slot, F.SLOT_RECOVERY_BYTE),

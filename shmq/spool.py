@@ -167,15 +167,17 @@ class Spool:
         prefix = geo["sem_prefix"]
         self._sem_prefix = prefix
         self._sem_mode = mode = m.st_mode & 0o666
-        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode)
+        own = {"owner": m.st_uid, "group": m.st.st_gid}  # squatted semaphores are refused
+        self._writer_sem = open_semaphore(sem_name(prefix, SEM_WRITER), 1, mode, **own)
         self._wlock = RecoverableLock(
             self._writer_sem, self._ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
             F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout,
             on_recover=self._recover_writer)
         self._data_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_READ_WAITERS), 0, mode))
+            sem_name(prefix, SEM_READ_WAITERS), 0, mode, **own))
         self._space_bell = Doorbell(m, F.DOORBELL_BYTE, open_semaphore(
-            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode))
+            sem_name(prefix, SEM_SPACE_WAITERS), 0, mode, **own))
+        # the core opens the same three names, which open_semaphore has just checked
         self._core = _core.Ring(
             m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
             geo["slot_count"], F.POLICIES.index(self._policy), self._checksum,
@@ -295,7 +297,8 @@ class Spool:
         file until they close it.  A file that is not a spool is left alone.
 
         :raises FileNotFoundError: nothing at ``path``.
-        :raises shmq.NotASpool: the file is not a spool (it is not removed).
+        :raises shmq.NotASpool: not a spool, or a symbolic link, FIFO, socket, device or
+            directory (left alone).
         """
         destroy_file(resolve_path(path))
 

@@ -22,10 +22,8 @@ problem.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-import stat
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -36,7 +34,7 @@ from ._format import (
     W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
 )
 from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
-from ._mapping import SEM_WRITER, group_sem_name, resolve_path, sem_name
+from ._mapping import SEM_WRITER, group_sem_name, open_file, open_semaphore, resolve_path, sem_name
 from .errors import NotASpool, SpoolFormatError
 
 __all__ = ["Report", "verify", "repair"]
@@ -99,21 +97,11 @@ class _View:
 
     def __init__(self, path, write=False):
         self.path = path
-        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise NotASpool(f"{path}: is a symbolic link; refusing to follow it") from None
-            if exc.errno == errno.ENOENT:
-                raise FileNotFoundError(errno.ENOENT, "no spool at this path", path) from None
-            raise
+        fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
+        self.st = st
         self.mm = None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotASpool(f"{path}: not a shmq spool (not a regular file)")
             self.size = st.st_size
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
         except BaseException:
@@ -185,7 +173,7 @@ def verify(path) -> Report:
     :raises shmq.SpoolFormatError: the file is not a spool at all (foreign
         magic, too small, not a regular file); a spool whose header is
         damaged is reported as a problem instead.
-    :raises shmq.ShmqError: ``path`` is a symbolic link.
+    :raises shmq.NotASpool: ``path`` is a symbolic link, FIFO, socket, device or directory.
     """
     path = resolve_path(path)
     rep = Report(path)
@@ -556,11 +544,8 @@ def repair(path, *, lock_timeout=2.0) -> Report:
 
 
 def _break_writer_lock(v, actions):
-    import posix_ipc
-
     ctl = v.ctl
-    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
     try:
         word = ctl[W_LOCK_HOLDER]
@@ -674,8 +659,7 @@ def _header_at(v, pos):
 def _with_writer_lock(v, actions, timeout, fn):
     import posix_ipc
 
-    sem = posix_ipc.Semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     try:
         try:
             sem.acquire(timeout)
@@ -692,13 +676,15 @@ def _with_writer_lock(v, actions, timeout, fn):
         sem.close()
 
 
-def _break_group_lock(v, i, actions):
-    import posix_ipc
+def _sem(v, name):
+    """A lock semaphore of the spool being repaired; one another user squatted is refused."""
+    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid, group=v.st.st_gid)
 
+
+def _break_group_lock(v, i, actions):
     slots, w = v.slots, i * F.SLOT_WORDS
     byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
-    sem = posix_ipc.Semaphore(group_sem_name(v.geo["sem_prefix"], i), posix_ipc.O_CREAT,
-                              mode=0o600, initial_value=1)
+    sem = _sem(v, group_sem_name(v.geo["sem_prefix"], i))
     ofd_lock(v.fd, byte, wait=True)
     try:
         word = slots[w + F.S_LOCK_HOLDER]

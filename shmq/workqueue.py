@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import time
 import traceback
 
 from . import _format as F
+from . import codec
 from ._format import (
     L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN, LEASE_DELAYED,
     LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS, KEY_WORDS,
 )
 from ._lock import holder_alive, holder_pid
-from ._mapping import resolve_path
+from ._mapping import read_geometry, resolve_path
 from .errors import Empty, LeaseLost, ShmqError
 from .spool import Spool, check_block_timeout
 
@@ -165,18 +165,28 @@ class WorkQueue:
         except BaseException:
             sp.close()
             raise
-        self._dead = Spool.create(self.path + ".dead", capacity=dead_capacity, on_full="overwrite",
-                                  exist_ok=True)
+        try:
+            # A side spool gets the same trust check as the main one: its records
+            # are pickles too (a planted .dead file must not run code here).
+            self._dead = Spool.create(self.path + ".dead", capacity=dead_capacity,
+                                      on_full="overwrite", exist_ok=True)
+            try:
+                codec.require_trust(self._dead, trusted)  # refused at once, as the main spool
+            except BaseException:
+                self._dead.close()
+                raise
+        except BaseException:
+            self._region.release()
+            self._take.close()
+            sp.close()
+            raise
         self._liveness_interval = liveness_interval
         self._next_liveness = 0.0
 
     def _attach(self, sp, max_attempts, leases, keys, trusted):
         if sp.on_full != "block":
             raise ShmqError(f"{sp.path} is a '{sp.on_full}' spool; a work queue needs on_full='block'")
-        m = sp._map
-        if not trusted and (m.st_uid != os.geteuid() or m.st_mode & 0o022):
-            raise ShmqError(f"{sp.path} is writable by other users or owned by another; refusing "
-                            "to unpickle from it (pass trusted=True if you trust them)")
+        self._trust = codec.require_trust(sp, trusted)  # fstat of the mapped fd
         ctl = sp._ctl
         take = sp.reader(TAKE_SLOT, group=True)  # creates the slot if new (earliest)
         self._spool, self._ctl, self._take = sp, ctl, take
@@ -206,7 +216,7 @@ class WorkQueue:
 
         :raises FileNotFoundError: nothing at ``path``.
         """
-        if not os.path.exists(resolve_path(path)):
+        if not os.path.lexists(resolve_path(path)):
             raise FileNotFoundError(f"no work queue at {resolve_path(path)}")
         return cls(path, **kw)
 
@@ -222,13 +232,26 @@ class WorkQueue:
 
     @staticmethod
     def destroy(path) -> None:
-        """Remove a work queue's spool and its dead-letter spool."""
+        """Remove a work queue's spool and its dead-letter spool.
+
+        Every side file is checked before anything is removed: if one is not
+        a spool (a FIFO, socket, symbolic link, directory or foreign file
+        planted at ``PATH.dead``), nothing is removed and nothing blocks.
+
+        :raises FileNotFoundError: no work queue spool at ``path``.
+        :raises shmq.NotASpool: the spool or a side file is not a regular file.
+        :raises shmq.SpoolFormatError: the spool or a side file is not a spool.
+        """
         path = resolve_path(path)
+        sides = [p for p in (path + ".dead",) if os.path.lexists(p)]
+        for p in [path] + sides:
+            read_geometry(p)  # raises (opening nothing that blocks) if it is not a spool
         Spool.destroy(path)
-        try:
-            Spool.destroy(path + ".dead")
-        except FileNotFoundError:
-            pass
+        for p in sides:
+            try:
+                Spool.destroy(p)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self):
         return self
@@ -293,7 +316,7 @@ class WorkQueue:
                 raise TypeError(f"key must be str or bytes, not {type(k).__name__}")
             h = F.key_hash(k) if k is not None else 0
             head = F.WQ_HEADER.pack(h, nb_ns, max_attempts or 0, F.WQ_HAS_KEY if k is not None else 0)
-            items.append((head, pickle.dumps((obj, headers, k), 5)))  # outside any lock
+            items.append(codec.encode_workq(obj, headers, k, head))  # pickled outside any lock
             hashes.append(h)
         index = self._index_keys if any(hashes) else None
         seq = self._spool._append(tuple(items), check_block_timeout(True, timeout), F.CODEC_WORKQ,
@@ -561,7 +584,7 @@ class WorkQueue:
                   "attempts": reg[lw + L_ATTEMPTS] & 0xFFFFFFFF, "error": error,
                   "last_holder_pid": holder_pid(reg[lw + L_HOLDER]),
                   "enqueued_ns": reg[lw + L_ENQ_NS], "failed_ns": time.time_ns()}
-        self._dead.put(pickle.dumps(record, 5), codec=F.CODEC_PICKLE)  # before freeing: never lost
+        self._dead.put(codec.encode_dead(record), codec=F.CODEC_PICKLE)  # before freeing: never lost
         reg[lw + L_STATE] = LEASE_FREE
         self._ctl[F.W_WQ_DEAD] += 1
 
@@ -578,7 +601,7 @@ class WorkQueue:
         slots[self._low + F.S_SEQ] = seq
 
     def _message(self, i, seq, attempt, enq_ns, token, deadline, data):
-        obj, headers, key = pickle.loads(memoryview(data)[F.WQ_HEADER.size:])
+        obj, headers, key = codec.decode_workq(data, self._trust)
         return Message(self, i, obj, seq, attempt, key, headers or {}, enq_ns / _NS, token,
                        deadline / _NS)
 
@@ -659,14 +682,20 @@ class WorkQueue:
     def dead_letters(self) -> list:
         """Messages that ran out of attempts, oldest first (replayed/purged ones excluded)."""
         self._check()
+        trust = self._dead_trusted()
         out = []
         for f, _hit in self._dead_frames():
-            rec = pickle.loads(f.data)
-            obj, headers, key = pickle.loads(rec["payload"])
+            rec = codec.decode_dead(f.data, trust)
+            obj, headers, key = rec["message"]
             out.append(DeadLetter(f.seq, rec["message_id"], obj, headers or {}, key, rec["attempts"],
                                   rec["error"], rec["last_holder_pid"], rec["enqueued_ns"] / _NS,
                                   rec["failed_ns"] / _NS))
         return out
+
+    def _dead_trusted(self):
+        # Decided again on each (cold) dead-letter read: the owner may have
+        # widened the file's mode since this handle attached.
+        return codec.require_trust(self._dead, self._opts["trusted"])
 
     def _tombstone(self, hit):
         sp = self._dead
@@ -681,13 +710,14 @@ class WorkQueue:
         """
         self._check()
         wanted = None if ids is None else set(ids)
+        trust = self._dead_trusted()
         n = 0
         with self._dead._wlock:  # one replayer at a time; tombstones under the DLQ's lock
             for f, hit in list(self._dead_frames()):
                 if wanted is not None and f.seq not in wanted:
                     continue
-                rec = pickle.loads(f.data)
-                obj, headers, key = pickle.loads(rec["payload"])
+                rec = codec.decode_dead(f.data, trust)
+                obj, headers, key = rec["message"]
                 self.put(obj, key=key, headers=headers)
                 self._tombstone(hit)
                 n += 1
@@ -697,10 +727,11 @@ class WorkQueue:
         """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""
         self._check()
         cutoff = None if older_than is None else time.time() - older_than
+        trust = self._dead_trusted()
         n = 0
         with self._dead._wlock:
             for f, hit in list(self._dead_frames()):
-                rec = pickle.loads(f.data)
+                rec = codec.decode_dead(f.data, trust, body=False)
                 if cutoff is None or rec["failed_ns"] / _NS < cutoff:
                     self._tombstone(hit)
                     n += 1

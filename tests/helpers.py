@@ -107,3 +107,16 @@ def die_holding_reader(path, name, ready):
     sp.reader(name)
     ready.set()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def squatted_group_member(path, q):
+    """Join group "workers"; report "refused" if its semaphore was squatted (test_security)."""
+    sp = shmq.Spool.open(path)
+    try:
+        r = sp.reader("workers", group=True)
+    except shmq.ShmqError as exc:
+        q.put("refused" if "squatted" in str(exc) else str(exc))
+    else:
+        q.put(r.get(timeout=1).data)
+    finally:
+        sp.close()

@@ -95,7 +95,7 @@ def test_symlink_refused(spool_dir, spool_path):
 
 
 def test_directory_refused(spool_dir):
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(shmq.NotASpool, match="is a directory"):
         shmq.Spool.open(spool_dir)
 
 

@@ -455,11 +455,13 @@ def test_parse_size():
     assert F.parse_size(100) == 100
 
 
-def test_bare_name_lives_under_dev_shm_shmq():
-    from shmq._mapping import resolve_path
+def test_bare_name_lives_in_the_private_directory():
+    from shmq._mapping import default_dir, resolve_path
 
-    assert resolve_path("jobs") == "/dev/shm/shmq/jobs"
+    assert default_dir() == f"/dev/shm/shmq-{os.geteuid()}"
+    assert resolve_path("jobs") == f"{default_dir()}/jobs"
     assert resolve_path("./jobs") == os.path.abspath("jobs")
+    assert resolve_path("/dev/shm/shmq/jobs") == "/dev/shm/shmq/jobs"  # the old shared dir, explicit
     for bad in ("", "..", "a\x00b"):
         with pytest.raises(ValueError):
             resolve_path(bad)
@@ -468,24 +470,30 @@ def test_bare_name_lives_under_dev_shm_shmq():
 
 
 def test_bare_name_create_and_destroy():
+    import stat
     import uuid
 
+    from shmq._mapping import default_dir
+
     name = f"t-{uuid.uuid4().hex[:10]}"
-    had_dir = os.path.isdir("/dev/shm/shmq")
+    d = default_dir()
+    had_dir = os.path.isdir(d)
     sp = shmq.Spool.create(name, capacity=4096)
     try:
-        assert sp.path == f"/dev/shm/shmq/{name}"
+        assert sp.path == f"{d}/{name}"
         assert os.path.exists(sp.path)
-        assert os.stat("/dev/shm/shmq").st_mode & 0o1777 == 0o1777  # shared like /tmp
+        st = os.lstat(d)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(st.st_mode) == 0o700  # private, whatever the umask
     finally:
         sp.close()
         shmq.Spool.destroy(name)
         if not had_dir:
             try:
-                os.rmdir("/dev/shm/shmq")  # leave /dev/shm as we found it
+                os.rmdir(d)  # leave /dev/shm as we found it
             except OSError:
                 pass  # another process put a spool there meanwhile
-    assert not os.path.exists(f"/dev/shm/shmq/{name}")
+    assert not os.path.exists(f"{d}/{name}")
 
 
 def test_sync_policy(spool_dir):

@@ -17,6 +17,7 @@ import os
 import sys
 
 # re-exported: the exit codes are part of the CLI's contract
+from ..errors import ShmqError
 from .base import (
     EXIT_BUSY, EXIT_CODES, EXIT_CORRUPT, EXIT_ERROR, EXIT_EXISTS, EXIT_FULL, EXIT_INTERRUPTED,
     EXIT_LOST, EXIT_NOT_FOUND, EXIT_NOT_SPOOL, EXIT_OK, EXIT_PERMISSION, EXIT_PIPE, EXIT_PROBLEMS,
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         if isinstance(getattr(args, "path", None), str):
             try:
                 spool = resolve(args.path)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, ShmqError):
                 pass
         code, message = classify(exc, spool)
         print(f"shmq {name}: {message}", file=sys.stderr)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 FORMATS = ("auto", "raw", "hex", "json", "repr")
-EPILOG = ("PATH is a spool file; a bare name (no slash) means /dev/shm/shmq/NAME.  "
+EPILOG = ("PATH is a spool file; a bare name (no slash) means /dev/shm/shmq-UID/NAME, your "
+          "private directory (docs/security.md).  "
           "Exit codes: 0 ok, 1 fsck problems, 2 usage, 3 not found, 4 not a spool, "
           "5 corrupt, 6 permission denied, 7 busy, 8 full, 9 frame lost, "
           "10 exists, 11 other error.  See docs/cli.md.")

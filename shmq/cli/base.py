@@ -49,6 +49,7 @@ KIND_EXIT = {
     "lost": EXIT_LOST,
     "corrupt": EXIT_CORRUPT,
     "not_spool": EXIT_NOT_SPOOL,
+    "untrusted": EXIT_PERMISSION,
 }
 
 
@@ -99,7 +100,7 @@ def classify(exc, spool=None):
 
 
 def resolve(path):
-    """The absolute spool path of ``path`` (a bare name means /dev/shm/shmq/NAME)."""
+    """The absolute spool path of ``path`` (a bare name means NAME in the private directory, /dev/shm/shmq-UID)."""
     from .._mapping import resolve_path
 
     return resolve_path(path)

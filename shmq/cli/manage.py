@@ -8,7 +8,7 @@ import sys
 import time
 
 from .. import _format as F
-from .._mapping import DEFAULT_DIR
+from .. import _mapping
 from ..errors import NotASpool, ShmqError, SpoolFormatError
 from .args import count_arg, mode_arg, positive_arg
 from .base import (
@@ -30,7 +30,7 @@ def cmd_create(a) -> int:
     from ..spool import Spool
 
     parent = os.path.dirname(resolve(a.path))
-    if parent != DEFAULT_DIR and not os.path.isdir(parent):
+    if parent != _mapping.default_dir() and not os.path.isdir(parent):
         raise CliError(f"{parent}: no such directory (create it first)", EXIT_NOT_FOUND)
     sp = Spool.create(a.path, capacity=a.capacity, on_full=a.on_full, mode=a.mode,
                       readers=a.readers, leases=a.leases, checksum=a.checksum)
@@ -117,10 +117,12 @@ def _damaged_spools(directory):
 def _ls_rows(directory, damaged):
     from ..metrics import peek, series_window, spool_paths
 
-    if not os.path.exists(directory):
-        if directory == DEFAULT_DIR:
+    if not os.path.lexists(directory):
+        if directory == _mapping.default_dir():
             return []
         raise CliError(f"{directory}: no such directory", EXIT_NOT_FOUND)
+    if directory == _mapping.default_dir():
+        _mapping.check_private_dir(directory)  # a planted one is refused, not listed
     now = int(time.time())
     rows = []
     for path in spool_paths([directory]):
@@ -139,7 +141,7 @@ def _ls_rows(directory, damaged):
 
 
 def cmd_ls(a) -> int:
-    directory = os.path.abspath(a.dir) if a.dir else DEFAULT_DIR
+    directory = os.path.abspath(a.dir) if a.dir else _mapping.default_dir()
     if os.path.exists(directory) and not os.path.isdir(directory):
         from .._mapping import read_geometry
 
@@ -217,7 +219,7 @@ def register(add):
     p.set_defaults(func=cmd_rm)
 
     p = add("ls", "list the spools of a directory",
-            description="List the spools in DIR (default /dev/shm/shmq): files whose header "
+            description="List the spools in DIR (default your private /dev/shm/shmq-UID): files whose header "
             "validates, read without attaching.  Other files are skipped silently.  PUT/S and "
             "GET/S average the last 10 seconds.")
     p.add_argument("dir", nargs="?", metavar="DIR")

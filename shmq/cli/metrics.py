@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from .._mapping import DEFAULT_DIR
+from .. import _mapping
 from .base import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CliError, resolve_target
 
 
@@ -28,9 +28,9 @@ def parse_addr(text):
 
 
 def cmd_metrics(a) -> int:
-    targets = [resolve_target(t) for t in (a.targets or [DEFAULT_DIR])]
+    targets = [resolve_target(t) for t in (a.targets or [_mapping.default_dir()])]
     for t in targets:
-        if not os.path.exists(t) and t != DEFAULT_DIR:
+        if not os.path.exists(t) and t != _mapping.default_dir():
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
     addr = parse_addr(a.serve) if a.serve else None
     try:
@@ -66,7 +66,7 @@ def register(add):
     """Add ``metrics`` to the ``shmq`` parser."""
     p = add("metrics", "print or serve the spools' Prometheus metrics",
             description="Print the Prometheus metrics of the spools in DIR (default "
-            "/dev/shm/shmq) or of the given spools once, or with --serve ADDR serve them over "
+            "/dev/shm/shmq-UID) or of the given spools once, or with --serve ADDR serve them over "
             "HTTP at /metrics until Ctrl-C or SIGTERM (each scrape re-reads the spools, so "
             "spools created later are picked up).  Needs prometheus_client "
             "(pip install 'shmq[metrics]').")

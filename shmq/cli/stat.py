@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat as stat_module
 import sys
 import time
 
@@ -113,7 +114,10 @@ def _one(sp, fmt):
     wq = WorkQueue.stats_of(sp)
     from ..dispatch import board_path
 
-    board = os.path.exists(board_path(st.path))
+    try:  # a regular file only: a FIFO planted at PATH.dispatch must not block stat
+        board = stat_module.S_ISREG(os.lstat(board_path(st.path)).st_mode)
+    except OSError:
+        board = False
     if fmt == "json":
         d = stat_dict(st)
         if wq is not None:

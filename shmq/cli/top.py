@@ -8,7 +8,7 @@ import shutil
 import sys
 import time
 
-from .._mapping import DEFAULT_DIR
+from .. import _mapping
 from ..errors import ShmqError
 from .args import positive_arg
 from .base import EXIT_NOT_FOUND, EXIT_OK, CliError, one_line, resolve_target
@@ -117,10 +117,12 @@ class Top:
 
 
 def cmd_top(a) -> int:
-    targets = [resolve_target(t) for t in (a.targets or [DEFAULT_DIR])]
+    targets = [resolve_target(t) for t in (a.targets or [_mapping.default_dir()])]
     for t in targets:
-        if not os.path.exists(t) and t != DEFAULT_DIR:
+        if not os.path.exists(t) and t != _mapping.default_dir():
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
+        if t == _mapping.default_dir() and os.path.lexists(t):
+            _mapping.check_private_dir(t)  # a planted one is refused, not watched
     top = Top(targets)
     try:
         interactive = sys.stdout.isatty() and not a.once and not a.count
@@ -188,7 +190,7 @@ def _top_interactive(top, interval) -> int:
 def register(add):
     """Add ``top`` to the ``shmq`` parser."""
     p = add("top", "live view of every spool and reader",
-            description="A live, refreshing view of the spools in DIR (default /dev/shm/shmq) "
+            description="A live, refreshing view of the spools in DIR (default your private /dev/shm/shmq-UID) "
             "or of the given spool files: fill, frames, put/get rates of the last second from "
             "the control block's per-second series, a sparkline of the last 30 s of puts, "
             "and every named reader with its lag, loss and read rate.  Quit with q or Ctrl-C.")
