@@ -132,7 +132,7 @@ def _check_records_match_model(records, model, checksum):
             assert flags == 0 and crc == 0
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(batches, min_size=1, max_size=14), capacity=st.sampled_from([4096, 8192]),
        checksum=st.booleans())
 def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacity, checksum):

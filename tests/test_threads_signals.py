@@ -617,3 +617,37 @@ def test_keyboardinterrupt_while_becoming_the_pump_keeps_wakeups(make_spool, mon
         assert frame.data == b"wake" and time.monotonic() - t < 2.0
     finally:
         w._pumping = False  # never leave the process-wide watcher broken for later tests
+
+
+def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
+    """shmq.Queue reports the same stuck (live) lock holder as ``Full``, like multiprocessing.Queue.
+
+    Its put waits for the lock up to ``max(timeout, recovery_timeout)``
+    (the default 1 s here), then raises ``shmq.Full`` (a ``queue.Full``).
+    """
+    from shmq._lock import LOCK_RECOVERY_TIMEOUT_S as rt
+
+    q = shmq.Queue(capacity="64KiB")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_stop_inside_writer_lock, args=(q.path, send))
+    try:
+        child.start()
+        assert recv.poll(60) and recv.recv() == ("holding", child.pid)
+        deadline = time.monotonic() + 30
+        while _state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _state(child.pid) == "T"
+        took = _timed(lambda: q.put("blocked", timeout=TIMEOUT_S), shmq.Full)
+        assert TIMEOUT_S - 0.01 <= took <= TIMEOUT_S + rt + SLACK_S, took
+        assert q._spool.stats().lock_breaks == 0
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)
+    try:
+        assert recv.poll(30) and recv.recv() == ("done", 0)
+        assert join_all([child]) == [0]
+        assert q.get_many(10, timeout=5) == [b"batch-0", b"batch-1", b"batch-2"]
+        q.put("after", timeout=5)
+        assert q.get(timeout=5) == "after"
+    finally:
+        q.close()
