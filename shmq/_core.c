@@ -81,6 +81,8 @@
 #define CODEC_NUMPY 3
 #define CODEC_PICKLE_OOB 6
 #define STATS_FLUSH_FRAMES 64
+#define MAX_COUNTER (1ull << 62)
+#define RING_ADVICE "see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'"
 #define MAX_BATCH 65536
 
 /* status codes returned to Python instead of a seq / frame */
@@ -979,6 +981,7 @@ static int first_cursor(Ring *r, uint64_t *oseq, uint64_t *opos) {
         uint64_t seq = ld_acq(&c[W_FIRST_SEQ]); /* seq before pos: the writer stores pos first */
         uint64_t pos = ld_acq(&c[W_FIRST_POS]);
         uint64_t nxt = ld_acq(&c[W_NEXT_SEQ]);
+        if (pos >= MAX_COUNTER || nxt >= MAX_COUNTER || seq >= MAX_COUNTER) break; /* would wrap: corrupt */
         if (seq >= nxt) {
             *oseq = seq;
             *opos = pos;
@@ -1060,7 +1063,15 @@ static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, u
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t seq = *seqp, pos = *posp;
     int pads = 0;
-    for (;;) {
+    /* Positions and seqs never get near 2**62 (centuries at memory bandwidth):
+     * larger ones come from a corrupt or hostile cursor, and would wrap. */
+    if (seq > MAX_COUNTER || pos > MAX_COUNTER)
+        return corrupt(r, "reader cursor out of range (seq %llu, position %llu); reset it with "
+                       "'shmq readers seek'", (unsigned long long)seq, (unsigned long long)pos);
+    for (long spins = 0;; spins++) {
+        if (spins > 1000000) /* resyncs and pads always make progress on a sane ring */
+            return corrupt(r, "cannot read at seq %llu (the ring does not converge); " RING_ADVICE,
+                           (unsigned long long)seq);
         if (seq >= ld_acq(&c[W_NEXT_SEQ])) {
             *seqp = seq;
             *posp = pos;
