@@ -283,19 +283,19 @@ def find_atheris():
     return os.path.dirname(os.path.dirname(atheris.__file__))
 
 
-def build_fuzz_core(cc=None):
-    """Build the instrumented core: returns (build dir, LD_PRELOAD, mode)."""
+def build_fuzz_core(out_dir, cc=None):
+    """Build the instrumented core into out_dir: returns (LD_PRELOAD, mode)."""
     site = find_atheris()
     clang = shutil.which(cc) if cc and "clang" in cc else (shutil.which("clang") or shutil.which("clang-14"))
     if clang and os.path.exists(os.path.join(site, "asan_with_fuzzer.so")) and not (cc and "clang" not in cc):
         # atheris's runtime carries ASan, UBSan and libFuzzer, which collects
         # the C code's coverage counters when the module is loaded
-        sanitize.build(OUT_DIR, clang, ["-fsanitize=fuzzer-no-link", "-fno-sanitize-recover=undefined"])
-        return OUT_DIR, os.path.join(site, "asan_with_fuzzer.so"), "native coverage (clang " \
+        sanitize.build(out_dir, clang, ["-fsanitize=fuzzer-no-link", "-fno-sanitize-recover=undefined"])
+        return os.path.join(site, "asan_with_fuzzer.so"), "native coverage (clang " \
             + subprocess.run([clang, "-dumpversion"], capture_output=True, text=True).stdout.strip() + ")"
     gcc, preload = sanitize.find_toolchain(cc or "gcc")
-    sanitize.build(OUT_DIR, gcc, ["-fno-sanitize-recover=undefined"])
-    return OUT_DIR, preload, "python coverage only (no clang: the C code is sanitized, not coverage-guided)"
+    sanitize.build(out_dir, gcc, ["-fno-sanitize-recover=undefined"])
+    return preload, "python coverage only (no clang: the C code is sanitized, not coverage-guided)"
 
 
 _STAT = re.compile(r"stat::(\w+):\s+(\d+)")
@@ -317,14 +317,15 @@ def parse_log(text):
             "kinds": crash_kinds}
 
 
-def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None, out=sys.stdout):
-    build_dir, preload, mode = build_fuzz_core(cc)
-    art = os.path.join(OUT_DIR, "artifacts") + "/"
+def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None, out_dir=None, out=sys.stdout):
+    build_dir = os.path.abspath(out_dir or OUT_DIR)
+    preload, mode = build_fuzz_core(build_dir, cc)
+    art = os.path.join(build_dir, "artifacts") + "/"
     if not reproduce:
         shutil.rmtree(art, ignore_errors=True)  # only this run's findings count
     os.makedirs(art, exist_ok=True)
     if corpus is None:
-        corpus = os.path.join(OUT_DIR, "corpus")
+        corpus = os.path.join(build_dir, "corpus")
         shutil.rmtree(corpus, ignore_errors=True)  # each run starts from the seeds: comparable figures
     os.makedirs(corpus, exist_ok=True)
     env = dict(os.environ, LD_PRELOAD=preload, PYTHONPATH=build_dir, PYTHONDONTWRITEBYTECODE="1",
@@ -340,7 +341,7 @@ def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None,
     print(f"corefuzz: {mode}; LD_PRELOAD={preload}; {seconds} s, per-input timeout {timeout} s", file=out,
           flush=True)
     t0 = time.monotonic()
-    log_path = os.path.join(OUT_DIR, "fuzz.log")
+    log_path = os.path.join(build_dir, "fuzz.log")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, env=env, cwd=build_dir, stdout=log, stderr=subprocess.STDOUT,
                               timeout=seconds + 300)
@@ -392,11 +393,12 @@ def main(argv=None):
     ap.add_argument("--cc", help="compiler: clang gives C coverage; gcc gives a sanitized, Python-guided run")
     ap.add_argument("--corpus", help="keep the corpus here (default: fresh from the seeds each run)")
     ap.add_argument("--reproduce", help="replay one input (a crash-/timeout- artifact) and print the log")
+    ap.add_argument("--out", help="build directory (default build/corefuzz in the source tree)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
         report = run(20 if args.quick else args.seconds, args.timeout, args.skip_known, args.cc, args.corpus,
-                     args.reproduce)
+                     args.reproduce, args.out)
     except sanitize.ToolchainMissing as e:
         print(f"corefuzz: skipped: {e}", file=sys.stderr)
         return MISSING_TOOLCHAIN
