@@ -62,11 +62,16 @@ CAPACITY = 4096
 SLOTS = 4
 OPS = struct.Struct("<BBBBHHQQQQ")  # ring, mask, named slot, group slot, put size, batch, seq, pos, backlog, spare
 CTL_LO, CTL_HI = 16, 32  # control words the core reads: NEXT_*/FIRST_*, holder, stats, SLOT_HWM
-#: Overwrite-policy puts are skipped when NEXT_POS - FIRST_POS exceeds this
-#: (with --skip-known): make_room() walks that span frame by frame and a
-#: ring of self-repeating PAD headers makes the walk unbounded (known bug,
-#: tests/test_corefuzz.py::test_make_room_pad_walk_is_bounded).
+# Known bugs (docs/guarantees.md), kept out of the run with --skip-known so
+# that it goes on looking for new ones; delete each filter with its fix.
+#: Overwrite-policy puts are skipped when NEXT_POS - FIRST_POS exceeds this:
+#: make_room() walks that span frame by frame and a self-repeating PAD header
+#: makes the walk unbounded (tests/test_sanitize.py::test_make_room_pad_walk_is_bounded).
 KNOWN_HANG_SPAN = 1 << 24
+#: Inputs are skipped whose FIRST_POS or NEXT_POS (which a put turns into
+#: FIRST_POS) is this close to 2**64: the reader's position wraps to 0 and
+#: read_one() resyncs forever (test_reader_resync_near_position_limit_is_bounded).
+KNOWN_WRAP_MARGIN = 1 << 20
 
 
 # ---------------------------------------------------------------- the child
@@ -120,7 +125,6 @@ def _child(args):
     finally:
         for s in sems.values():
             s.unlink()
-    skipped = {"known_hang": 0}
 
     def frames_ok(res):
         if isinstance(res, _core.Frame):
@@ -150,6 +154,9 @@ def _child(args):
             n = max(0, min(hi - lo, len(body) - at))
             buf[lo:lo + n] = body[at:at + n]
             at += n
+        if args.skip_known and max(int(words[F.W_FIRST_POS]), int(words[F.W_NEXT_POS])) > (1 << 64) - \
+                KNOWN_WRAP_MARGIN:
+            return
         ring = rings[ri % len(rings)]
         policy = (ri % len(rings)) // 2
         verify = bool(mask & 0x80)
@@ -179,9 +186,7 @@ def _child(args):
             call(g.flush, 0.0)
         if mask & 8:
             span = (int(words[F.W_NEXT_POS]) - int(words[F.W_FIRST_POS])) % (1 << 64)
-            if policy == 0 and args.skip_known and span > KNOWN_HANG_SPAN:
-                skipped["known_hang"] += 1
-            else:
+            if not (policy == 0 and args.skip_known and span > KNOWN_HANG_SPAN):
                 bl = -1 if backlog >> 63 else backlog % 256
                 codec = (mask >> 4) & 7
                 call(ring.put, b"p" * (put_n % (ring_bytes + 64)), codec, bl, 0.0)
@@ -332,7 +337,8 @@ def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None,
                ASAN_OPTIONS="detect_leaks=0:print_stacktrace=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     if reproduce:
-        lf = [os.path.abspath(reproduce)]
+        lf = [f"-timeout={int(timeout)}", os.path.abspath(reproduce)]
+        seconds = timeout
     else:
         lf = [f"-max_total_time={int(seconds)}", f"-timeout={int(timeout)}", "-rss_limit_mb=4096",
               "-print_final_stats=1", "-use_value_profile=1", f"-artifact_prefix={art}", corpus]
@@ -344,12 +350,12 @@ def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None,
     log_path = os.path.join(build_dir, "fuzz.log")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, env=env, cwd=build_dir, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=seconds + 300)
+                              timeout=seconds + 120)
     elapsed = time.monotonic() - t0
     with open(log_path, errors="replace") as f:
         text = f.read()
     res = parse_log(text)
-    artifacts = sorted(glob.glob(art + "*"))
+    artifacts = [] if reproduce else sorted(glob.glob(art + "*"))
     crashes = sum(v for k, v in res["kinds"].items() if k != "timeout")
     report = {"mode": mode, "seconds": round(elapsed, 1), "executions": res["executions"],
               "execs_per_s": round(res["executions"] / elapsed) if elapsed else 0,
@@ -389,7 +395,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="20 s (CI)")
     ap.add_argument("--timeout", type=float, default=5, help="seconds one input may take before it is a hang")
     ap.add_argument("--no-skip-known", dest="skip_known", action="store_false",
-                    help="also feed inputs that reach the known make_room hang")
+                    help="also run inputs that reach the two known hangs (see KNOWN_* above)")
     ap.add_argument("--cc", help="compiler: clang gives C coverage; gcc gives a sanitized, Python-guided run")
     ap.add_argument("--corpus", help="keep the corpus here (default: fresh from the seeds each run)")
     ap.add_argument("--reproduce", help="replay one input (a crash-/timeout- artifact) and print the log")
