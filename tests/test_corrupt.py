@@ -196,3 +196,12 @@ def test_fuzzed_spool_never_crashes_or_hangs(spool_dir, data):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         shmq.Spool.destroy(path)
+
+
+def test_fuzz_exercise_accepts_an_empty_spool(spool_dir):
+    """Regression: the fuzz harness read seq next_seq - 1 = -1 on an empty ring (found under the sanitizer run)."""
+    path = os.path.join(spool_dir, "empty")
+    shmq.Spool.create(path, capacity=8192).close()
+    _exercise(path)  # raised ValueError("seq must be non-negative, not -1")
+    with shmq.Spool.open(path) as sp:
+        assert sp.next_seq == 1 and sp.read_at(0).data == b"after corruption"
