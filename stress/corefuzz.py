@@ -317,7 +317,9 @@ def parse_log(text):
         "deadly_signal": text.count("ERROR: libFuzzer: deadly signal"),
         "oom": text.count("ERROR: libFuzzer: out-of-memory"),
     }
+    cov = re.findall(r"\bcov: (\d+)", text)
     return {"executions": int(done.group(1)) if done else stats.get("number_of_executed_units", 0),
+            "edges": int(cov[-1]) if cov else None,
             "corpus_features": stats.get("new_units_added"), "peak_rss_mb": stats.get("peak_rss_mb"),
             "kinds": crash_kinds}
 
@@ -359,7 +361,7 @@ def run(seconds, timeout, skip_known=True, cc=None, corpus=None, reproduce=None,
     crashes = sum(v for k, v in res["kinds"].items() if k != "timeout")
     report = {"mode": mode, "seconds": round(elapsed, 1), "executions": res["executions"],
               "execs_per_s": round(res["executions"] / elapsed) if elapsed else 0,
-              "corpus_units_added": res["corpus_features"], "crashes": crashes,
+              "edges_covered": res["edges"], "corpus_units_added": res["corpus_features"], "crashes": crashes,
               "hangs": res["kinds"]["timeout"], "sanitizer_reports": res["kinds"]["sanitizer"],
               "returncode": proc.returncode, "artifacts": artifacts, "skip_known": skip_known,
               "log": log_path}
