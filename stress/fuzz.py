@@ -17,6 +17,7 @@ violation.  The tests run a short hypothesis version of the same thing
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -131,6 +132,10 @@ def run(iterations, seed, case_timeout, out=sys.stdout):
                 f.write(head + data[128:])
                 f.truncate(len(data))
             signal.setitimer(signal.ITIMER_REAL, case_timeout)
+            # SIGALRM's handler runs only between bytecodes: a loop in the
+            # compiled core holding the GIL would never see it.  faulthandler's
+            # watchdog thread needs no GIL: it prints where we are and exits.
+            faulthandler.dump_traceback_later(case_timeout + 5, exit=True)
             try:
                 exercise(path)
                 outcomes["ok"] += 1
@@ -143,6 +148,7 @@ def run(iterations, seed, case_timeout, out=sys.stdout):
                 outcomes["violation"] += 1
                 examples.append(f"case {i} ({', '.join(what)}): {traceback.format_exc(limit=3)}")
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 shmq._mapping.unlink_semaphores(prefix, 4)
                 os.unlink(path)

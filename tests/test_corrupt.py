@@ -1,5 +1,6 @@
 """Bad files: foreign, truncated, newer, corrupt, symlinked; fuzzed bytes never crash or hang."""
 
+import faulthandler
 import os
 import signal
 import struct
@@ -186,6 +187,9 @@ def test_fuzzed_spool_never_crashes_or_hangs(spool_dir, data):
         f.write(head + bytes(buf[128:]))
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(10)
+    # SIGALRM cannot interrupt a loop in the compiled core (it holds the GIL):
+    # faulthandler's watchdog thread prints the stack and ends the process.
+    faulthandler.dump_traceback_later(30, exit=True)
     try:
         _exercise(path)
     except shmq.ShmqError:
@@ -193,6 +197,16 @@ def test_fuzzed_spool_never_crashes_or_hangs(spool_dir, data):
     except _Hang:
         pytest.fail("reading a corrupt spool hung")
     finally:
+        faulthandler.cancel_dump_traceback_later()
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         shmq.Spool.destroy(path)
+
+
+def test_fuzz_exercise_accepts_an_empty_spool(spool_dir):
+    """Regression: the fuzz harness read seq next_seq - 1 = -1 on an empty ring (found under the sanitizer run)."""
+    path = os.path.join(spool_dir, "empty")
+    shmq.Spool.create(path, capacity=8192).close()
+    _exercise(path)  # raised ValueError("seq must be non-negative, not -1")
+    with shmq.Spool.open(path) as sp:
+        assert sp.next_seq == 1 and sp.read_at(0).data == b"after corruption"
