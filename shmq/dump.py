@@ -219,10 +219,11 @@ def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
         out, close = _open_out(dest)
         prog = Progress(f"exporting {sp.path}", stop - first, progress_stream, progress)
         frames = nbytes = 0
-        info = {}
         try:
             out.write(_PREAMBLE.pack(DUMP_MAGIC, DUMP_VERSION, len(raw)) + raw)
-            for rec in iter_records(sp, "earliest", stop, info=info):
+            # from `first` itself (clamped): frames a live writer evicts before the
+            # reader exists are skipped *and counted*, not silently missing
+            for rec in iter_records(sp, first, stop, clamp=True):
                 data = rec.data
                 out.write(_TAG_FRAME + _FRAME_REC.pack(
                     rec.seq, rec.timestamp_ns, len(data), zlib.crc32(data),
@@ -232,14 +233,17 @@ def export_spool(path, dest, *, progress=False, progress_stream=None) -> dict:
                 frames += 1
                 nbytes += len(data)
                 prog.update(1, len(data))
-            out.write(_TAG_END + _TRAILER.pack(frames, nbytes, info.get("lost", 0)))
+            # Every seq in [first, stop) was exported or overwritten before the reader
+            # got to it; the reader's own count can also include frames past `stop`.
+            lost = stop - first - frames
+            out.write(_TAG_END + _TRAILER.pack(frames, nbytes, lost))
             out.flush()
         finally:
             prog.close()
             if close:
                 out.close()
     return {"source": header["source"], "dest": dest, "frames": frames, "bytes": nbytes,
-            "first_seq": first, "next_seq": stop, "lost": info.get("lost", 0),
+            "first_seq": first, "next_seq": stop, "lost": lost,
             "readers": len(readers)}
 
 

@@ -287,3 +287,33 @@ def test_export_while_a_process_overwrites(ctx, make_spool, spool_dir):
     assert res["frames"] == summary["frames"] == len(datas)
     assert res["source_lost"] == summary["lost"]
     assert all(len(d) == 206 and d[6:7] in (b"s", b"w") for d in datas)
+
+
+def test_export_counts_frames_evicted_before_its_reader_exists(make_spool, spool_dir, monkeypatch):
+    """Regression: export read first_seq, then a live writer evicted frames before the
+    export's reader was created; those frames were neither exported nor counted lost."""
+    sp = make_spool(capacity="8KiB", name="evicting")
+    for i in range(20):
+        sp.put(b"%06d" % i + b"a" * 200)
+    real_reader = shmq.Spool.reader
+    done = []
+
+    def reader_after_a_burst(self, *a, **kw):
+        if not done:  # another writer runs between `first = sp.first_seq` and the reader
+            done.append(True)
+            for i in range(15):
+                sp.put(b"%06d" % (100 + i) + b"b" * 200)
+        return real_reader(self, *a, **kw)
+
+    monkeypatch.setattr(shmq.Spool, "reader", reader_after_a_burst)
+    dest, summary = _export(sp, spool_dir)
+    assert done and summary["lost"] > 0
+    assert summary["frames"] + summary["lost"] == summary["next_seq"] - summary["first_seq"]
+    with open(dest, "rb") as f:
+        D.read_dump_header(f)
+        gen = D.iter_dump(f)
+        try:
+            while True:
+                next(gen)
+        except StopIteration as stop:
+            assert stop.value[2] == summary["lost"]  # the trailer says the same

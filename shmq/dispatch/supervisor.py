@@ -12,14 +12,13 @@ so long that its own watchdog cannot act.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
 import threading
 import time
 import traceback
-
-import multiprocessing as mp
 
 from ..errors import LeaseLost, ShmqError
 from . import control
@@ -92,7 +91,7 @@ class Supervisor:
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
         self.targets = {t: s.parallelism for t, s in self.specs.items()}
-        self.workers_ = []
+        self.live = []
         self.stop_grace = None
         self.stopping = False
         self.hurry = False
@@ -233,7 +232,7 @@ class Supervisor:
 
         def settled():
             for t in types:
-                ws = [w for w in self.workers_ if w.type == t]
+                ws = [w for w in self.live if w.type == t]
                 if len(ws) != self.targets.get(t, 0) or not all(w.ready and not w.retiring
                                                                  for w in ws):
                     return False
@@ -253,7 +252,7 @@ class Supervisor:
         """``{type: [pid, ...]}`` of the live worker processes (retiring ones included)."""
         with self.lock:
             out = {t: [] for t in self.specs}
-            for w in self.workers_:
+            for w in self.live:
                 out[w.type].append(w.pid)
             return out
 
@@ -288,7 +287,7 @@ class Supervisor:
 
     def write_live(self):
         counts = {t: 0 for t in self.specs}
-        for wk in self.workers_:
+        for wk in self.live:
             counts[wk.type] += 1
         w = self.board.w
         for t, i in self.type_index.items():
@@ -326,7 +325,7 @@ class Supervisor:
         child.close()
         w = _Worker(type_, proc, parent, row)
         with self.lock:
-            self.workers_.append(w)
+            self.live.append(w)
         return w
 
     def retire(self, w):
@@ -346,7 +345,7 @@ class Supervisor:
             targets = dict(self.targets)
         now = time.monotonic()
         for t, target in targets.items():
-            ws = [w for w in self.workers_ if w.type == t and not w.retiring]
+            ws = [w for w in self.live if w.type == t and not w.retiring]
             if len(ws) < target:
                 if now < self.backoff_until.get(t, 0.0):
                     continue
@@ -418,7 +417,7 @@ class Supervisor:
         b[base + R_HOLDER] = 0
         self.rows_idle[w.type].append(w.row)
         with self.lock:
-            self.workers_.remove(w)
+            self.live.remove(w)
             self.cv.notify_all()
         if not w.ready:  # died while starting: back off before the next attempt
             n = self.failures.get(w.type, 0) + 1
@@ -450,7 +449,7 @@ class Supervisor:
             with self.lock:
                 w.ready = True
                 self.cv.notify_all()
-            if not self.started.is_set() and all(x.ready for x in self.workers_):
+            if not self.started.is_set() and all(x.ready for x in self.live):
                 self.started.set()
         elif ev[0] == "error":
             _log.error("worker %d for %r failed to start:\n%s", w.pid, w.type, ev[1])
@@ -463,7 +462,7 @@ class Supervisor:
         b = self.board.w
         now = time.monotonic_ns()
         nxt = None
-        for w in self.workers_:
+        for w in self.live:
             base = self.board.base(w.row)
             dl = b[base + R_DEADLINE_NS]
             if not b[base + R_BUSY] or not dl or w.backstop_token is not None:
@@ -502,7 +501,7 @@ class Supervisor:
     def supervise(self):
         try:
             self.reconcile()
-            if not self.workers_:
+            if not self.live:
                 self.started.set()
             self.loop()
         except BaseException as exc:
@@ -525,7 +524,7 @@ class Supervisor:
         has_timeouts = any(s.timeout is not None for s in self.specs.values())
         while not self.stopping:
             timeout = None
-            if has_timeouts and self.workers_:
+            if has_timeouts and self.live:
                 nxt = self.backstop()
                 timeout = SUPERVISOR_TICK_S if nxt is None else min(SUPERVISOR_TICK_S, nxt)
             pending = [t for t, until in self.backoff_until.items() if until > time.monotonic()]
@@ -539,7 +538,7 @@ class Supervisor:
         objs = {self.wake_r: ("wake", None)}
         if accept and self.sock is not None:
             objs[self.sock] = ("control", None)
-        for w in self.workers_:
+        for w in self.live:
             objs[w.proc.sentinel] = ("exit", w)
             if w.conn is not None:
                 objs[w.conn] = ("event", w)
@@ -569,21 +568,21 @@ class Supervisor:
         self.stopping = True
         with self.lock:
             self.cv.notify_all()
-        for w in list(self.workers_):
+        for w in list(self.live):
             self.retire(w)
         grace = self.stop_grace if self.stop_grace is not None else self.grace
         deadline = time.monotonic() + grace
-        while self.workers_:
+        while self.live:
             left = 0.0 if self.hurry else deadline - time.monotonic()
             if left <= 0:
                 break
             self.wait_and_handle(left, accept=False)
-        for w in list(self.workers_):
+        for w in list(self.live):
             try:
                 os.kill(w.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for w in list(self.workers_):
+        for w in list(self.live):
             w.proc.join(10)
             self.on_exit(w)
         self.write_live()

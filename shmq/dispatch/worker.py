@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 
+from .._lock import holder_word
 from ..errors import Empty, LeaseLost
 from .board import (
     R_ATTEMPT, R_BUSY, R_DEADLINE_NS, R_FAILED, R_GRACE_NS, R_HOLDER, R_LEASE_LOST,
@@ -28,7 +29,6 @@ from .registry import (
     EXIT_STARTUP, EXIT_TIMEOUT, IDLE_WAKE_S, HandlerTimeout, WorkerSpec, attach, builtins_type,
     delay_for, positive,
 )
-from .._lock import holder_word
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
