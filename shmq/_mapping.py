@@ -217,9 +217,16 @@ class Mapping:
 
 
 def read_geometry(path: str) -> dict:
-    """Decode a spool's geometry without mapping it (for destroy and listings)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Decode a spool's geometry without mapping it (for destroy and listings).
+
+    :raises SpoolFormatError: not a regular file, or not a valid spool.
+    """
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        return F.unpack_geometry(os.pread(fd, F.GEOMETRY.size, 0), os.fstat(fd).st_size, path)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpoolFormatError(f"{path}: not a regular file")
+        return F.unpack_geometry(os.pread(fd, F.GEOMETRY.size, 0), st.st_size, path)
     finally:
         os.close(fd)

@@ -17,6 +17,7 @@ import time
 
 from . import _format as F
 from ._lock import holder_pid
+from .errors import SpoolFormatError
 
 __all__ = ["prometheus_text", "ShmqCollector", "SPOOL_METRICS", "READER_METRICS",
            "spool_paths", "peek", "rate_at", "series_window"]
@@ -234,9 +235,13 @@ def peek(path) -> dict:
     :raises OSError: cannot read the file.
     :raises shmq.SpoolFormatError: not a spool.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise SpoolFormatError(f"{path}: not a regular file")
+        size = st.st_size
         head = os.pread(fd, F.HEADER_BYTES, 0)
         geo = F.unpack_geometry(head[:F.GEOMETRY.size], size, path)
     finally:

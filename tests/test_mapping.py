@@ -150,8 +150,22 @@ def test_mapping_missing_file(spool_path):
 
 def test_mapping_refuses_a_fifo(spool_path):
     os.mkfifo(spool_path, 0o600)
-    with pytest.raises(SpoolFormatError, match="not a regular file"):
-        M.Mapping(spool_path)
+    try:
+        with pytest.raises(SpoolFormatError, match="not a regular file"):
+            M.Mapping(spool_path)
+    finally:
+        os.unlink(spool_path)
+
+
+def test_read_geometry_of_a_fifo_does_not_hang(spool_path):
+    """Regression: read_geometry opened a FIFO for reading without O_NONBLOCK and waited
+    for a writer forever (Spool.destroy of a FIFO at a spool path hung)."""
+    os.mkfifo(spool_path, 0o600)
+    try:
+        with pytest.raises(SpoolFormatError, match="not a regular file"):
+            M.read_geometry(spool_path)
+    finally:
+        os.unlink(spool_path)
 
 
 def test_mapping_refuses_a_foreign_file(spool_path):

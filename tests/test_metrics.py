@@ -147,6 +147,13 @@ def test_peek_errors(spool_dir):
         f.write(b"\x7fELF" + bytes(8192))
     with pytest.raises(SpoolFormatError, match="bad magic"):
         M.peek(foreign)
+    fifo = os.path.join(spool_dir, "fifo")
+    os.mkfifo(fifo, 0o600)
+    try:
+        with pytest.raises(SpoolFormatError, match="not a regular file"):
+            M.peek(fifo)  # regression: used to wait for a writer forever
+    finally:
+        os.unlink(fifo)
 
 
 def test_collector_marks_unreadable_spools_down(busy, spool_dir):
