@@ -151,7 +151,7 @@ def test_mapping_missing_file(spool_path):
 def test_mapping_refuses_a_fifo(spool_path):
     os.mkfifo(spool_path, 0o600)
     try:
-        with pytest.raises(SpoolFormatError, match="not a regular file"):
+        with pytest.raises(SpoolFormatError):  # (main: NotASpool, a subclass)
             M.Mapping(spool_path)
     finally:
         os.unlink(spool_path)
@@ -162,7 +162,7 @@ def test_read_geometry_of_a_fifo_does_not_hang(spool_path):
     for a writer forever (Spool.destroy of a FIFO at a spool path hung)."""
     os.mkfifo(spool_path, 0o600)
     try:
-        with pytest.raises(SpoolFormatError, match="not a regular file"):
+        with pytest.raises(SpoolFormatError):
             M.read_geometry(spool_path)
     finally:
         os.unlink(spool_path)
