@@ -29,8 +29,11 @@ DEADLINE_S = 150
 
 
 def sidecar(requests_path, results_path, expected, idle_s=30.0):
-    """The scorer: consume requests (named reader), append one result per unique request."""
-    from shmq.spark import Deduper, pop_stamp
+    """The scorer: consume requests (named reader), append one result per unique request.
+
+    Plain Python: shmq.dedupe needs no pyspark, so the sidecar's host needs none.
+    """
+    from shmq.dedupe import Deduper, pop_stamp
 
     requests = shmq.Spool.open(requests_path)
     results = shmq.Spool.open(results_path)
@@ -58,7 +61,8 @@ def sidecar(requests_path, results_path, expected, idle_s=30.0):
             done += len(out)
     busy = time.monotonic() - t0 if t0 else 0.0
     print(f"  sidecar {os.getpid()}: scored {done} requests in {busy:.2f} s since the first one "
-          f"arrived, dropped {dedup.duplicates} duplicates, named reader 'scorer' lost {inbox.lost}",
+          f"arrived, dropped {dedup.duplicates} duplicates, named reader 'scorer' lost {inbox.lost} "
+          f"(pyspark {'loaded' if 'pyspark' in sys.modules else 'not loaded'} in the sidecar)",
           flush=True)
     inbox.close()
     requests.close()
@@ -69,7 +73,7 @@ def sidecar_columnar(requests_path, results_path, expected, idle_s=30.0):
     """The scorer, columnar: one Arrow frame per Spark batch, scored vectorized."""
     import pyarrow.compute as pc
 
-    from shmq.spark import Deduper, arrow_stamp
+    from shmq.dedupe import Deduper, arrow_stamp  # pyarrow for the batches, no pyspark
 
     requests = shmq.Spool.open(requests_path)
     results = shmq.Spool.open(results_path)

@@ -297,7 +297,10 @@ def export_spool(path, dest, *, progress=False, progress_stream=None,
         ok = False
         try:
             out.write(_PREAMBLE.pack(DUMP_MAGIC, DUMP_VERSION, len(raw)) + raw)
-            for rec in iter_records(sp, "earliest", stop, info=info, skip_corrupt=skip_corrupt):
+            # from `first` itself (clamped): frames a live writer evicts before the
+            # reader exists are skipped *and counted*, not silently missing
+            for rec in iter_records(sp, first, stop, clamp=True, info=info,
+                                    skip_corrupt=skip_corrupt):
                 data = rec.data
                 out.write(_TAG_FRAME + _FRAME_REC.pack(
                     rec.seq, rec.timestamp_ns, len(data), zlib.crc32(data),
@@ -307,7 +310,10 @@ def export_spool(path, dest, *, progress=False, progress_stream=None,
                 frames += 1
                 nbytes += len(data)
                 prog.update(1, len(data))
-            out.write(_TAG_END + _TRAILER.pack(frames, nbytes, info.get("lost", 0)))
+            # Every seq in [first, stop) was exported or overwritten before the reader
+            # got to it; the reader's own count can also include frames past `stop`.
+            lost = max(0, stop - first - frames - info.get("corrupt", 0))
+            out.write(_TAG_END + _TRAILER.pack(frames, nbytes, lost))
             out.flush()
             ok = True
         except SpoolFormatError as exc:
@@ -320,7 +326,7 @@ def export_spool(path, dest, *, progress=False, progress_stream=None,
                 if not ok:
                     os.unlink(dest)  # no partial dump left behind
     return {"source": header["source"], "dest": dest, "frames": frames, "bytes": nbytes,
-            "first_seq": first, "next_seq": stop, "lost": info.get("lost", 0),
+            "first_seq": first, "next_seq": stop, "lost": lost,
             "corrupt": info.get("corrupt", 0),
             "corrupt_ranges": [list(x) for x in info.get("corrupt_ranges", [])],
             "readers": len(readers)}

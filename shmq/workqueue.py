@@ -118,6 +118,12 @@ class Message:
         self._wq._nack(self, delay, error)
         self._done = True
 
+    @property
+    def slot(self) -> int:
+        """The lease record of this delivery: with :attr:`token`, what
+        :meth:`WorkQueue.release` needs to give it back from another handle."""
+        return self._slot
+
     def extend(self, seconds) -> None:
         """Push the lease deadline to ``seconds`` from now.
 
@@ -261,6 +267,10 @@ class WorkQueue:
 
     def __reduce__(self):
         return (_reopen, (self.path, self._opts))
+
+    def options(self) -> dict:
+        """The options this handle was opened with (a copy), as keyword arguments."""
+        return dict(self._opts)
 
     def _check(self):
         if self._spool is None:
@@ -607,10 +617,15 @@ class WorkQueue:
 
     def _owned(self, msg):
         """Lock held: the lease record still belongs to this delivery, or LeaseLost."""
-        reg, lw = self._region, msg._slot * LEASE_WORDS
-        if (reg[lw + L_STATE] != LEASE_LEASED or reg[lw + L_TOKEN] != msg.token
-                or reg[lw + L_SEQ] != msg.id):
-            raise LeaseLost(f"message {msg.id}: lease token {msg.token} is stale (the lease expired "
+        return self._owned_by(msg._slot, msg.token, msg.id)
+
+    def _owned_by(self, slot, token, msg_id=None):
+        """Lock held: record ``slot`` is leased under ``token`` (and holds ``msg_id``)."""
+        reg, lw = self._region, slot * LEASE_WORDS
+        if (reg[lw + L_STATE] != LEASE_LEASED or reg[lw + L_TOKEN] != token
+                or (msg_id is not None and reg[lw + L_SEQ] != msg_id)):
+            what = f"message {msg_id}" if msg_id is not None else f"lease slot {slot}"
+            raise LeaseLost(f"{what}: lease token {token} is stale (the lease expired "
                             "and was re-granted, or the message was already settled)")
         return lw
 
@@ -625,15 +640,42 @@ class WorkQueue:
         sp._core.ring_space()
 
     def _nack(self, msg, delay, error):
+        self._give_back(msg._slot, msg.token, msg.id, delay, error)
+
+    def release(self, slot, token, *, delay=None, error=None) -> None:
+        """Give back the delivery leased under ``token`` in lease record ``slot``
+        (``Message.slot`` and ``Message.token``), as its holder's ``nack`` would:
+        delivered again after ``delay`` seconds, or dead-lettered (with
+        ``error``) if it has used up its attempts.
+
+        For a process that settles on behalf of a holder that died, from its
+        own handle, knowing only what the holder published (the Dispatcher's
+        supervisor does).  Atomic under the work queue's lock; safe to race
+        with the lease expiring or the holder settling: exactly one wins.
+
+        :raises shmq.LeaseLost: that delivery is no longer leased under ``token``
+            (settled, or re-granted after its lease expired).
+        :raises ValueError: ``slot`` is out of range, or the handle is closed.
+        :raises TypeError: ``slot`` or ``token`` is not an int.
+        """
+        for name, v in (("slot", slot), ("token", token)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+        self._check()
+        if not 0 <= slot < self._nleases:
+            raise ValueError(f"lease slot {slot} is out of range (0..{self._nleases - 1})")
+        self._give_back(slot, token, None, delay, error)
+
+    def _give_back(self, slot, token, msg_id, delay, error):
         self._check()
         delay = 0.0 if delay is None else check_block_timeout(True, delay)
         rec = _error_record(error)
         with self._lock:
-            lw = self._owned(msg)
+            lw = self._owned_by(slot, token, msg_id)
             reg = self._region
             attempts = reg[lw + L_ATTEMPTS]
             if (attempts & 0xFFFFFFFF) >= attempts >> 32:
-                self._dead_letter(msg._slot, self._frame_payload(msg._slot), rec)
+                self._dead_letter(slot, self._frame_payload(slot), rec)
                 self._update_low()
             else:
                 reg[lw + L_DUE_NS] = time.time_ns() + int(delay * _NS)

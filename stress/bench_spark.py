@@ -185,7 +185,7 @@ def sidecar_mpconn(address, n, ready, done):
 def make_peer_source():
     from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 
-    from shmq.spark import _WriterOptions, _encode_list, _record_lists
+    from shmq.spark import WriterOptions as _WriterOptions, encode_list as _encode_list, record_lists as _record_lists
 
     class PeerWriter(DataSourceArrowWriter):
         def __init__(self, options, schema):

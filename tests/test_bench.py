@@ -103,3 +103,16 @@ def test_report_renders_every_row_and_target(smoke_run):
             assert f"| {scen} | {name} |" in rep.stdout
     for t in data["targets"]:
         assert t["target"] in rep.stdout
+
+
+def test_bench_dispatch_runs_and_reports(tmp_path):
+    """stress/bench_dispatch.py (a smoke run: tiny, one repeat; no timing asserted)."""
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_dispatch.py"), "--messages",
+                           "50", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio publish/ingress" in proc.stdout and "CPU us/msg" in proc.stdout
+    data = json.loads(out.read_text())
+    assert set(data["median"]) == {"publish", "ingress"}
+    assert all(v > 0 for v in data["median"].values())

@@ -393,8 +393,9 @@ def test_worker_startup_failure_fails_start(make):
     assert status(d.path)["state"] == "stopped"
 
 
-def test_chaining_carries_correlation_ids(make, rec):
-    d = make()
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])  # "fork" is refused (threads)
+def test_chaining_carries_correlation_ids(make, rec, method):
+    d = make(start_method=method)
     d.register("fetch", h_fetch, parallelism=1)
     d.register("resize", h_resize, parallelism=2)
     d.start()
@@ -425,7 +426,9 @@ def test_chaining_carries_correlation_ids(make, rec):
     d.stop()
     m = d.metrics()
     assert (m["fetch"]["processed"], m["resize"]["processed"]) == (2, 4)
-    assert status(d.path)["routed"] == 6
+    # only the plain put on the ingress queue took the router hop: publish() and
+    # ctx.publish() of registered types go straight into the type's queue
+    assert status(d.path)["routed"] == 1
 
 
 def test_class_handlers_worker_and_message_scope(make, rec):
@@ -587,3 +590,25 @@ def test_registration_errors(spool_dir):
         Dispatcher.destroy(d.path)
     assert dispatch_main(["status", d.path]) == 1
     assert dispatch_main(["scale", d.path, "a", "1"]) == 1
+
+
+def test_publish_goes_straight_to_the_type_queue(make, rec):
+    d = make()
+    d.register("fetch", h_fetch, parallelism=0)  # paused: the messages stay queued
+    d.register("resize", h_resize, parallelism=0)
+    with pytest.raises(RuntimeError, match="started dispatcher"):
+        d.scale("fetch", 1)
+    assert d.wait_ready(timeout=0) is False and d.workers() == {"fetch": [], "resize": []}
+    early = d.publish("fetch", body(rec, n=1))  # before start: through the ingress queue
+    d.start()
+    ids = [d.publish("fetch", body(rec, n=2)), d.publish("resize", body(rec, n=3, part="a"))]
+    # direct ids carry the type's number (registration order, from 1) above bit 48
+    assert [i >> 48 for i in ids] == [1, 2] and early >> 48 == 0
+    with d.queue("fetch") as q:
+        st = q.stats()
+    assert st.ready + st.in_flight >= 1  # the direct one is already there, no router hop
+    assert status(d.path)["routed"] <= 1  # only the early one may have been forwarded
+    with d.queue("resize") as q:
+        m = q.get(timeout=5)  # the body as published: one pickle, no forwarding headers
+    assert m.id == ids[1] & ((1 << 48) - 1) and m.headers == {"type": "resize"}
+    assert m.body == body(rec, n=3, part="a")

@@ -293,3 +293,98 @@ def test_restart_recovery(wq_path):
     with pytest.raises(shmq.Empty):
         q.get(timeout=0.1)
     q.close()
+
+
+# --- release(slot, token): settling another holder's delivery ---------------------------
+
+
+def test_release_gives_the_delivery_back(wq):
+    wq.put("job")
+    m = wq.get(timeout=5)
+    assert isinstance(m.slot, int) and m.slot >= 0
+    wq.release(m.slot, m.token, error=RuntimeError("holder died"))
+    with pytest.raises(shmq.LeaseLost):
+        m.ack()  # the holder's own settle is now stale
+    m2 = wq.get(timeout=5)
+    assert (m2.body, m2.attempt) == ("job", 2) and m2.token != m.token
+    with pytest.raises(shmq.LeaseLost, match=f"lease slot {m2.slot}: lease token {m.token}"):
+        wq.release(m2.slot, m.token)  # the old token cannot touch the new delivery
+    m2.ack()
+    with pytest.raises(shmq.LeaseLost):
+        wq.release(m2.slot, m2.token)  # settled
+
+
+def test_release_past_max_attempts_dead_letters_with_the_error(wq):
+    wq.put("doomed")
+    for attempt in (1, 2, 3):
+        m = wq.get(timeout=5)
+        assert m.attempt == attempt
+        wq.release(m.slot, m.token, error=ValueError(f"try {attempt}"))
+    (dl,) = wq.dead_letters()
+    assert dl.body == "doomed" and dl.attempts == 3
+    assert dl.error["type"] == "ValueError" and dl.error["message"] == "try 3"
+
+
+def test_release_with_delay(wq):
+    wq.put("later")
+    m = wq.get(timeout=5)
+    wq.release(m.slot, m.token, delay=60)
+    with pytest.raises(shmq.Empty):
+        wq.get(timeout=0.05)
+    assert wq.stats().in_flight + wq.stats().delayed + wq.stats().ready >= 1
+
+
+def test_release_bad_input(wq):
+    wq.put("x")
+    m = wq.get(timeout=5)
+    with pytest.raises(ValueError, match="out of range"):
+        wq.release(10**6, m.token)
+    with pytest.raises(ValueError, match="out of range"):
+        wq.release(-1, m.token)
+    for slot, token in ((True, m.token), (m.slot, "1"), (1.0, m.token)):
+        with pytest.raises(TypeError, match="must be an int"):
+            wq.release(slot, token)
+    with pytest.raises(ValueError):
+        wq.release(m.slot, m.token, delay=-1)
+    m.ack()  # nothing above touched the lease
+    wq.close()
+    with pytest.raises(ValueError, match="closed"):
+        wq.release(m.slot, m.token)
+
+
+def _lease_and_wait(path, conn, go):
+    q = shmq.WorkQueue(path)
+    m = q.get(timeout=10, lease=600)
+    conn.send((m.slot, m.token, m.body))
+    go.wait(30)
+    try:
+        m.ack()
+        conn.send("acked")
+    except shmq.LeaseLost:
+        conn.send("stale")
+    q.close()
+
+
+def test_release_from_another_process(ctx, wq_path):
+    """The Dispatcher's supervisor case: the holder published (slot, token); another
+    process gives the message back while the holder still lives."""
+    q = shmq.WorkQueue(wq_path, capacity="1MiB", dead_capacity="256KiB")
+    q.put({"n": 1})
+    parent, child = ctx.Pipe()
+    go = ctx.Event()
+    p = ctx.Process(target=_lease_and_wait, args=(wq_path, child, go))
+    p.start()
+    try:
+        assert parent.poll(30)
+        slot, token, body = parent.recv()
+        assert body == {"n": 1}
+        q.release(slot, token, error="released by the supervisor")
+        m = q.get(timeout=10)
+        assert m.attempt == 2 and m.body == {"n": 1}
+        go.set()
+        assert parent.poll(30) and parent.recv() == "stale"  # the holder's late ack is refused
+        m.ack()
+    finally:
+        go.set()
+        assert join_all([p]) == [0]
+        q.close()

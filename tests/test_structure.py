@@ -1,0 +1,137 @@
+"""The structure check (stress/structure.py): its rules, and the figures of the house.
+
+Targets of the issue "A house a newcomer can read", over all of shmq/:
+cross-file private reaches <= 20, import cycles 0, largest file <= 700 lines.
+The spool layer (spool, reader, columnar, queue, workqueue, dump: the ring
+core moving to C) and the CLI are being reworked separately, so the overall
+targets are an expected failure here (strict: once they hold, this test
+says so and the assertion becomes a plain one).  What holds now is asserted
+for the parts already split: shmq/dispatch/, shmq/spark/, shmq/dedupe.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "stress", "structure.py")
+sys.path.insert(0, os.path.join(HERE, "..", "stress"))
+
+import structure  # noqa: E402
+
+SPLIT = ("shmq/dispatch/", "shmq/spark/", "shmq/dedupe.py")
+#: spark/read.py still reaches into the spool for a frame's byte position
+#: (``_locate``, ``_locate_hint``), the spool file's identity (``_geo``) and a
+#: named reader's loss counter (``_flush_stats``): public calls for those come
+#: with the spool layer's rework.
+SPARK_SPOOL_REACHES = 4
+
+
+@pytest.fixture(scope="module")
+def house():
+    return structure.analyse()
+
+
+def _write(root, files):
+    for rel, src in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(src))
+
+
+def test_rules_on_a_small_package(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from .a import A\n",
+        "pkg/_low.py": "def _helper():\n    pass\n\nVALUE = 1\n",
+        "pkg/a.py": """
+            import os
+            from collections import namedtuple
+            from . import _low as L
+            from ._low import _helper, VALUE
+
+            class A:
+                __slots__ = ("_mine",)
+
+                def __init__(self, other):
+                    self._mine = other._theirs        # reach: _theirs defined elsewhere
+                    self._own = 1
+                    other._poke = 2                   # reach: writing another object's private
+                    os._exit                          # stdlib: not ours
+                    L._helper                         # reach through a module alias
+                    namedtuple("P", "x")(1)._replace(x=2)  # namedtuple API
+                    getattr(other, "_theirs")         # reach spelled as a call
+
+                def use(self, a):
+                    return a._mine, a._own            # defined in this file: not a reach
+
+                def lazy(self):
+                    from .b import B                  # an import inside a function still counts
+                    return B
+            """,
+        "pkg/b.py": """
+            from .a import A
+
+            class B:
+                def __init__(self):
+                    self._theirs = 0
+                    self._poke = 0
+            """,
+    })
+    res = structure.analyse(str(tmp_path / "pkg"))
+    whats = sorted((r["file"], r["what"]) for r in res["reaches"])
+    assert whats == sorted([
+        ("pkg/a.py", "from pkg._low import _helper"),
+        ("pkg/a.py", "other._theirs"),
+        ("pkg/a.py", "other._poke"),
+        ("pkg/a.py", "pkg._low._helper"),
+        ("pkg/a.py", "other._theirs"),
+    ]), whats
+    assert res["cycles"] == [["pkg.a", "pkg.b"]]
+    assert "pkg" not in res["edges"]["pkg.a"]  # `from . import _low` depends on _low only
+    fig = structure.figures(res)
+    assert fig["reaches"] == 5 and fig["cycles"] == 1 and fig["largest_file"] == "pkg/a.py"
+
+
+def test_tool_runs_and_prints_the_figures(tmp_path):
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, TOOL, "--json", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for label in ("cross-file private reaches:", "import cycles:", "largest file:"):
+        assert label in proc.stdout
+    assert '"figures"' in out.read_text()
+
+
+def test_split_parts_reach_no_private_names(house):
+    mine = [r for r in house["reaches"] if r["file"].startswith(SPLIT)]
+    spark = [r for r in mine if r["file"].startswith("shmq/spark/")]
+    others = [r for r in mine if not r["file"].startswith("shmq/spark/")]
+    assert others == []
+    assert len(spark) <= SPARK_SPOOL_REACHES, spark
+
+
+def test_split_parts_are_in_no_import_cycle(house):
+    for comp in house["cycles"]:
+        assert not [m for m in comp if m.startswith(("shmq.dispatch", "shmq.spark", "shmq.dedupe"))]
+
+
+def test_split_parts_are_small(house):
+    big = {f: n for f, n in house["lines"].items() if f.startswith(SPLIT) and n > 600}
+    assert big == {}
+
+
+def test_dedupe_needs_no_pyspark():
+    code = ("import sys, shmq.dedupe as d; d.Deduper().seen(d.Stamp('00', 0, 0, 0, 0)); "
+            "assert 'pyspark' not in sys.modules and 'pyarrow' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="the spool layer (C core) and cli.py are being split "
+                                       "separately; tighten this once they land")
+def test_overall_targets(house):
+    fig = structure.figures(house)
+    assert fig["reaches"] <= 20 and fig["cycles"] == 0 and fig["largest_lines"] <= 700, fig
