@@ -32,6 +32,7 @@ import errno
 import logging
 import os
 import select
+import _thread
 import threading
 import time
 
@@ -57,12 +58,12 @@ class Watcher:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._ino = None
         self._failed = None  # the OSError that refused an instance, if any
         self._watches = {}  # (st_dev, st_ino) -> [wd, refcount]
         self._gen = 0
         self._pumping = False
+        self._waiters = []  # locks of parked non-pump threads, released by _bump
         self._async = {}  # event loop -> set of futures waiting on it
 
     # -- watches ----------------------------------------------------------
@@ -130,25 +131,37 @@ class Watcher:
 
     def _bump(self):
         """Wake every waiting thread and coroutine: "something changed, re-check"."""
-        with self._cond:
+        with self._lock:
             self._gen += 1
-            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
             loops = list(self._async.items())
+        for w in waiters:
+            w.release()
         for loop, futs in loops:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_resolve, futs)
 
     def sleep(self, seconds: float) -> None:
-        """Sleep until any watched file is modified or ``seconds`` pass (thread-safe)."""
+        """Sleep until any watched file is modified or ``seconds`` pass (thread-safe).
+
+        One thread at a time is the pump (polls the inotify fd); the others
+        park on a private lock the pump releases when it wakes.  No
+        ``threading.Condition``: a KeyboardInterrupt inside ``Condition.wait``
+        can leave its lock released and turn into ``RuntimeError``.
+        """
         pump = False
-        try:  # covers taking the pump role: a KeyboardInterrupt can never leave it taken
-            with self._cond:
-                gen = self._gen
+        waiter = None
+        try:  # covers taking a role: a KeyboardInterrupt never leaves one taken
+            with self._lock:
                 if self._ino is not None and not self._pumping:
                     self._pumping = pump = True  # one statement: no signal lands in between
                 elif self._ino is not None:
-                    self._cond.wait_for(lambda: self._gen != gen or not self._pumping, seconds)
-                    return
+                    waiter = _thread.allocate_lock()
+                    waiter.acquire()
+                    self._waiters.append(waiter)
+            if waiter is not None:
+                waiter.acquire(True, seconds)  # released by the pump's _bump
+                return
             if not pump:  # no inotify: the fallback polls
                 time.sleep(min(seconds, FALLBACK_SLEEP_S))
                 return
@@ -159,8 +172,12 @@ class Watcher:
             if ready:
                 self._drain()
         finally:
+            if waiter is not None:
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
             if pump:
-                with self._cond:
+                with self._lock:
                     self._pumping = False
                 self._bump()
 

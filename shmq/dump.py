@@ -144,7 +144,7 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
             except SpoolFormatError:
                 if not skip_corrupt:
                     raise
-                _resync(sp, r, r._seq, r._pos, stop, info)
+                _resync(sp, r, *r._get_cursor(), stop, info)
                 continue
             if stop is not None and f.seq >= stop:
                 return
@@ -197,7 +197,7 @@ def _resync(sp, r, seq, pos, stop, info):
         r.seek("latest")
         return
     # An anonymous reader's cursor is (seq, position): set both, as Reader.seek would.
-    r._seq, r._pos = new_seq, new_pos
+    r._set_cursor(new_seq, new_pos)
 
 
 def record_at(sp, seq) -> Record:

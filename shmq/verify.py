@@ -197,6 +197,10 @@ def verify(path) -> Report:
 def _control_problems(ctl, ring):
     # FIRST_* before NEXT_*: both only grow and FIRST_SEQ <= NEXT_SEQ at every
     # instant, so this order never sees a live writer's words out of order.
+    # The span check needs the opposite order (NEXT_POS read before FIRST_POS
+    # can only underestimate it): a writer that evicts and writes between two
+    # loads would otherwise look like a ring spanning more than its size.
+    npos_before = ctl[W_NEXT_POS]
     fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
     nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
     bad = []
@@ -209,9 +213,9 @@ def _control_problems(ctl, ring):
             bad.append(f"control words: FIRST_SEQ {fseq} > NEXT_SEQ {nseq}")
         if fpos > npos and fseq != nseq:
             bad.append(f"control words: FIRST_POS {fpos} > NEXT_POS {npos}")
-        elif npos - fpos > ring:
-            bad.append(f"control words: positions {fpos}..{npos} span {npos - fpos} bytes, "
-                       f"more than the ring's {ring}")
+        elif npos_before > fpos and npos_before - fpos > ring:
+            bad.append(f"control words: positions {fpos}..{npos_before} span "
+                       f"{npos_before - fpos} bytes, more than the ring's {ring}")
         elif fseq <= nseq and nseq - fseq > max(0, npos - fpos) // FRAME_BYTES + 1:
             bad.append(f"control words: {nseq - fseq} frames cannot fit in "
                        f"{max(0, npos - fpos)} bytes")

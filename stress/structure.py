@@ -77,13 +77,21 @@ def _private(name):
 
 
 def discover(root):
-    """``{module name: path}`` of every .py file under ``root`` (package ``shmq``)."""
+    """``{module name: path}`` of every .py file under ``root`` (package ``shmq``).
+
+    C extension sources (``shmq/_core.c``) are modules too, with no imports of
+    their own: ``from . import _core`` is an edge to them, not to the package.
+    """
     root = os.path.normpath(root)
     base = os.path.basename(root)
     mods = {}
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x != "__pycache__")
         for f in sorted(files):
+            if f.endswith(".c"):
+                rel = os.path.relpath(os.path.join(d, f), os.path.dirname(root))[:-2]
+                mods[".".join(rel.split(os.sep))] = os.path.join(d, f)
+                continue
             if not f.endswith(".py"):
                 continue
             rel = os.path.relpath(os.path.join(d, f), os.path.dirname(root))[:-3]
@@ -170,6 +178,8 @@ def analyse(root=ROOT):
     top = os.path.basename(os.path.normpath(root))
     reaches, edges, lines = [], {m: set() for m in mods}, {}
     for mod, path in mods.items():
+        if path.endswith(".c"):
+            continue  # a compiled leaf: no Python imports, not a Python module's size
         src = open(path, encoding="utf-8").read()
         rel = os.path.relpath(path, os.path.dirname(os.path.normpath(root)))
         lines[rel] = src.count("\n") + (0 if src.endswith("\n") or not src else 1)

@@ -325,7 +325,7 @@ def test_cli_reports_untrusted_as_permission(attacker, shared, capsys):
     path = os.path.join(d, "jobs")
     as_user(attacker, _plant_queue, path, marker, 0o666)
     try:
-        from shmq.cli import _classify
+        from shmq.cli import classify as _classify
 
         with pytest.raises(shmq.UntrustedSpool) as ei:
             shmq.Queue(path=path)

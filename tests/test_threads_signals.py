@@ -534,45 +534,26 @@ def test_sigstopped_writer_lock_holder_makes_others_time_out(ctx, spool_path):
 
 # --------------------------------------------------------------------------
 # A KeyboardInterrupt inside a blocking wait (found by a SIGINT storm against
-# get(timeout=0.002); made deterministic here by raising it at the exact
-# bytecode boundary a signal handler can hit).
+# get(timeout=0.002); made deterministic here by raising it at a point where a
+# signal handler can run: a call's return).
 
-def test_keyboardinterrupt_storm_in_blocking_waits_leaks_no_waiter(make_spool):
-    """A SIGALRM handler raising KeyboardInterrupt every 0.2 ms against short blocking
-    gets: the waiter registration (a C context manager) is never leaked, so the
-    waiter count is back to 0 and publishers stop ringing the doorbell."""
+def test_keyboardinterrupt_while_registered_leaks_no_waiter(make_spool):
+    """A KeyboardInterrupt at the first signal-delivery point after registering (the first
+    call inside the wait) unregisters: a leaked count would make every writer ring forever."""
     sp = make_spool(capacity="64KiB")
-    r = sp.reader()
-    armed = [False]  # raise only inside get(): the test's own bookkeeping must survive
+    bell = sp._data_bell
+    calls = []
 
-    def interrupt(signum, frame):
-        if armed[0]:
+    def ready():
+        calls.append(bell.sem.value)
+        if bell.sem.value:  # registered: the signal lands here
             raise KeyboardInterrupt
+        return False
 
-    old = signal.signal(signal.SIGALRM, interrupt)
-    interrupted = timeouts = 0
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            try:
-                armed[0] = True
-                r.get(timeout=0.002)
-                armed[0] = False
-            except KeyboardInterrupt:  # (stores and += run no signal handler)
-                armed[0] = False
-                interrupted += 1
-            except shmq.Empty:
-                armed[0] = False
-                timeouts += 1
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, old)
-    assert interrupted > 100  # (how many gets timed out instead depends on the scheduler)
-    assert sp._data_bell.sem.value == 0
-    sp.put(b"after")
-    assert r.get(timeout=5).data == b"after"
+    with pytest.raises(KeyboardInterrupt):
+        bell.wait(ready, 5)
+    assert calls[-1] == 1  # it was registered when interrupted
+    assert bell.sem.value == 0
 
 
 def test_keyboardinterrupt_while_becoming_the_pump_keeps_wakeups(make_spool, monkeypatch):
@@ -582,22 +563,30 @@ def test_keyboardinterrupt_while_becoming_the_pump_keeps_wakeups(make_spool, mon
     r = sp.reader()
     w = _notify.watcher()
 
-    class InterruptedCond(threading.Condition):
-        """The watcher's condition, with a SIGINT arriving as the pump leaves the with-block."""
+    real_lock = w._lock
+
+    class InterruptedLock:
+        """The watcher's lock, with a SIGINT arriving as the pump leaves its with-block."""
         fired = False
 
+        def __enter__(self):
+            return real_lock.__enter__()
+
         def __exit__(self, *exc):
-            res = super().__exit__(*exc)
-            if w._pumping and not InterruptedCond.fired:
-                InterruptedCond.fired = True
+            res = real_lock.__exit__(*exc)
+            if w._pumping and not InterruptedLock.fired:
+                InterruptedLock.fired = True
                 raise KeyboardInterrupt
             return res
 
-    monkeypatch.setattr(w, "_cond", InterruptedCond(w._lock))
+        def __getattr__(self, name):
+            return getattr(real_lock, name)
+
+    monkeypatch.setattr(w, "_lock", InterruptedLock())
     try:
         with pytest.raises(KeyboardInterrupt):
             r.get(timeout=5)
-        assert InterruptedCond.fired
+        assert InterruptedLock.fired
         monkeypatch.setattr(_notify, "SAFETY_NET_S", 30.0)  # a missed wake-up now costs the timeout
 
         def put_when_parked():
@@ -650,3 +639,53 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
         assert q.get(timeout=5) == "after"
     finally:
         q.close()
+
+
+def test_keyboardinterrupt_in_a_non_pump_wait_raises_keyboardinterrupt(make_spool, monkeypatch):
+    """A second thread parks while the first is the inotify pump; a SIGINT landing as it
+    parks must surface as KeyboardInterrupt (not RuntimeError, as it did with
+    threading.Condition) and leave the watcher usable."""
+    from shmq import _notify
+
+    monkeypatch.setattr(_notify, "SAFETY_NET_S", 30.0)  # the pump stays in select() meanwhile
+    sp = make_spool(capacity="64KiB")
+    w = _notify.watcher()
+    got = []
+    first, second = sp.reader(), sp.reader()
+    pump = threading.Thread(target=lambda: got.append(first.get(timeout=20).data))
+    pump.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not w._pumping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert w._pumping
+
+        import types
+
+        class InterruptedWaiter:
+            """A parked thread's lock, with a SIGINT arriving as it parks."""
+
+            def __init__(self):
+                self.real = threading.Lock()
+
+            def acquire(self, blocking=True, timeout=-1):
+                if timeout != -1 and threading.current_thread() is threading.main_thread():
+                    raise KeyboardInterrupt  # the signal lands as the waiter parks
+                return self.real.acquire(blocking, timeout)
+
+            def release(self):
+                self.real.release()
+
+        monkeypatch.setattr(_notify, "_thread", types.SimpleNamespace(allocate_lock=InterruptedWaiter))
+        with pytest.raises(KeyboardInterrupt):
+            second.get(timeout=5)
+        assert not w._lock.locked()
+    finally:
+        if w._lock.locked():
+            try:
+                w._lock.release()
+            except RuntimeError:
+                pass
+        sp.put(b"wake")
+        pump.join(30)
+    assert got == [b"wake"]

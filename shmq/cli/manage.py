@@ -142,6 +142,8 @@ def _ls_rows(directory, damaged):
 
 def cmd_ls(a) -> int:
     directory = os.path.abspath(a.dir) if a.dir else _mapping.default_dir()
+    if directory == _mapping.default_dir() and os.path.lexists(directory):
+        _mapping.check_private_dir(directory)  # a planted one is refused, not listed
     if os.path.exists(directory) and not os.path.isdir(directory):
         from .._mapping import read_geometry
 
