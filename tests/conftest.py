@@ -43,6 +43,13 @@ def _our_leftovers():
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a plain run)
         session.config._shmq_before = _our_leftovers()
+        session.config._shmq_private_dir_existed = os.path.lexists(_private_dir())
+
+
+def _private_dir():
+    from shmq._mapping import default_dir
+
+    return default_dir()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -57,6 +64,12 @@ def pytest_sessionfinish(session, exitstatus):
     # A semaphore still mapped by a live process belongs to something running
     # (another test run on this machine): only unmapped ones are debris.
     leaked = sorted(_our_leftovers() - before - _mapped_by_live_processes())
+    private = _private_dir()
+    if not session.config._shmq_private_dir_existed and os.path.isdir(private):
+        try:
+            os.rmdir(private)  # created by bare-name tests; empty when they cleaned up
+        except OSError:
+            leaked += [f"{private}/{n}" for n in sorted(os.listdir(private))]
     if leaked:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         msg = f"tests left {len(leaked)} item(s) in /dev/shm: {leaked[:10]}"
