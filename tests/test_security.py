@@ -540,3 +540,18 @@ def test_fsck_repair_refuses_a_squatted_writer_semaphore(spool_dir, capsys):
         assert posix_ipc.Semaphore(name).value == 0  # not posted by the repair
     finally:
         _unlink(name)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "directory"])
+def test_dispatcher_board_planted_at_path_dispatch_is_refused_promptly(plant, spool_dir, kind):
+    """A FIFO (socket, directory) planted at PATH.dispatch: the dispatcher's status and
+    destroy return at once with a clear error instead of blocking in open(2)."""
+    from shmq.dispatch import Dispatcher, board_path, status
+
+    path = os.path.join(spool_dir, "jobs")
+    bp = plant(kind, board_path(path))
+    _r, exc = prompt(status, path)
+    assert isinstance(exc, shmq.NotASpool), exc
+    _r, exc = prompt(Dispatcher.destroy, path)
+    assert isinstance(exc, shmq.NotASpool), exc
+    assert os.path.lexists(bp)  # someone else's file is left alone

@@ -20,7 +20,7 @@ import stat as _stat
 import time
 
 from .._lock import holder_alive, holder_pid, holder_word
-from .._mapping import resolve_path
+from .._mapping import open_file, resolve_path
 from ..errors import ShmqError
 from .registry import MAX_TYPES, attach
 
@@ -70,9 +70,10 @@ class Board:
         :raises FileNotFoundError: no board at ``path``.
         :raises shmq.ShmqError: the file is not a board (too short, bad magic or version).
         """
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # never follows, never blocks: a FIFO planted at PATH.dispatch is refused
+        fd, st = open_file(path, write=writable)
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if size < HDR_BYTES:
                 raise ShmqError(f"{path}: not a dispatcher board (too short)")
             b = cls(fd, size, writable)
@@ -137,7 +138,8 @@ def claim_board(bp, path, rows, reservoir):
     :raises shmq.ShmqError: the file is not a regular file of ours, or another
         dispatcher holds the flock.
     """
-    fd = os.open(bp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # O_NONBLOCK: opening a FIFO planted at the path must not block us
+    fd = os.open(bp, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 
+from .._mapping import open_file
 from .._mapping import resolve_path
 from ..errors import ShmqError
 from ..workqueue import WorkQueue
@@ -425,7 +426,7 @@ class Dispatcher:
         bp = board_path(path)
         queues = {f"{path}.{check_type(t)}" for t in types}
         try:
-            fd = os.open(bp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd, _st = open_file(bp, write=False)  # no follow, no block, regular files only
         except FileNotFoundError:
             fd = None
         if fd is not None:
