@@ -357,7 +357,9 @@ def test_sigint_storm_never_leaves_a_lock_held(ctx, spool_path, caplog):
             q.put("after", timeout=5)
             while q.get(timeout=5) != "after":
                 pass
-            assert time.monotonic() - t < 1.0
+            # A lock left held would cost BIG_RECOVERY_S (60 s) here; the bound is
+            # loose so a loaded machine (CPU burner, parallel workers) passes too.
+            assert time.monotonic() - t < 10.0
             assert other.read_at(seq).data == b"after the storm"
             assert other.stats().lock_breaks == 0 and qsp.stats().lock_breaks == 0
             assert _group_holder_word(other, "grp") == 0
