@@ -903,19 +903,29 @@ static PyObject *Ring_bind(Ring *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The optional (codec, max_backlog, lock_wait) arguments of put / put_many. */
+static int parse_put_args(Ring *r, PyObject *const *args, Py_ssize_t nargs, int *codec, long long *backlog,
+                          double *wait) {
+    if (ring_check_open(r) < 0) return -1;
+    *codec = 0;
+    *backlog = -1;
+    *wait = r->lock_wait;
+    if (nargs > 1 && (*codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return -1;
+    if (nargs > 2 && (*backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return -1;
+    if (nargs > 3 && args[3] != Py_None && (*wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
 static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     /* put(data, codec=0, max_backlog=-1, lock_wait=default) -> seq or status */
     if (nargs < 1 || nargs > 4) {
         PyErr_SetString(PyExc_TypeError, "put(data, codec=0, max_backlog=-1, lock_wait=None)");
         return NULL;
     }
-    if (ring_check_open(r) < 0) return NULL;
-    int codec = 0;
-    long long backlog = -1;
-    double wait = r->lock_wait;
-    if (nargs > 1 && (codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
-    if (nargs > 2 && (backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
-    if (nargs > 3 && args[3] != Py_None && (wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    int codec;
+    long long backlog;
+    double wait;
+    if (parse_put_args(r, args, nargs, &codec, &backlog, &wait) < 0) return NULL;
     Item item;
     if (load_item(&item, args[0], r->checksum) < 0) return NULL;
     int64_t res = ring_write(r, &item, 1, codec, backlog, wait);
@@ -930,13 +940,10 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put_many(items, codec=0, max_backlog=-1, lock_wait=None)");
         return NULL;
     }
-    if (ring_check_open(r) < 0) return NULL;
-    int codec = 0;
-    long long backlog = -1;
-    double wait = r->lock_wait;
-    if (nargs > 1 && (codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
-    if (nargs > 2 && (backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
-    if (nargs > 3 && args[3] != Py_None && (wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return NULL;
+    int codec;
+    long long backlog;
+    double wait;
+    if (parse_put_args(r, args, nargs, &codec, &backlog, &wait) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[0], "put_many() needs a sequence of bytes-like objects");
     if (!seq) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);

@@ -90,7 +90,6 @@ def set_crash_hook(hook) -> None:
 Frame = _core.Frame
 #: An open reservation (see :meth:`Spool.reserve`).
 Reservation = _core.Reservation
-_new_frame = tuple.__new__
 _LOCK_STUCK, _NO_ROOM, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.NO_ROOM, _core.SLOW, _core.TOO_LARGE
 _NO_PIN_MARK = (1 << 64) - 1
 
@@ -163,7 +162,6 @@ class Spool:
         self._checksum = geo["checksum"]
         self._crc_flag = FLAG_CRC if self._checksum else 0
         self._max_payload = min(self._ring - FRAME_BYTES, F.MAX_FRAME_PAYLOAD)
-        self._fast_limit = -1 if self._sync else self._max_payload
         prefix = geo["sem_prefix"]
         self._sem_prefix = prefix
         self._sem_mode = mode = m.st_mode & 0o666
