@@ -118,6 +118,12 @@ assert FRAME_BYTES == 32
 ALIGN = 8
 MAX_FRAME_PAYLOAD = 0xFFFFFFFF - FRAME_BYTES - ALIGN
 
+#: Byte offset of the u64 timestamp_ns field within a frame header (aligned: one store).
+FRAME_TS_OFFSET = 16
+assert FRAME_TS_OFFSET == struct.calcsize(FRAME.format[:4])
+#: Byte offset of the u16 flags field within a frame header (FRAME's sixth field).
+FRAME_FLAGS_OFFSET = 28
+assert FRAME_FLAGS_OFFSET == struct.calcsize(FRAME.format[:6])
 FLAG_PAD = 0x1  # filler to the ring's end; seq is that of the frame after it
 FLAG_SUPERSEDED = 0x2  # reserved for the work queue (dedup by key)
 FLAG_CRC = 0x4  # crc32 field is valid
@@ -305,6 +311,13 @@ def valid_frame_header(stored: int, length: int, offset: int, ring_bytes: int) -
     """True when a decoded frame header's lengths keep it inside the ring."""
     return (stored >= FRAME_BYTES + length and stored % ALIGN == 0
             and offset + stored <= ring_bytes)
+
+
+def or_frame_flags(buf, offset: int, flags: int) -> None:
+    """OR ``flags`` into the flags field of the frame header at ``offset`` in ``buf``
+    (one 2-byte store; the rest of the header is untouched)."""
+    o = offset + FRAME_FLAGS_OFFSET
+    buf[o:o + 2] = (int.from_bytes(buf[o:o + 2], "little") | flags).to_bytes(2, "little")
 
 
 def pack_name(name: str) -> bytes:

@@ -425,7 +425,8 @@ class Mapping:
     """An open, validated, memory-mapped spool file.
 
     Attributes: ``path``, ``fd``, ``mm``, ``geo`` (decoded geometry),
-    ``ctl`` (header page as u64 words), ``slots`` (reader table as u64 words).
+    ``view`` (a memoryview of the whole mapping), ``ctl`` (header page as u64
+    words), ``slots`` (reader table as u64 words).
     """
 
     def __init__(self, path: str):
@@ -443,7 +444,7 @@ class Mapping:
         self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
         self.st_uid = st.st_uid
         self.st_mode = st.st_mode
-        self._view = memoryview(self.mm)
+        self.view = self._view = memoryview(self.mm)  # the whole mapping
         self.ctl = self._view[:F.HEADER_BYTES].cast("Q")
         so, n = self.geo["slot_offset"], self.geo["slot_count"]
         self.slots = self._view[so:so + n * F.SLOT_BYTES].cast("Q")

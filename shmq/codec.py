@@ -111,8 +111,8 @@ TRUSTED = _Opted()
 
 def trust_of(spool, trusted=False) -> Trust:
     """The :class:`Trust` of an open spool handle, from ``fstat`` of its mapped descriptor."""
-    m = spool._map
-    return Trust(m.path, os.fstat(m.fd), trusted, network=F.from_network(spool._geo))
+    m = spool.mapping
+    return Trust(m.path, os.fstat(m.fd), trusted, network=F.from_network(m.geo))
 
 
 def require_trust(spool, trusted=False) -> Trust:

@@ -30,6 +30,8 @@ import numpy as np
 
 from . import _format as F
 from .errors import Empty, ShmqError
+from .waiting import check_block_timeout
+from .writer import Deferred
 
 __all__ = ["PinnedView", "encode_array", "decode_array", "put_array", "put_records", "put_arrow",
            "get_array", "get_arrow", "get_records"]
@@ -131,7 +133,7 @@ class PinnedView:
                 self._view.release()
             except BufferError:
                 pass  # still referenced (e.g. by Arrow arrays the caller kept): drop ours only
-            sp._unpin(self._pos)
+            sp.pins.unpin(self._pos)
 
     def __enter__(self):
         return self
@@ -151,14 +153,15 @@ class PinnedView:
 
 
 # --- spool / reader operations (bound as methods in spool.py and reader.py) ---------
+# They reach the spool and readers through their public parts only
+# (``spool.writer``, ``spool.ring``, ``spool.pins``, ``reader.take``...): this
+# module imports neither spool nor reader.
 
 
 def put_array(spool, arr, *, block=True, timeout=None):
     """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
-    from .spool import check_block_timeout
-
     head, data = encode_array(arr)
-    return spool._append(((head, data),), check_block_timeout(block, timeout), F.CODEC_NUMPY)
+    return _append(spool, ((head, data),), block, timeout)
 
 
 def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
@@ -167,14 +170,18 @@ def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
     Frames hold at most ``max_frame_bytes`` of records (default: a quarter of
     the ring); returns the first seq.
     """
-    from .spool import check_block_timeout
-
     if not isinstance(arr, np.ndarray) or arr.ndim != 1:
         raise TypeError("put_many() of records takes a 1-d numpy array")
     limit = max_frame_bytes or max(arr.dtype.itemsize, spool.capacity // 4)
     per = max(1, limit // max(1, arr.dtype.itemsize))
     parts = tuple(encode_array(arr[i:i + per]) for i in range(0, max(len(arr), 1), per))
-    return spool._append(parts, check_block_timeout(block, timeout), F.CODEC_NUMPY)
+    return _append(spool, parts, block, timeout)
+
+
+def _append(spool, frames, block, timeout, codec=F.CODEC_NUMPY):
+    timeout = check_block_timeout(block, timeout)
+    spool.check_open()
+    return spool.writer.append(frames, timeout, codec)
 
 
 def _arrow():
@@ -187,8 +194,6 @@ def _arrow():
 
 def put_arrow(spool, data, *, block=True, timeout=None):
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
-    from .spool import check_block_timeout
-
     pa = _arrow()
     if isinstance(data, pa.Table):
         batches = data.to_batches()
@@ -197,7 +202,6 @@ def put_arrow(spool, data, *, block=True, timeout=None):
         batches, schema = [data], data.schema
     else:
         raise TypeError(f"put_arrow() takes a pyarrow RecordBatch or Table, not {type(data).__name__}")
-    from .spool import Deferred
 
     def write(sink):
         with pa.ipc.new_stream(sink, schema) as writer:
@@ -214,7 +218,7 @@ def put_arrow(spool, data, *, block=True, timeout=None):
         if sink.tell() != size:
             raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
 
-    return spool._append((Deferred(size, fill),), check_block_timeout(block, timeout), F.CODEC_ARROW)
+    return _append(spool, (Deferred(size, fill),), block, timeout, F.CODEC_ARROW)
 
 
 def decode_arrow(buf):
@@ -226,92 +230,27 @@ def decode_arrow(buf):
 
 
 def next_frame(reader, block, timeout, copy, want_codec):
-    """The next frame of ``reader`` as ``(seq, payload, codec)``; pinned if ``copy=False``.
+    """The next frame of ``reader`` as ``(seq, payload, codec, pos)``; pinned if ``copy=False``.
 
     With ``copy=False`` the payload is a memoryview into the mapping and
-    the frame is pinned; the caller wraps it in a PinnedView.
+    the frame is pinned at ``pos``; the caller wraps it in a PinnedView.
     """
-    from .reader import GroupReader
-    from .spool import check_block_timeout
-
     if timeout is not None or not block:
         timeout = check_block_timeout(block, timeout)
-    sp = reader._spool
     deadline = None
     while True:
-        if reader._closed:
-            reader._check()
-        if isinstance(reader, GroupReader):
-            got = _take_group(reader, copy, timeout)
-        else:
-            got = _take_cursor(reader, copy)
+        reader.check()
+        got = reader.take(copy, timeout)
         if got is not None:
             seq, payload, codec, pos = got
             if codec != want_codec:
                 if pos is not None:
-                    sp._unpin(pos)
+                    reader.spool.pins.unpin(pos)
                 name = F.CODEC_NAMES.get(codec, codec)
                 raise ShmqError(f"frame {seq} is a {name} frame, not {F.CODEC_NAMES[want_codec]} "
                                 "(it was consumed; read mixed spools with get())")
             return seq, payload, codec, pos
-        deadline = reader._wait(timeout, deadline)
-
-
-def _pinned_read(sp, seq, pos):
-    """Pin and map the frame at cursor ``(seq, pos)``; None if it is gone or not plain."""
-    fpos = sp._frame_pos(pos)
-    hit = sp._header_at(fpos)
-    if hit is None or hit[0] != seq or hit[6] & F.FLAG_PAD:
-        return None
-    if not sp._pin(fpos):
-        return None
-    hit2 = sp._header_at(fpos)  # re-read under the pin: it cannot change any more
-    if hit2 != hit:
-        sp._unpin(fpos)
-        return None
-    o = sp._base + fpos % sp._ring + F.FRAME_BYTES
-    return sp._view[o:o + hit[3]], hit[7], fpos, fpos + hit[2]
-
-
-def _take_cursor(reader, copy):
-    from .spool import Frame
-
-    sp = reader._spool
-    seq, pos = reader._get_cursor()
-    if not copy and seq < sp._ctl[F.W_NEXT_SEQ]:
-        got = _pinned_read(sp, seq, pos)
-        if got is not None:
-            view, codec, fpos, npos = got
-            reader._advanced(seq + 1, npos)
-            return seq, view, codec, fpos
-    frame = reader._cur.get()
-    if type(frame) is not Frame:
-        return None
-    return frame[0], frame[2], frame.codec, None
-
-
-def _take_group(reader, copy, timeout):
-    if copy:
-        f = reader._locked(reader._cur.get, timeout)
-        return (f[0], f[2], f.codec, None) if f is not None else None
-    sp, slots, w = reader._spool, reader._spool._slots, reader._w
-    try:  # the try covers the acquire: no signal can land between the two
-        reader._lock.acquire(None if timeout is None else max(timeout, reader._lock.recovery_timeout))
-        seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
-        if seq >= sp._ctl[F.W_NEXT_SEQ]:
-            return None
-        got = _pinned_read(sp, seq, pos)
-        if got is None:
-            frame, nseq, npos, lost, codec = sp._read(seq, pos)
-            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
-            if lost:
-                slots[w + F.S_LOST] += lost
-            return None if frame is None else (frame[0], frame[2], codec, None)
-        view, codec, fpos, npos = got
-        slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, seq + 1
-        return seq, view, codec, fpos
-    finally:
-        reader._lock.release_if_held()
+        deadline = reader.wait(timeout, deadline)
 
 
 def _get(reader, block, timeout, copy, codec, decode):
@@ -322,9 +261,9 @@ def _get(reader, block, timeout, copy, codec, decode):
     try:
         obj = decode(payload)
     except BaseException:
-        reader._spool._unpin(pos)  # nothing will release a view we never return
+        reader.spool.pins.unpin(pos)  # nothing will release a view we never return
         raise
-    return PinnedView(obj, seq, reader._spool, pos, payload)
+    return PinnedView(obj, seq, reader.spool, pos, payload)
 
 
 def get_array(reader, block=True, timeout=None, copy=True):
@@ -345,15 +284,13 @@ def get_records(reader, max_frames=100, block=True, timeout=None):
     or codec (left for the next call).  For anonymous and named readers the
     records are copied once, straight from the mapping into the result.
     """
-    from .reader import GroupReader
-
-    if not isinstance(reader, GroupReader) and not reader._closed:
+    if not reader.shared and not reader.closed:
         out = _records_run(reader, max_frames, None)
         if out is not None:
             return out
     first = get_array(reader, block, timeout)
     parts = [first.reshape(-1)]
-    if not isinstance(reader, GroupReader) and max_frames > 1:
+    if not reader.shared and max_frames > 1:
         rest = _records_run(reader, max_frames - 1, first.dtype)
         if rest is not None:
             parts.append(rest)
@@ -372,22 +309,19 @@ def get_records(reader, max_frames=100, block=True, timeout=None):
 def _records_run(reader, max_frames, dtype):
     """Copy a run of plain numpy frames at the cursor into one array; None if none.
 
-    Lock-free like Spool._read_run: views over the mapping are concatenated
+    Lock-free like the core's reads: views over the mapping are concatenated
     (the one copy), then FIRST_POS is re-checked against the run's start.
     """
-    sp = reader._spool
-    seq, pos = reader._get_cursor()
-    nxt = sp._ctl[F.W_NEXT_SEQ]
-    arrays, frames, start = [], [], None
+    ring = reader.spool.ring
+    seq, pos = reader.cursor()
+    nxt = ring.next_seq
+    arrays, start = [], None
     while len(arrays) < max_frames and seq < nxt:
-        fpos = sp._frame_pos(pos)
-        hit = sp._header_at(fpos)
-        if hit is None or hit[0] != seq or hit[6] & F.FLAG_PAD or hit[7] != F.CODEC_NUMPY:
+        hit = ring.frame_at(seq, pos)
+        if hit is None or hit[7] != F.CODEC_NUMPY:
             break
-        o = sp._base + fpos % sp._ring + F.FRAME_BYTES
-        view = sp._view[o:o + hit[3]]
         try:
-            arr = decode_array(view)
+            arr = decode_array(ring.payload(hit))
         except ShmqError:
             break
         if dtype is None:
@@ -395,35 +329,28 @@ def _records_run(reader, max_frames, dtype):
         elif arr.dtype != dtype:
             break
         if start is None:
-            start = fpos
+            start = hit[1]
         arrays.append(arr.reshape(-1))
-        frames.append(seq)
-        seq, pos = seq + 1, fpos + hit[2]
+        seq, pos = seq + 1, hit[1] + hit[2]
     if not arrays:
         return None
     out = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
-    if sp._ctl[F.W_FIRST_POS] > start:  # overwritten while copying: take the slow path
+    if not ring.still_there(start):  # overwritten while copying: take the slow path
         return None
-    reader._advanced(seq, pos)
+    reader.advance(seq, pos)
     return out
 
 
 def _peek_dtype(reader):
-    """dtype of the next frame, without consuming it (anonymous/named readers only)."""
-    from .reader import GroupReader
-
-    sp = reader._spool
-    if isinstance(reader, GroupReader):
-        seq, pos = sp._slots[reader._w + F.S_SEQ], sp._slots[reader._w + F.S_POS]
-    else:
-        seq, pos = reader._get_cursor()
-    if seq >= sp._ctl[F.W_NEXT_SEQ]:
+    """dtype of the next frame, without consuming it."""
+    ring = reader.spool.ring
+    seq, pos = reader.cursor()
+    if seq >= ring.next_seq:
         raise Empty
-    hit = sp._header_at(sp._frame_pos(pos))
+    hit = ring.header_at(ring.frame_pos(pos))
     if hit is None or hit[0] != seq or hit[7] != F.CODEC_NUMPY:
         raise Empty
-    o = sp._base + hit[1] % sp._ring + F.FRAME_BYTES
-    return _dtype_of(sp._view[o:o + hit[3]])
+    return _dtype_of(ring.payload(hit))
 
 
 def _dtype_of(mv):

@@ -48,7 +48,6 @@ _TAG_END = b"E"
 #: Import writes frames in atomic batches of at most this many bytes / frames.
 BATCH_BYTES = 1 << 20
 BATCH_FRAMES = 1024
-_TS_WORD = 2  # timestamp_ns is the third u64 of a frame header (seq, lengths, ts)
 
 
 class DumpError(ShmqError, ValueError):
@@ -78,22 +77,17 @@ class Record(NamedTuple):
 
 def _peek(sp, seq, pos):
     """The header of frame ``seq`` at cursor ``pos`` (skipping a pad), or None."""
-    hit = sp._header_at(pos)
-    if hit is not None and hit[6] & F.FLAG_PAD:
-        hit = sp._header_at(hit[1] + hit[2])
-    if hit is None or hit[0] != seq:
-        return None
-    return hit
+    return sp.ring.frame_at(seq, pos)
 
 
 def _header_of(sp, seq):
     """``(codec, flags)`` of committed frame ``seq``, or ``(None, None)`` if it is gone."""
     try:
-        pos = sp._locate(seq)
+        pos = sp.ring.locate(seq)
     except (FrameLost, ShmqError):
         return None, None
-    hit = sp._header_at(pos)
-    if hit is None or hit[0] != seq or sp._ctl[F.W_FIRST_POS] > pos:
+    hit = sp.ring.header_at(pos)
+    if hit is None or hit[0] != seq or not sp.ring.still_there(pos):
         return None, None
     return hit[7], hit[6]
 
@@ -132,11 +126,10 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
             raise
         # the oldest frame itself is unreadable: start from the control block's word
         r = sp.reader(start="latest")
-        _resync(sp, r, sp._ctl[F.W_FIRST_SEQ], sp._ctl[F.W_FIRST_POS], stop, info)
-    ctl = sp._ctl
+        _resync(sp, r, sp.ring.first_seq, sp.ring.first_pos, stop, info)
     try:
         while stop is None or r.position < stop:
-            hit = _peek(sp, *r._get_cursor())  # the header is read before the payload copy
+            hit = _peek(sp, *r.cursor())  # the header is read before the payload copy
             try:
                 f = r.get(block=True, timeout=timeout) if follow else r.get(block=False)
             except Empty:
@@ -144,11 +137,11 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
             except SpoolFormatError:
                 if not skip_corrupt:
                     raise
-                _resync(sp, r, *r._get_cursor(), stop, info)
+                _resync(sp, r, *r.cursor(), stop, info)
                 continue
             if stop is not None and f.seq >= stop:
                 return
-            if hit is not None and hit[0] == f.seq and ctl[F.W_FIRST_POS] <= hit[1]:
+            if hit is not None and hit[0] == f.seq and sp.ring.still_there(hit[1]):
                 codec, flags = hit[7], hit[6]  # not overwritten since we read it
             else:
                 codec, flags = _header_of(sp, f.seq)
@@ -167,10 +160,11 @@ def _resync(sp, r, seq, pos, stop, info):
     Counts the skipped seqs in ``info``."""
     import numpy as np
 
-    ctl = sp._ctl
+    rg = sp.ring
+    ctl = rg.ctl
     end = ctl[F.W_NEXT_SEQ] if stop is None else min(stop, ctl[F.W_NEXT_SEQ])
-    ring, base = sp._ring, sp._base
-    words = np.frombuffer(sp._mm, dtype="<u8", count=ring // 8, offset=base)
+    ring, base = rg.size, rg.base
+    words = np.frombuffer(rg.mm, dtype="<u8", count=ring // 8, offset=base)
     seqs = words[::1]  # any aligned word may be a header's seq field (its first word)
     cand = np.nonzero((seqs > seq) & (seqs < end))[0]
     here = (pos % ring) // 8
@@ -180,11 +174,11 @@ def _resync(sp, r, seq, pos, stop, info):
         p = pos - pos % ring + w * 8
         if p <= pos:
             p += ring
-        hit = sp._header_at(p)
-        if hit is None or hit[1] != p or hit[0] <= seq or ctl[F.W_FIRST_POS] > p:
+        hit = rg.header_at(p)
+        if hit is None or hit[1] != p or hit[0] <= seq or not rg.still_there(p):
             continue
         nxt = hit[0] + (0 if hit[6] & F.FLAG_PAD else 1)
-        after = sp._header_at(p + hit[2])
+        after = rg.header_at(p + hit[2])
         if nxt >= ctl[F.W_NEXT_SEQ] or (after is not None and after[0] == nxt):
             found = (hit[0], p)
             break
@@ -197,7 +191,7 @@ def _resync(sp, r, seq, pos, stop, info):
         r.seek("latest")
         return
     # An anonymous reader's cursor is (seq, position): set both, as Reader.seek would.
-    r._set_cursor(new_seq, new_pos)
+    r.advance(new_seq, new_pos)
 
 
 def record_at(sp, seq) -> Record:
@@ -278,13 +272,13 @@ def export_spool(path, dest, *, progress=False, progress_stream=None,
     with Spool.open(path) as sp:
         readers = sp.readers()
         first, stop = sp.first_seq, sp.next_seq
-        st = os.fstat(sp._map.fd)
+        st = os.fstat(sp.mapping.fd)
         header = {
             "format": "shmq-dump", "version": DUMP_VERSION, "spool_format_version": F.FORMAT_VERSION,
             "source": sp.path, "host": socket.gethostname(), "exported_ns": time.time_ns(),
             "geometry": {"capacity": sp.capacity, "on_full": sp.on_full,
-                         "checksum": bool(sp._checksum), "readers": sp._geo["slot_count"],
-                         "leases": sp._geo["lease_count"], "mode": st.st_mode & 0o7777},
+                         "checksum": bool(sp.checksum), "readers": sp.geometry["slot_count"],
+                         "leases": sp.geometry["lease_count"], "mode": st.st_mode & 0o7777},
             "first_seq": first, "next_seq": stop,
             "readers": [{"name": r.name, "kind": r.kind, "position": r.position, "lost": r.lost}
                         for r in readers],
@@ -399,35 +393,27 @@ def iter_dump(f):
 def _patch_timestamps(sp, seq0, stamps):
     """Give the frames ``seq0..`` the exported timestamps (writer lock held; one aligned
     8-byte store each, so a concurrent reader sees the old or the new value)."""
-    ring, base = sp._ring, sp._base
-    view = memoryview(sp._mm)
-    try:
-        words = view[base:base + ring].cast("Q")
+    ring = sp.ring
+    with sp.writer_lock:
         try:
-            with sp._wlock:
-                try:
-                    pos = sp._locate(seq0)
-                except FrameLost:
-                    return  # already overwritten (tiny target ring)
-                seq = seq0
-                for ts in stamps:
-                    hit = sp._header_at(pos)
-                    if hit is None:
-                        return
-                    if hit[6] & F.FLAG_PAD:
-                        pos = hit[1] + hit[2]
-                        hit = sp._header_at(pos)
-                        if hit is None:
-                            return
-                    if hit[0] != seq or sp._ctl[F.W_FIRST_POS] > hit[1]:
-                        return
-                    words[(hit[1] % ring) // 8 + _TS_WORD] = ts
-                    pos = hit[1] + hit[2]
-                    seq += 1
-        finally:
-            words.release()
-    finally:
-        view.release()
+            pos = ring.locate(seq0)
+        except FrameLost:
+            return  # already overwritten (tiny target ring)
+        seq = seq0
+        for ts in stamps:
+            hit = ring.header_at(pos)
+            if hit is None:
+                return
+            if hit[6] & F.FLAG_PAD:
+                pos = hit[1] + hit[2]
+                hit = ring.header_at(pos)
+                if hit is None:
+                    return
+            if hit[0] != seq or not ring.still_there(hit[1]):
+                return
+            ring.set_timestamp(hit, ts)
+            pos = hit[1] + hit[2]
+            seq += 1
 
 
 def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=False,
@@ -587,9 +573,9 @@ def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog, shown):
             start = "earliest"  # overwritten in a smaller target ring
         r = sp.reader(name, group=group, start=start)
         r.close()
-        i = sp._find_slot(name)
+        i = sp.slots.find(name)
         if i is not None and rd.get("lost"):
-            sp._slots[i * F.SLOT_WORDS + F.S_LOST] = int(rd["lost"])
+            sp.slots.set_word(i, F.S_LOST, int(rd["lost"]))
         restored.append({"name": name, "kind": rd.get("kind", "reader"),
                          "source_position": rd["position"], "position": _position(sp, name)})
     return {"path": sp.path, "frames": frames, "bytes": nbytes,

@@ -30,7 +30,7 @@ import posix_ipc
 from . import _core
 from . import _format as F
 from . import codec as _codec
-from ._mapping import SEM_UNFINISHED, open_semaphore, sem_name
+from ._mapping import SEM_UNFINISHED, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool, check_block_timeout
 
@@ -73,17 +73,17 @@ class Queue:
         if path is None:
             path = f"/dev/shm/shmq-q-{secrets.token_hex(8)}"
             spool = Spool.create(path, capacity=capacity, on_full="block", readers=1, leases=0)
-            spool._ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
+            spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
             self._owner = os.getpid()
             self._track(spool)
         else:
             spool = Spool.create(path, capacity=capacity, on_full="block", exist_ok=True)
-            if maxsize > 0 and not spool._ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
-                spool._ctl[F.W_QUEUE_MAXSIZE] = maxsize
+            if maxsize > 0 and not spool.ring.ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
+                spool.ring.ctl[F.W_QUEUE_MAXSIZE] = maxsize
         self._attach(spool, trusted)
         if self._owner is not None:
             # Removes the file and semaphores when the creator is done with it.
-            self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool._sem_prefix,
+            self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool.sem_prefix,
                                                self._owner)
 
     def _attach(self, spool, trusted):
@@ -97,14 +97,14 @@ class Queue:
             raise
         self._spool = spool
         self._reader = spool.reader(GROUP, group=True)
-        self._maxsize = spool._ctl[F.W_QUEUE_MAXSIZE]
+        self._maxsize = spool.ring.ctl[F.W_QUEUE_MAXSIZE]
         self._backlog = self._maxsize or None
         self._backlog_word = self._maxsize or -1  # the core's "no bound"
-        self._core = spool._core
-        self._get_obj = self._reader._cur.get_obj
-        self._reader._cur.bind(self._reader, self)
+        self._core = spool.core
+        self._get_obj = self._reader.core_cursor.get_obj
+        self._reader.core_cursor.bind(self._reader, self)
         # The item in one C call when there is one; _get_slow does the rest.
-        self.get = self._reader._cur.get_obj_api
+        self.get = self._reader.core_cursor.get_obj_api
         self._trusted = trusted
         self._closed = False
 
@@ -113,7 +113,7 @@ class Queue:
         # The resource tracker unlinks these if we die without closing.
         resource_tracker.register("/" + os.path.basename(spool.path), "shared_memory")
         for which in _TRACKED_SEMS + (f"g{0}",):
-            resource_tracker.register(sem_name(spool._sem_prefix, which), "semaphore")
+            resource_tracker.register(sem_name(spool.sem_prefix, which), "semaphore")
 
     # -- pickling: by path, reattach ------------------------------------------
 
@@ -150,7 +150,7 @@ class Queue:
             # The core either writes it (seq >= 0) or says why not: room,
             # a stuck lock, a pin; the general path then waits as asked.
             if self._core.put(item, codec, self._backlog_word) < 0:
-                self._spool._append((item,), check_block_timeout(block, timeout), codec,
+                self._spool.writer.append((item,), check_block_timeout(block, timeout), codec,
                                     self._backlog)
         except Timeout as exc:  # a stuck live lock holder: the stdlib would say Full
             if self._unfinished is not None:
@@ -181,7 +181,7 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if got is _UNDECODED:
-            f = self._reader._cur.last
+            f = self._reader.core_cursor.last
         else:
             f = self._reader.get(block, timeout)
         return _decode(f[2], f.codec)
@@ -246,11 +246,11 @@ class Queue:
             # bytes, all out-of-band) is one atomic append; a mixed one goes item by item.
             codecs = {c for _i, c in encoded}
             if len(codecs) == 1:
-                self._spool._append(tuple(i for i, _c in encoded),
+                self._spool.writer.append(tuple(i for i, _c in encoded),
                                     check_block_timeout(block, timeout), codecs.pop(), self._backlog)
             else:
                 for item, codec in encoded:
-                    self._spool._append((item,), check_block_timeout(block, timeout), codec,
+                    self._spool.writer.append((item,), check_block_timeout(block, timeout), codec,
                                         self._backlog)
         except BaseException:
             if self._unfinished is not None:
@@ -278,7 +278,7 @@ class Queue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise
-            await self._spool._data_bell.wait_async(self._reader._available, left)
+            await self._spool.data_bell.wait_async(self._reader.available, left)
 
     async def put_async(self, obj, timeout=None):
         """``await`` room, then put ``obj``."""
@@ -288,11 +288,11 @@ class Queue:
                 return self.put(obj, block=False)
             except Full:
                 sp = self._spool
-                marker = sp._room_marker()
+                marker = sp.writer.room_marker()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise
-                await sp._space_bell.wait_async(lambda: sp._room_marker() != marker, left)
+                await sp.space_bell.wait_async(lambda: sp.writer.room_marker() != marker, left)
 
     @property
     def path(self) -> str:
@@ -332,9 +332,7 @@ class JoinableQueue(Queue):
 
     def _attach(self, spool, trusted):
         super()._attach(spool, trusted)
-        self._unfinished = open_semaphore(sem_name(spool._sem_prefix, SEM_UNFINISHED), 0,
-                                          spool._sem_mode, owner=spool._map.st_uid,
-                                          group=spool._map.st.st_gid)
+        self._unfinished = spool.open_semaphore(sem_name(spool.sem_prefix, SEM_UNFINISHED), 0)
 
     def task_done(self) -> None:
         """Mark one item as processed.
@@ -348,8 +346,8 @@ class JoinableQueue(Queue):
         except posix_ipc.BusyError:
             raise ValueError("task_done() called too many times") from None
         sp = self._spool
-        if not self._unfinished.value and sp._space_bell.has_waiters():
-            sp._space_bell.ring()
+        if not self._unfinished.value and sp.space_bell.has_waiters():
+            sp.space_bell.ring()
 
     def join(self, timeout=None) -> bool:
         """Block until every item put has been marked ``task_done()``.
@@ -359,7 +357,7 @@ class JoinableQueue(Queue):
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         sem = self._unfinished
-        return self._spool._space_bell.wait(lambda: sem.value == 0, timeout)
+        return self._spool.space_bell.wait(lambda: sem.value == 0, timeout)
 
 
 class SimpleQueue(Queue):

@@ -11,7 +11,9 @@
 The cursor itself is a :class:`shmq._core.Cursor`: reading, the seqlock
 check, loss counting, commits and statistics run in C in one call, which is
 atomic for other threads and for signal handlers.  This module keeps
-blocking (the spool's doorbells), validation and lifecycle.
+blocking (the spool's doorbells), validation and lifecycle, and the
+cursor operations the columnar layer builds zero-copy reads from
+(:meth:`Reader.cursor`, :meth:`Reader.take`, :meth:`Reader.advance`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import time
 
 from . import _core
 from . import _format as F
-from ._format import W_NEXT_SEQ
-from ._lock import RecoverableLock, ofd_lock, ofd_unlock
-from ._mapping import group_sem_name, open_semaphore
+from ._lock import RecoverableLock
+from ._mapping import group_sem_name
 from .errors import Empty, ReaderBusy
-from .spool import Frame, check_block_timeout
+from .waiting import check_block_timeout, retry_stuck
+
+Frame = _core.Frame
 
 __all__ = ["Reader", "NamedReader", "GroupReader"]
 
@@ -51,20 +54,23 @@ class Reader:
     _slot = None
     _kind = _K_ANON
 
+    #: True for a group member: the cursor is shared (lives in the reader table).
+    shared = False
+
     def __init__(self, spool, *, start="earliest", verify=False):
         self._spool = spool
         self._verify = verify
         self._closed = False
         seq, pos = self._initial_cursor(start)
-        self._cur = _core.Cursor(spool._core, self._kind, -1 if self._slot is None else self._slot,
+        self._cur = _core.Cursor(spool.core, self._kind, -1 if self._slot is None else self._slot,
                                  seq, pos, self._auto_commit(), bool(verify), self._lock_name())
         self._cur.bind(self)
         # A frame in one C call; it hands waiting and recovery to _get_slow.
         self.get = self._cur.get_api
-        spool._readers.add(self)
+        spool.add_reader(self)
 
     def _initial_cursor(self, start):
-        return self._spool._cursor_for(start)
+        return self._spool.ring.cursor_for(start)
 
     def _auto_commit(self):
         return False
@@ -79,6 +85,21 @@ class Reader:
         return self._closed
 
     @property
+    def spool(self):
+        """The :class:`shmq.Spool` handle this reader reads."""
+        return self._spool
+
+    @property
+    def core_cursor(self):
+        """The compiled cursor (:class:`shmq._core.Cursor`) doing this reader's reads."""
+        return self._cur
+
+    @property
+    def slot(self):
+        """Index of this reader's slot in the reader table (None: anonymous)."""
+        return self._slot
+
+    @property
     def position(self) -> int:
         """Seq of the next frame this reader will return."""
         return self._cur.seq
@@ -91,15 +112,17 @@ class Reader:
     @property
     def lag(self) -> int:
         """Committed frames not yet read by this reader."""
-        self._check()
-        return max(0, self._spool._ctl[W_NEXT_SEQ] - self.position)
+        self.check()
+        return max(0, self._spool.ring.next_seq - self.position)
 
-    def _check(self):
+    def check(self) -> None:
+        """:raises ValueError: the reader is closed (with the reason)."""
         if self._closed:
             self._cur.get()  # raises ValueError with the reason it was closed
             raise ValueError("reader is closed")
 
-    def _available(self):
+    def available(self) -> bool:
+        """True when a frame is committed past this reader's cursor (lock-free)."""
         return self._cur.available()
 
     # -- reading --------------------------------------------------------
@@ -121,17 +144,28 @@ class Reader:
         return self._get_slow(block, timeout, f)
 
     def _get_slow(self, block, timeout, f):
+        """What the core's get could not finish: wait for a frame, recover a group's lock."""
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
         deadline = None
         while True:
-            if type(f) is Frame:
+            if type(f) is int:  # a group's lock is busy
+                f = self._locked(self._cur.get, timeout)
+            if f is not None:
                 return f
-            deadline = self._wait(timeout, deadline)
+            deadline = self.wait(timeout, deadline)
             f = self._cur.get()
 
-    def _wait(self, timeout, deadline):
-        """Park until the cursor has something to read; return the deadline; raise Empty."""
+    def wait(self, timeout, deadline):
+        """Park until the cursor has something to read (or was told to re-check).
+
+        ``timeout`` is the caller's whole budget (0: do not wait, None:
+        forever); ``deadline`` is None on the first call and what the
+        previous call returned afterwards, so loops keep one budget.
+
+        :returns: the deadline to pass next time.
+        :raises shmq.Empty: the budget is spent.
+        """
         if timeout == 0:
             raise Empty("no frame available")
         now = time.monotonic()
@@ -139,7 +173,7 @@ class Reader:
             deadline = now + timeout
         self._before_wait()
         left = None if deadline is None else deadline - now
-        if left is not None and left <= 0 or not self._spool._data_bell.wait(self._cur.available, left):
+        if left is not None and left <= 0 or not self._spool.data_bell.wait(self._cur.available, left):
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
@@ -163,7 +197,7 @@ class Reader:
             timeout = check_block_timeout(block, timeout)
         deadline = None
         while True:
-            deadline = self._wait(timeout, deadline)
+            deadline = self.wait(timeout, deadline)
             out = self._cur.get_many(max_frames)
             if type(out) is list and out:
                 return out
@@ -173,7 +207,7 @@ class Reader:
 
         :raises shmq.Empty: nothing arrived within ``timeout``.
         """
-        self._check()
+        self.check()
         timeout = check_block_timeout(True, timeout)
         loop_deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -185,7 +219,7 @@ class Reader:
             if left is not None and left <= 0:
                 raise Empty(f"no frame within {timeout} s")
             self._before_wait()
-            if not await self._spool._data_bell.wait_async(self._cur.available, left):
+            if not await self._spool.data_bell.wait_async(self._cur.available, left):
                 raise Empty(f"no frame within {timeout} s")
 
     def __iter__(self):
@@ -221,37 +255,66 @@ class Reader:
         :raises shmq.FrameLost: that seq was already overwritten.
         :raises ValueError: a seq beyond the next one to be written.
         """
-        self._check()
-        self._set_cursor(*self._spool._cursor_for(where))
+        self.check()
+        self._set_cursor(*self._spool.ring.cursor_for(where))
 
     def _set_cursor(self, seq, pos):
         self._cur.pos = pos
         self._cur.seq = seq
 
-    def _get_cursor(self):
+    def cursor(self):
+        """This reader's cursor ``(seq, pos)``: the next frame it will return."""
         return self._cur.seq, self._cur.pos
 
-    def _advanced(self, seq, pos):
-        """The cursor moved past frames read outside the core (zero-copy columnar reads)."""
+    def advance(self, seq, pos) -> None:
+        """Move the cursor to ``(seq, pos)`` past frames read outside the core (zero-copy
+        columnar reads); a named reader with auto-commit commits it."""
         self._set_cursor(seq, pos)
+
+    def take(self, copy, timeout):
+        """The next frame as ``(seq, payload, codec, pos)``, or None if there is none yet.
+
+        With ``copy=False`` a plain frame is pinned and ``payload`` is a
+        memoryview into the mapping: the caller unpins ``pos`` when done
+        (``spool.pins.unpin(pos)``); otherwise ``payload`` is a private
+        copy and ``pos`` None.  Never blocks (``timeout`` bounds a group's
+        lock wait).
+        """
+        sp = self._spool
+        seq, pos = self.cursor()
+        if not copy and seq < sp.ring.next_seq:
+            got = sp.pins.read(seq, pos)
+            if got is not None:
+                view, codec, fpos, npos = got
+                self.advance(seq + 1, npos)
+                return seq, view, codec, fpos
+        frame = self._cur.get()
+        if type(frame) is not Frame:
+            return None
+        return frame[0], frame[2], frame.codec, None
 
     def commit(self) -> None:
         """Persist the position (anonymous readers have nothing to persist)."""
-        self._check()
+        self.check()
 
     # -- hooks for subclasses --------------------------------------------
 
-    def _count_lost(self, n):
+    def count_lost(self, n) -> None:
+        """Add ``n`` frames skipped outside this reader (e.g. by a Spark source that
+        jumped over overwritten offsets) to its loss counter."""
         self._cur.add_lost(n)
 
     def _before_wait(self):
         pass
 
-    def _flush_stats(self):
-        pass
+    def flush_stats(self) -> None:
+        """Publish this reader's pending counters to the reader table (named readers)."""
 
-    def _after_fork_in_child(self):
-        pass
+    def after_fork_in_child(self) -> None:
+        """Called by the spool in a fork child (this reader's cursor belongs to the parent)."""
+
+    def _locked(self, call, timeout):
+        raise NotImplementedError  # only a group's cursor has a lock
 
     # -- lifecycle --------------------------------------------------------
 
@@ -260,7 +323,7 @@ class Reader:
         if not self._closed:
             self._closed = True
             self._cur.close()
-            self._spool._readers.discard(self)
+            self._spool.discard_reader(self)
 
     def __enter__(self):
         return self
@@ -284,10 +347,9 @@ class _SlotReader(Reader):
     def __init__(self, spool, name, *, start="earliest", verify=False):
         self.name = name
         self._slot = None
-        slot = spool._attach_slot(name, self._slot_state, start)
+        slot = spool.slots.attach(name, self._slot_state, start)
         self._attach(spool, slot)
         self._slot = slot
-        self._w = slot * F.SLOT_WORDS
         try:
             super().__init__(spool, start=start, verify=verify)
         except BaseException:
@@ -295,30 +357,18 @@ class _SlotReader(Reader):
             raise
 
     def _attach(self, spool, slot):
-        refs = spool._slot_refs
+        slots = spool.slots
         exclusive = self._slot_state == F.SLOT_READER
-        w = slot * F.SLOT_WORDS
-        if exclusive and refs.get(slot):
+        if exclusive and slots.holds(slot):
             raise ReaderBusy(f"reader {self.name!r} is already attached through this handle")
-        if not refs.get(slot):
-            # OFD locks are per open file description: one lock per handle,
-            # reference-counted for several group members in one handle.
-            if not ofd_lock(spool._map.fd, spool._slot_byte(slot, F.SLOT_LIVE_BYTE), exclusive=exclusive):
-                raise ReaderBusy(f"reader {self.name!r} of {spool.path} is attached by another "
-                                 f"process (pid {spool._slots[w + F.S_PID]})")
-        refs[slot] = refs.get(slot, 0) + 1
-        spool._slots[w + F.S_PID] = os.getpid()
+        if not slots.hold(slot, exclusive):
+            raise ReaderBusy(f"reader {self.name!r} of {spool.path} is attached by another "
+                             f"process (pid {slots.word(slot, F.S_PID)})")
+        slots.set_word(slot, F.S_PID, os.getpid())
 
     def _detach(self, spool):
-        refs = spool._slot_refs
-        slot = self._slot
-        if slot is None or not refs.get(slot):
-            return
-        refs[slot] -= 1
-        if not refs[slot]:
-            del refs[slot]
-            if spool._map.mm is not None:
-                ofd_unlock(spool._map.fd, spool._slot_byte(slot, F.SLOT_LIVE_BYTE))
+        if self._slot is not None:
+            spool.slots.let_go(self._slot)
 
     @property
     def lost(self) -> int:
@@ -329,26 +379,26 @@ class _SlotReader(Reader):
         """
         if self._closed:
             return self._cur.lost
-        self._flush_stats()
-        return self._spool._slots[self._w + F.S_LOST]
+        self.flush_stats()
+        return self._spool.slots.word(self._slot, F.S_LOST)
 
     def _before_wait(self):
-        self._flush_stats()
+        self.flush_stats()
 
     def close(self) -> None:
         if self._closed:
             return
-        self._flush_stats()
+        self.flush_stats()
         self._detach(self._spool)
         super().close()
 
-    def _after_fork_in_child(self):
+    def after_fork_in_child(self) -> None:
         # Only the attaching process owns the cursor; the fork child's copy
         # of this object is closed (open a new reader in the child).
         self._closed = True
         self._cur.close(f"reader {self.name!r} belongs to the process that created it "
                         "(pid before fork); open a new reader in this process")
-        self._spool._slot_refs.pop(self._slot, None)
+        self._spool.slots.forget(self._slot)
 
 
 class NamedReader(_SlotReader):
@@ -368,21 +418,20 @@ class NamedReader(_SlotReader):
         return bool(self._auto)
 
     def _initial_cursor(self, start):
-        sp = self._spool
-        seq, pos = sp._slots[self._w + F.S_SEQ], sp._slots[self._w + F.S_POS]
-        sp._check_cursor(self.name, seq, pos)
+        seq, pos = self._spool.slots.cursor(self._slot)
+        self._spool.ring.check_cursor(self.name, seq, pos)
         return seq, pos
 
     @property
     def committed(self) -> int:
         """The position stored in the spool (where a restart resumes)."""
-        return self._spool._slots[self._w + F.S_SEQ]
+        return self._spool.slots.word(self._slot, F.S_SEQ)
 
-    def _flush_stats(self):
+    def flush_stats(self) -> None:
         if not self._closed:
             self._cur.flush()
 
-    def _advanced(self, seq, pos):
+    def advance(self, seq, pos) -> None:
         self._set_cursor(seq, pos)
         if self._auto:
             self._cur.commit()
@@ -390,7 +439,7 @@ class NamedReader(_SlotReader):
     def commit(self) -> None:
         """Persist the current position in the spool (two aligned stores: position,
         then seq; a crash between them is repaired on the next read)."""
-        self._check()
+        self.check()
         self._cur.commit()
 
     def seek(self, where) -> None:
@@ -415,39 +464,37 @@ class GroupReader(_SlotReader):
 
     _slot_state = F.SLOT_GROUP
     _kind = _K_GROUP
+    shared = True
 
     def __init__(self, spool, name, *, start="earliest", verify=False):
         super().__init__(spool, name, start=start, verify=verify)
-        w = self._w
         try:
-            spool._check_cursor(name, spool._slots[w + F.S_SEQ], spool._slots[w + F.S_POS])
+            spool.ring.check_cursor(name, *spool.slots.cursor(self._slot))
             self._lock = self._make_lock()
         except BaseException:
             self.close()
             raise
 
     def _lock_name(self):
-        sp = self._spool
-        name = group_sem_name(sp._sem_prefix, self._slot)
+        name = group_sem_name(self._spool.sem_prefix, self._slot)
         # create it on the group's first use; one another user squatted is refused
-        open_semaphore(name, 1, sp._sem_mode, owner=sp._map.st_uid, group=sp._map.st.st_gid).close()
+        self._spool.open_semaphore(name, 1).close()
         return name
 
     def _make_lock(self):
         sp = self._spool
-        sem = open_semaphore(group_sem_name(sp._sem_prefix, self._slot), 1, sp._sem_mode,
-                             owner=sp._map.st_uid, group=sp._map.st.st_gid)
-        w = self._w
-        return RecoverableLock(sem, sp._slots, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN, sp._map,
-                               sp._slot_byte(self._slot, F.SLOT_RECOVERY_BYTE),
-                               recovery_timeout=sp._recovery_timeout)
+        sem = sp.open_semaphore(group_sem_name(sp.sem_prefix, self._slot), 1)
+        w = self._slot * F.SLOT_WORDS
+        return RecoverableLock(sem, sp.slots.words, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN,
+                               sp.mapping, sp.slots.byte(self._slot, F.SLOT_RECOVERY_BYTE),
+                               recovery_timeout=sp.recovery_timeout)
 
     def _initial_cursor(self, start):
         return 0, 0  # the cursor lives in the slot
 
     @property
     def position(self) -> int:
-        return self._spool._slots[self._w + F.S_SEQ]
+        return self._spool.slots.word(self._slot, F.S_SEQ)
 
     def _locked(self, call, timeout):
         """Run a core call that takes the group lock; recover a dead holder's lock.
@@ -456,36 +503,34 @@ class GroupReader(_SlotReader):
         (microseconds), up to the recovery timeout; a stuck live holder
         surfaces as Empty, as multiprocessing.Queue's busy read lock does.
         """
-        rt = self._spool._recovery_timeout
-        limit = None if timeout is None else time.monotonic() + max(timeout, rt)
-        while True:
-            wait = rt if limit is None else max(0.0, min(rt, limit - time.monotonic()))
-            out = call(wait)
-            if type(out) is not int:
-                return out
-            if limit is not None and time.monotonic() >= limit:
-                raise Empty("the group's lock is held by a live member that does not release it")
-            self._lock.recover_if_dead()
+        limit = None if timeout is None else time.monotonic() + max(timeout, self._lock.recovery_timeout)
+        return retry_stuck(call, self._lock, limit, _is_int, _group_stuck)
 
-    def get(self, block=True, timeout=None):
-        f = self._cur.get()
-        if type(f) is Frame:
-            return f
-        return self._get_slow(block, timeout, f)
-
-    def _get_slow(self, block, timeout, f):
-        if timeout is not None or not block:
-            timeout = check_block_timeout(block, timeout)
-        deadline = None
-        while True:
-            if type(f) is int:
-                f = self._locked(self._cur.get, timeout)
-                if f is not None:
-                    return f
-            elif f is not None:
-                return f
-            deadline = self._wait(timeout, deadline)
-            f = self._cur.get()
+    def take(self, copy, timeout):
+        """See :meth:`Reader.take`: here under the group's lock, which is held for the copy
+        (or the pin) only."""
+        if copy:
+            f = self._locked(self._cur.get, timeout)
+            return (f[0], f[2], f.codec, None) if f is not None else None
+        sp, slots, i = self._spool, self._spool.slots, self._slot
+        lock = self._lock
+        try:  # the try covers the acquire: no signal can land between the two
+            lock.acquire(None if timeout is None else max(timeout, lock.recovery_timeout))
+            seq, pos = slots.cursor(i)
+            if seq >= sp.ring.next_seq:
+                return None
+            got = sp.pins.read(seq, pos)
+            if got is None:
+                frame, nseq, npos, lost, codec = sp.ring.read(seq, pos)
+                slots.set_cursor(i, nseq, npos)
+                if lost:
+                    slots.set_word(i, F.S_LOST, slots.word(i, F.S_LOST) + lost)
+                return None if frame is None else (frame[0], frame[2], codec, None)
+            view, codec, fpos, npos = got
+            slots.set_cursor(i, seq + 1, npos)
+            return seq, view, codec, fpos
+        finally:
+            lock.release_if_held()
 
     def get_many(self, max_frames=100, block=True, timeout=None, as_array=False):
         if as_array:
@@ -500,52 +545,60 @@ class GroupReader(_SlotReader):
             out = self._locked(lambda wait: self._cur.get_many(max_frames, wait), timeout)
             if out:
                 return out
-            deadline = self._wait(timeout, deadline)
+            deadline = self.wait(timeout, deadline)
 
     @property
     def lost(self) -> int:
         """Frames the group skipped because they were overwritten (shared by all members)."""
-        return self._spool._slots[self._w + F.S_LOST]
+        return self._spool.slots.word(self._slot, F.S_LOST)
 
-    def _flush_stats(self):
-        if not self._closed and self._spool._mm is not None and self._cur.pending:
+    def flush_stats(self) -> None:
+        if not self._closed and not self._spool.closed and self._cur.pending:
             self._locked(lambda wait: None if self._cur.flush(wait) else 0, None)
 
     def seek(self, where) -> None:
         """Move the group's shared cursor (affects every member)."""
-        self._check()
-        seq, pos = self._spool._cursor_for(where)
+        self.check()
+        seq, pos = self._spool.ring.cursor_for(where)
         with self._lock:
-            self._spool._slots[self._w + F.S_POS] = pos
-            self._spool._slots[self._w + F.S_SEQ] = seq
+            self._spool.slots.set_cursor(self._slot, seq, pos)
 
     def _set_cursor(self, seq, pos):
         raise NotImplementedError  # the cursor lives in the slot: use seek()
 
-    def _get_cursor(self):
-        return self._spool._slots[self._w + F.S_SEQ], self._spool._slots[self._w + F.S_POS]
+    def cursor(self):
+        """The group's shared cursor ``(seq, pos)`` (another member may move it at once)."""
+        return self._spool.slots.cursor(self._slot)
 
     def close(self) -> None:
         if not self._closed and getattr(self, "_lock", None) is not None:
-            self._flush_stats()
+            self.flush_stats()
             self._lock.close()
             self._lock.sem.close()
         super().close()
 
-    def _after_fork_in_child(self):
+    def after_fork_in_child(self) -> None:
         # Group members may be shared with fork children: the cursor is in
         # the spool, so the child only needs its own liveness lock.  The
         # parent's unflushed counters stay the parent's.
         self._cur.reset_stats()
         sp = self._spool
         if getattr(self, "_lock", None) is not None:
-            self._lock.set_holder(sp._holder)
-        if not ofd_lock(sp._map.fd, sp._slot_byte(self._slot, F.SLOT_LIVE_BYTE), exclusive=False):
+            self._lock.set_holder(sp.holder)
+        if not sp.slots.relock(self._slot):
             self._closed = True
             self._cur.close("could not re-attach group member after fork")
 
     def __reduce__(self):
         return (_reattach, (self._spool, self.name, True, None, self._verify))
+
+
+def _is_int(out):
+    return type(out) is int
+
+
+def _group_stuck():
+    raise Empty("the group's lock is held by a live member that does not release it")
 
 
 def _reattach(spool, name, group, seq, verify, auto_commit=True):

@@ -193,26 +193,23 @@ class WorkQueue:
         if sp.on_full != "block":
             raise ShmqError(f"{sp.path} is a '{sp.on_full}' spool; a work queue needs on_full='block'")
         self._trust = codec.require_trust(sp, trusted)  # fstat of the mapped fd
-        ctl = sp._ctl
+        ctl = sp.ring.ctl
         take = sp.reader(TAKE_SLOT, group=True)  # creates the slot if new (earliest)
         self._spool, self._ctl, self._take = sp, ctl, take
         self._lock = take._lock
         with self._lock:
             if not ctl[F.W_WQ_LEASE_SLOTS]:  # first attach: initialize under the lock
-                if F.wq_region_records(leases, keys) > sp._geo["lease_count"]:
+                if F.wq_region_records(leases, keys) > sp.geometry["lease_count"]:
                     raise ShmqError(f"{sp.path}: its lease region is too small for a work queue "
                                     f"with {leases} leases and {keys} keys")
                 ctl[F.W_WQ_KEY_SLOTS] = keys
                 ctl[F.W_WQ_MAX_ATTEMPTS] = max_attempts
                 ctl[F.W_WQ_LEASE_SLOTS] = leases  # published last: initialized
-        sp._attach_slot(LOW_SLOT, F.SLOT_READER, "earliest")
-        self._low = sp._find_slot(LOW_SLOT) * F.SLOT_WORDS
+        self._low = sp.slots.attach(LOW_SLOT, F.SLOT_READER, "earliest")
         self._nleases = ctl[F.W_WQ_LEASE_SLOTS]
         self._nkeys = ctl[F.W_WQ_KEY_SLOTS]
         self._max_attempts = ctl[F.W_WQ_MAX_ATTEMPTS]
-        lo = sp._geo["lease_offset"]
-        n = sp._geo["lease_count"] * F.LEASE_BYTES
-        self._region = sp._view[lo:lo + n].cast("Q")
+        self._region = sp.lease_region()
         self._keys_base = self._nleases * LEASE_WORDS
         self._lock.on_recover = self._recover
 
@@ -329,7 +326,7 @@ class WorkQueue:
             items.append(codec.encode_workq(obj, headers, k, head))  # pickled outside any lock
             hashes.append(h)
         index = self._index_keys if any(hashes) else None
-        seq = self._spool._append(tuple(items), check_block_timeout(True, timeout), F.CODEC_WORKQ,
+        seq = self._spool.writer.append(tuple(items), check_block_timeout(True, timeout), F.CODEC_WORKQ,
                                   before_commit=(lambda s, placed: index(s, placed, hashes)) if index else None)
         return seq
 
@@ -375,18 +372,16 @@ class WorkQueue:
                 newer, pos = reg[w + 1], reg[w + 2]
                 if newer <= seq or newer >= self._ctl[F.W_NEXT_SEQ]:
                     return False
-                hit = self._spool._header_at(pos)  # verify: the entry may be torn or stale
+                hit = self._spool.ring.header_at(pos)  # verify: the entry may be torn or stale
                 return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
             i = (i + 1) % n
         return False
 
     def _ext(self, hit):
         """Decode the work-queue header of the frame whose header is ``hit``."""
-        sp = self._spool
-        off = sp._base + hit[1] % sp._ring + F.FRAME_BYTES
         if hit[3] < F.WQ_HEADER.size:
             raise ShmqError(f"{self.path}: frame {hit[0]} is not a work queue message")
-        return F.WQ_HEADER.unpack_from(sp._mm, off)
+        return F.WQ_HEADER.unpack_from(self._spool.ring.payload(hit))
 
     # -- consuming ----------------------------------------------------------------
 
@@ -438,10 +433,10 @@ class WorkQueue:
             wait = min(wait, self._liveness_interval) if wait is not None else self._liveness_interval
             sp = self._spool
             cursor = self._take_seq()
-            sp._data_bell.wait(lambda: sp._ctl[F.W_NEXT_SEQ] > cursor, max(wait, 0.001))
+            sp.data_bell.wait(lambda: sp.ring.next_seq > cursor, max(wait, 0.001))
 
     def _take_seq(self):
-        return self._spool._slots[self._take._w + F.S_SEQ]
+        return self._take.position
 
     def _lease_some(self, max_messages, lease):
         """Grant up to ``max_messages`` leases; return (grants, seconds until the next due time)."""
@@ -488,7 +483,7 @@ class WorkQueue:
         if check_live:
             self._next_liveness = time.monotonic() + self._liveness_interval
         if freed:
-            sp._core.ring_space()
+            sp.core.ring_space()
         wait = None if next_due_ns is None else max(0.0, (next_due_ns - now_ns) / _NS)
         return grants, wait
 
@@ -506,25 +501,25 @@ class WorkQueue:
 
         Returns (grant or None, whether to keep going, due time if it was delayed).
         """
-        sp, slots, w = self._spool, self._spool._slots, self._take._w
-        seq, pos = slots[w + F.S_SEQ], slots[w + F.S_POS]
-        frame, nseq, npos, lost, codec = sp._read(seq, pos)
-        if lost:
-            slots[w + F.S_LOST] += lost  # cannot happen in block mode; counted if it does
+        sp, slots, t = self._spool, self._spool.slots, self._take.slot
+        seq, pos = slots.cursor(t)
+        frame, nseq, npos, lost, codec = sp.ring.read(seq, pos)
+        if lost:  # cannot happen in block mode; counted if it does
+            slots.set_word(t, F.S_LOST, slots.word(t, F.S_LOST) + lost)
         if frame is None:
             if lost:
-                slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+                slots.set_cursor(t, nseq, npos)
             return None, False, None
-        fpos = sp._frame_pos(pos)
+        fpos = sp.ring.frame_pos(pos)
         data = frame[2]
         if codec != F.CODEC_WORKQ or len(data) < F.WQ_HEADER.size:
             # not ours (written by a plain spool writer): skip it, counted as superseded
-            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            slots.set_cursor(t, nseq, npos)
             self._ctl[F.W_WQ_SUPERSEDED] += 1
             return None, True, None
         h, nb_ns, max_att, _flags = F.WQ_HEADER.unpack_from(data)
         if self._superseded(h, frame[0]):
-            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            slots.set_cursor(t, nseq, npos)
             self._ctl[F.W_WQ_SUPERSEDED] += 1
             return None, True, None
         i = self._free_record()
@@ -538,12 +533,12 @@ class WorkQueue:
         if nb_ns > now_ns:
             reg[lw + L_DUE_NS] = nb_ns
             reg[lw + L_STATE] = LEASE_DELAYED
-            slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+            slots.set_cursor(t, nseq, npos)
             return None, True, nb_ns
         grant = self._grant(i, now_ns, lease, data)
         # the record exists before the cursor moves: a crash in between
         # redelivers (at least once), never loses (see _recover)
-        slots[w + F.S_POS], slots[w + F.S_SEQ] = npos, nseq
+        slots.set_cursor(t, nseq, npos)
         return grant, True, None
 
     def _grant(self, i, now_ns, lease, data):
@@ -554,7 +549,7 @@ class WorkQueue:
         attempt = (attempts & 0xFFFFFFFF) + 1
         reg[lw + L_ATTEMPTS] = (attempts & ~0xFFFFFFFF) | attempt
         reg[lw + L_TOKEN] = token
-        reg[lw + L_HOLDER] = self._spool._holder
+        reg[lw + L_HOLDER] = self._spool.holder
         deadline = now_ns + int(lease * _NS)
         reg[lw + L_DUE_NS] = deadline
         reg[lw + L_STATE] = LEASE_LEASED
@@ -562,7 +557,7 @@ class WorkQueue:
 
     def _frame_payload(self, i):
         reg, sp, lw = self._region, self._spool, i * LEASE_WORDS
-        frame, _s, _p, lost, _c = sp._read(reg[lw + L_SEQ], reg[lw + L_POS])
+        frame, _s, _p, lost, _c = sp.ring.read(reg[lw + L_SEQ], reg[lw + L_POS])
         if frame is None or lost or frame[0] != reg[lw + L_SEQ]:
             raise ShmqError(f"{self.path}: leased frame {reg[lw + L_SEQ]} is gone (ring corrupt?)")
         return frame[2]
@@ -600,15 +595,13 @@ class WorkQueue:
 
     def _update_low(self):
         """Publish the oldest referenced frame so writers keep it (lock held)."""
-        reg, slots = self._region, self._spool._slots
-        tw = self._take._w
-        seq, pos = slots[tw + F.S_SEQ], slots[tw + F.S_POS]
+        reg, slots = self._region, self._spool.slots
+        seq, pos = slots.cursor(self._take.slot)
         for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
             lw = i * LEASE_WORDS
             if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] < seq:
                 seq, pos = reg[lw + L_SEQ], reg[lw + L_POS]
-        slots[self._low + F.S_POS] = pos
-        slots[self._low + F.S_SEQ] = seq
+        slots.set_cursor(self._low, seq, pos)
 
     def _message(self, i, seq, attempt, enq_ns, token, deadline, data):
         obj, headers, key = codec.decode_workq(data, self._trust)
@@ -637,7 +630,7 @@ class WorkQueue:
             self._ctl[F.W_WQ_ACKED] += 1
             self._update_low()
         sp = self._spool
-        sp._core.ring_space()
+        sp.core.ring_space()
 
     def _nack(self, msg, delay, error):
         self._give_back(msg._slot, msg.token, msg.id, delay, error)
@@ -681,7 +674,7 @@ class WorkQueue:
                 reg[lw + L_DUE_NS] = time.time_ns() + int(delay * _NS)
                 reg[lw + L_STATE] = LEASE_RETRY
         sp = self._spool
-        sp._core.ring_data()  # a consumer may be waiting for exactly this
+        sp.core.ring_data()  # a consumer may be waiting for exactly this
 
     def _extend(self, msg, seconds):
         self._check()
@@ -695,28 +688,27 @@ class WorkQueue:
     def _recover(self, dead_pid):
         """After breaking a dead consumer's lock: records ahead of the take cursor
         mean it died between recording a lease and moving the cursor."""
-        sp, reg, slots, tw = self._spool, self._region, self._spool._slots, self._take._w
-        seq = slots[tw + F.S_SEQ]
+        sp, reg, slots, t = self._spool, self._region, self._spool.slots, self._take.slot
+        seq = slots.word(t, F.S_SEQ)
         for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
             lw = i * LEASE_WORDS
             if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] >= seq:
-                hit = sp._header_at(reg[lw + L_POS])
+                hit = sp.ring.header_at(reg[lw + L_POS])
                 if hit is not None and hit[0] == reg[lw + L_SEQ]:
                     seq = hit[0] + 1
-                    slots[tw + F.S_POS] = hit[1] + hit[2]
-                    slots[tw + F.S_SEQ] = seq
+                    slots.set_cursor(t, seq, hit[1] + hit[2])
 
     # -- dead letters ---------------------------------------------------------------
 
     def _dead_frames(self):
         """Live (not tombstoned) dead-letter frames with their headers, oldest first."""
-        sp = self._dead
-        seq, pos = sp._first_cursor()
+        ring = self._dead.ring
+        seq, pos = ring.first_cursor()
         while True:
-            frame, nseq, npos, _lost, _codec = sp._read(seq, pos)
+            frame, nseq, npos, _lost, _codec = ring.read(seq, pos)
             if frame is None:
                 return
-            hit = sp._header_at(sp._frame_pos(pos) if frame[0] == seq else npos)
+            hit = ring.header_at(ring.frame_pos(pos) if frame[0] == seq else npos)
             if hit is not None and hit[0] == frame[0] and not hit[6] & F.FLAG_SUPERSEDED:
                 yield frame, hit
             seq, pos = nseq, npos
@@ -740,10 +732,7 @@ class WorkQueue:
         return codec.require_trust(self._dead, self._opts["trusted"])
 
     def _tombstone(self, hit):
-        sp = self._dead
-        off = sp._base + hit[1] % sp._ring + 28  # the frame header's flags field
-        flags = int.from_bytes(sp._mm[off:off + 2], "little") | F.FLAG_SUPERSEDED
-        sp._mm[off:off + 2] = flags.to_bytes(2, "little")
+        self._dead.ring.set_flags(hit, F.FLAG_SUPERSEDED)
 
     def replay_dead(self, ids=None) -> int:
         """Re-enqueue dead letters (all, or those whose ``id`` is in ``ids``); return how many.
@@ -754,7 +743,7 @@ class WorkQueue:
         wanted = None if ids is None else set(ids)
         trust = self._dead_trusted()
         n = 0
-        with self._dead._wlock:  # one replayer at a time; tombstones under the DLQ's lock
+        with self._dead.writer_lock:  # one replayer at a time; tombstones under the DLQ's lock
             for f, hit in list(self._dead_frames()):
                 if wanted is not None and f.seq not in wanted:
                     continue
@@ -771,7 +760,7 @@ class WorkQueue:
         cutoff = None if older_than is None else time.time() - older_than
         trust = self._dead_trusted()
         n = 0
-        with self._dead._wlock:
+        with self._dead.writer_lock:
             for f, hit in list(self._dead_frames()):
                 rec = codec.decode_dead(f.data, trust, body=False)
                 if cutoff is None or rec["failed_ns"] / _NS < cutoff:
@@ -793,13 +782,12 @@ class WorkQueue:
 
         Reads only: attaches nothing, so ``shmq stat`` can show them.
         """
-        ctl = spool._ctl
+        ctl = spool.ring.ctl
         if not ctl[F.W_WQ_LEASE_SLOTS]:
             return None
-        i = spool._find_slot(TAKE_SLOT)
-        take = spool._slots[i * F.SLOT_WORDS + F.S_SEQ] if i is not None else ctl[F.W_NEXT_SEQ]
-        lo = spool._geo["lease_offset"]
-        region = spool._view[lo:lo + spool._geo["lease_count"] * F.LEASE_BYTES].cast("Q")
+        i = spool.slots.find(TAKE_SLOT)
+        take = spool.slots.word(i, F.S_SEQ) if i is not None else ctl[F.W_NEXT_SEQ]
+        region = spool.lease_region()
         dead = 0
         if os.path.exists(spool.path + ".dead"):
             dq = WorkQueue.__new__(WorkQueue)
@@ -815,7 +803,7 @@ class WorkQueue:
 
 
 def _stats(spool, reg, take_seq, dead) -> WorkQueueStats:
-    ctl = spool._ctl
+    ctl = spool.ring.ctl
     nleases = ctl[F.W_WQ_LEASE_SLOTS]
     counts = {LEASE_LEASED: 0, LEASE_DELAYED: 0, LEASE_RETRY: 0}
     oldest = None

@@ -561,7 +561,7 @@ def test_fsck_corrupt_frame_and_repair_leaves_it(capsys, make_spool):
     sp = make_spool(name="bad")
     for i in range(5):
         sp.put(b"x" * 40)
-    o = sp._base + sp._locate(2) % sp._ring
+    o = sp._base + sp.ring.locate(2) % sp._ring
     sp._mm[o] ^= 0x55
     code, out, _ = run(capsys, "fsck", sp.path)
     assert code == 1 and "PROBLEM: ring: expected frame 2" in out

@@ -92,8 +92,8 @@ def test_pinned_view_context_manager_and_group(make_spool):
     sp.put_array(np.zeros(10))
     with g.get_array(copy=False) as v:
         assert v.array.sum() == 1000 and v.seq == 0
-        assert sp._pins
-    assert not sp._pins
+        assert sp.pins.held
+    assert not sp.pins.held
     assert np.array_equal(g.get_array(), np.zeros(10))
 
 
@@ -156,4 +156,4 @@ def test_release_while_arrow_arrays_are_still_referenced(make_spool):
     view = sp.reader().get_arrow(copy=False, timeout=1)
     kept = view.batch["x"]  # a column that still points into the spool
     view.release()  # must not raise BufferError; the pin is gone
-    assert not sp._pins and len(kept) == 3
+    assert not sp.pins.held and len(kept) == 3

@@ -7,7 +7,7 @@ writes and reads frames on the hot path.  These tests check, byte for byte:
   pure-Python walker built only from ``_format`` (FRAME, valid_frame_header,
   FLAG_PAD pads, the short-tail rule) to exactly what was written, and land
   at the same positions with the same control words as the same operations
-  through the spec's own writer (``Spool._append_general``);
+  through the spec's own writer (``Spool.writer.append_general``);
 * frames the spec's writer writes are read back exactly by the core
   (readers and ``Spool._read``);
 * ``_core.crc32`` is zlib's CRC-32 and the core's layout constants are
@@ -157,13 +157,13 @@ def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacit
                 with pytest.raises(shmq.TooLarge):
                     c.put(data[0], codec=codec) if len(data) == 1 else c.put_many(data, codec=codec)
                 with pytest.raises(shmq.TooLarge):
-                    p._append_general(data, None, codec)
+                    p.writer.append_general(data, None, codec)
                 continue
             if len(data) == 1 and single:
                 s1 = c.put(data[0], codec=codec)
             else:
                 s1 = c.put_many(data, codec=codec)
-            s2 = p._append_general(data, None, codec)
+            s2 = p.writer.append_general(data, None, codec)
             t1 = time.time_ns()
             assert s1 == s2 == len(model)
             model += [(s1 + k, d, codec) for k, d in enumerate(data)]
@@ -192,7 +192,7 @@ def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacit
             for rec in rp:  # a cursor at a tail, a pad or a frame reads the next frame
                 if rec[0] == "tail":
                     continue
-                frame, seq, pos, lost, fcodec = p._read(rec[2], rec[1], checksum)
+                frame, seq, pos, lost, fcodec = p.ring.read(rec[2], rec[1], checksum)
                 s, d, cd = model[rec[2]]
                 assert (frame.seq, bytes(frame.data), fcodec, lost) == (s, d, cd, 0)
                 assert seq == s + 1
@@ -218,7 +218,7 @@ def test_short_tail_has_no_header_and_pads_carry_the_next_seq(spool_dir, writer)
             return sp.put_many(items) if len(items) > 1 else sp.put(items[0])
     else:
         def w(items):
-            return sp._append_general(items, None, F.CODEC_RAW)
+            return sp.writer.append_general(items, None, F.CODEC_RAW)
 
     def layout():
         return [(r[0], r[1] % 8192) + ((r[2],) if r[0] != "tail" else (r[2],)) for r in
@@ -250,11 +250,11 @@ def test_short_tail_has_no_header_and_pads_carry_the_next_seq(spool_dir, writer)
 def test_short_tail_cursor_is_read_by_the_core(spool_dir):
     sp = _fresh(spool_dir, 4096, False)
     try:
-        sp._append_general([b"a" * 4040], None, F.CODEC_RAW)
-        sp._append_general([b"next"], None, F.CODEC_RAW)
-        frame, seq, pos, lost, _codec = sp._read(1, 4072)  # a cursor left in the tail
+        sp.writer.append_general([b"a" * 4040], None, F.CODEC_RAW)
+        sp.writer.append_general([b"next"], None, F.CODEC_RAW)
+        frame, seq, pos, lost, _codec = sp.ring.read(1, 4072)  # a cursor left in the tail
         assert (frame.seq, frame.data, seq, pos, lost) == (1, b"next", 2, 4096 + 40, 0)
-        assert sp._read(2, pos)[0] is None  # caught up
+        assert sp.ring.read(2, pos)[0] is None  # caught up
     finally:
         _drop(sp)
 

@@ -105,7 +105,7 @@ def test_writer_killed_between_first_pos_and_first_seq_still_opens(spool_path):
     sp = shmq.Spool.create(spool_path, capacity=4096)
     for i in range(40):
         sp.put(bytes([i]) * 100)
-    first_seq, first_pos = sp._first_cursor()
+    first_seq, first_pos = sp.ring.first_cursor()
     sp._ctl[F.W_FIRST_POS] = first_pos + F.frame_stored_bytes(100)  # killed before FIRST_SEQ
     sp.close()
     sp = shmq.Spool.open(spool_path)  # not refused as corrupt

@@ -37,7 +37,7 @@ def _take_lock_as_dead(sp):
 
 
 def _offset(sp, seq):
-    return sp._base + sp._locate(seq) % sp._ring
+    return sp._base + sp.ring.locate(seq) % sp._ring
 
 
 # --- healthy spools ---------------------------------------------------------
@@ -155,7 +155,7 @@ def test_bad_padding_reported(make_spool):
     # find a pad in the ring and shorten it
     pos = sp._ctl[F.W_FIRST_POS]
     for _ in range(30):
-        hit = sp._header_at(pos)
+        hit = sp.ring.header_at(pos)
         if hit[6] & F.FLAG_PAD:
             break
         pos = hit[1] + hit[2]
@@ -314,7 +314,7 @@ def test_reader_cursor_beyond_end_reset_to_earliest(make_spool):
     sp = make_spool(capacity="64KiB")
     sp.reader("r").close()
     _fill(sp, 10)
-    w = sp._find_slot("r") * F.SLOT_WORDS
+    w = sp.slots.find("r") * F.SLOT_WORDS
     sp._slots[w + F.S_SEQ] = 10**9
     rep = verify(sp.path)
     assert any("'r'" in p and "beyond the ring's end" in p for p in rep.problems)
@@ -331,9 +331,9 @@ def test_reader_cursor_inconsistent_position(make_spool):
     sp = make_spool(capacity="64KiB")
     sp.reader("r").close()
     _fill(sp, 10, size=lambda i: 40)
-    w = sp._find_slot("r") * F.SLOT_WORDS
+    w = sp.slots.find("r") * F.SLOT_WORDS
     sp._slots[w + F.S_SEQ] = 3
-    sp._slots[w + F.S_POS] = sp._locate(3) + 8  # mid-header
+    sp._slots[w + F.S_POS] = sp.ring.locate(3) + 8  # mid-header
     rep = verify(sp.path)
     assert any("does not point at frame 3" in p for p in rep.problems), rep.problems
     assert repair(sp.path).ok
@@ -345,9 +345,9 @@ def test_half_committed_cursor_is_a_warning(make_spool):
     sp = make_spool(capacity="64KiB")
     sp.reader("r").close()
     _fill(sp, 10, size=lambda i: 40)
-    w = sp._find_slot("r") * F.SLOT_WORDS
+    w = sp.slots.find("r") * F.SLOT_WORDS
     sp._slots[w + F.S_SEQ] = 3
-    sp._slots[w + F.S_POS] = sp._locate(4)
+    sp._slots[w + F.S_POS] = sp.ring.locate(4)
     rep = verify(sp.path)
     assert rep.ok, rep.problems
     assert any("self-heals" in x for x in rep.warnings)

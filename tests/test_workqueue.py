@@ -199,7 +199,7 @@ def test_leased_frames_are_never_overwritten(wq_path):
     m = q.get(timeout=1)
     with pytest.raises(shmq.Full):
         for _ in range(20):
-            q._spool._append(((b"h" * 24, b"y" * 1000),), 0.05, shmq._format.CODEC_WORKQ)
+            q._spool.writer.append(((b"h" * 24, b"y" * 1000),), 0.05, shmq._format.CODEC_WORKQ)
     m.nack()
     assert q.get(timeout=1).body == b"x" * 1000  # still intact
     q.close()

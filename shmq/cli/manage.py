@@ -36,9 +36,9 @@ def cmd_create(a) -> int:
                       readers=a.readers, leases=a.leases, checksum=a.checksum)
     try:
         info = {"path": sp.path, "capacity": sp.capacity, "on_full": sp.on_full,
-                "mode": f"{a.mode:04o}", "readers": sp._geo["slot_count"],
-                "leases": sp._geo["lease_count"], "checksum": bool(sp._checksum),
-                "file_bytes": sp._geo["file_bytes"]}
+                "mode": f"{a.mode:04o}", "readers": sp.geometry["slot_count"],
+                "leases": sp.geometry["lease_count"], "checksum": bool(sp.checksum),
+                "file_bytes": sp.geometry["file_bytes"]}
     finally:
         sp.close()
     if a.json:

@@ -164,16 +164,16 @@ class ShmqPartition(InputPartition):
 
 
 def _spool_id(sp):
-    geo = getattr(sp, "_geo", None) or {}
+    geo = getattr(sp, "geometry", None) or {}
     return f"{geo.get('sem_prefix', '')}:{geo.get('created_ns', '')}"
 
 
 def _position_of(sp, seq):
-    """Byte position of frame ``seq`` (None if unknown).  Uses the spool's walk hint internals."""
+    """Byte position of frame ``seq`` (None if unknown); it becomes the ring's walk hint."""
     try:
         if seq >= sp.next_seq:
             return None
-        return sp._locate(seq)
+        return sp.ring.locate(seq)
     except (FrameLost, AttributeError):
         return None
 
@@ -183,7 +183,7 @@ def _reader_at(sp, seq, pos):
     if pos is not None:
         # A valid (seq, pos) pair from the same spool instance: _locate starts there
         # instead of walking from the oldest frame (O(frames resident) in Python).
-        sp._locate_hint = (seq, pos)
+        sp.ring.locate_hint = (seq, pos)
     return sp.reader(start=seq)
 
 
@@ -463,8 +463,8 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         r = self._named_reader()
         if r is not None:
             # Add to the named reader's durable loss counter (spool stats / `shmq readers`).
-            r._count_lost(b - a)
-            r._flush_stats()
+            r.count_lost(b - a)
+            r.flush_stats()
 
     def latestOffset(self, start=None, limit=None):
         sp = self._spool()

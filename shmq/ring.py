@@ -1,0 +1,304 @@
+"""Ring I/O: frame headers, cursors and lock-free reads over a spool's data ring.
+
+A *cursor* is a pair ``(seq, pos)``: ``pos`` is a byte position that only
+grows (the ring offset is ``pos % size``) and ``seq`` the frame expected
+there.  A *header hit* is the tuple :meth:`Ring.header_at` returns,
+``(seq, pos, stored, length, ts, crc, flags, codec)``: a decoded frame header
+whose lengths are known to keep it inside the ring.
+
+Everything here is safe to call without the writer lock: reads either see a
+committed frame or report that it is gone (the seqlock check against
+``FIRST_POS``), and never read outside the mapping, whatever the bytes say.
+The header layout itself is :mod:`shmq._format`'s; the hot reads are the
+compiled core's (:mod:`shmq._core`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import _format as F
+from ._format import FLAG_PAD, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ, W_NEXT_POS, W_NEXT_SEQ
+from .errors import FrameLost, SpoolFormatError
+
+__all__ = ["Ring"]
+
+log = logging.getLogger("shmq")
+
+_unpack_frame = F.FRAME.unpack_from
+#: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
+#: larger values can only come from corruption.
+MAX_COUNTER = 1 << 62
+
+
+class Ring:
+    """The data ring of one open spool handle (see the module docstring).
+
+    Attributes: ``size`` (ring bytes), ``base`` (file offset of the ring),
+    ``ctl`` (the control block as u64 words, indexed by ``_format.W_*``;
+    shared counters are published with one aligned 8-byte store), ``mm`` and
+    ``view`` (the whole mapping).
+    """
+
+    def __init__(self, mapping, core, lock, recovery_timeout):
+        geo = mapping.geo
+        self.path = mapping.path
+        self.mm = mapping.mm
+        self.view = mapping.view
+        self.ctl = mapping.ctl
+        self.size = geo["ring_bytes"]
+        self.base = geo["ring_offset"]
+        self.core = core
+        self._lock = lock
+        self._recovery_timeout = recovery_timeout
+        self.locate_hint = None  # (seq, pos) of the last frame located: where the next walk starts
+
+    # -- control words ------------------------------------------------------
+
+    @property
+    def first_seq(self) -> int:
+        """Seq of the oldest frame still in the ring."""
+        return self.ctl[W_FIRST_SEQ]
+
+    @property
+    def next_seq(self) -> int:
+        """Seq the next committed frame will get (every frame below it is readable)."""
+        return self.ctl[W_NEXT_SEQ]
+
+    @property
+    def first_pos(self) -> int:
+        """Byte position of the oldest frame; a frame below it may be overwritten."""
+        return self.ctl[W_FIRST_POS]
+
+    @property
+    def next_pos(self) -> int:
+        """Byte position right after the last committed frame."""
+        return self.ctl[W_NEXT_POS]
+
+    def still_there(self, pos) -> bool:
+        """True while the bytes at ``pos`` cannot have been overwritten.
+
+        Writers advance ``FIRST_POS`` before they overwrite anything, so a
+        copy taken from ``pos`` is intact iff this holds *after* the copy.
+        """
+        return self.ctl[W_FIRST_POS] <= pos
+
+    # -- headers ------------------------------------------------------------
+
+    def header_at(self, pos):
+        """The header hit at/after ``pos``, or None if its lengths are out of bounds.
+
+        Follows the short-tail skip (fewer than a header's bytes before the
+        ring's end).  Never reads outside the ring; the hit says nothing
+        about whether the frame is still there (see :meth:`still_there`).
+        """
+        ring = self.size
+        off = pos % ring
+        if ring - off < FRAME_BYTES:
+            pos += ring - off
+            off = 0
+        hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(self.mm, self.base + off)
+        if not F.valid_frame_header(stored, length, off, ring):
+            return None
+        return hseq, pos, stored, length, ts, crc, flags, codec
+
+    def frame_pos(self, pos) -> int:
+        """Header position of the frame at cursor position ``pos`` (past any pad)."""
+        for _ in range(3):
+            hit = self.header_at(pos)
+            if hit is None or not hit[6] & FLAG_PAD:
+                return pos if hit is None else hit[1]
+            pos = hit[1] + hit[2]
+        return pos
+
+    def frame_at(self, seq, pos):
+        """The header hit of data frame ``seq`` at cursor ``pos`` (past any pad); None if
+        the header there is invalid, a pad, or another frame's."""
+        hit = self.header_at(self.frame_pos(pos))
+        if hit is None or hit[0] != seq or hit[6] & FLAG_PAD:
+            return None
+        return hit
+
+    def payload(self, hit):
+        """A memoryview of the payload of header hit ``hit`` (no copy: valid while the frame is)."""
+        o = self.base + hit[1] % self.size + FRAME_BYTES
+        return self.view[o:o + hit[3]]
+
+    def set_flags(self, hit, flags) -> None:
+        """OR ``flags`` into the header of ``hit`` (e.g. FLAG_SUPERSEDED: a tombstone).
+
+        Only flags readers treat as advisory may be set after the commit;
+        the caller holds the lock that serializes such writers.
+        """
+        F.or_frame_flags(self.mm, self.base + hit[1] % self.size, flags)
+
+    def repair_after_writer_death(self, dead_pid) -> None:
+        """Repair the control words after breaking a dead writer's lock (lock held).
+
+        A writer stores, in order: FIRST_POS, FIRST_SEQ (eviction), frame
+        bytes, NEXT_SEQ (the commit), NEXT_POS.  Killed anywhere in that
+        sequence, at most FIRST_SEQ lags its position's header and NEXT_POS
+        lags the committed frames; both are re-derived from the frame
+        headers, walking the ring once (O(frames resident), recovery only).
+        An unreadable ring is dropped whole (readers count the frames lost).
+        """
+        ctl = self.ctl
+        log.warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
+                    self.path, dead_pid, ctl[F.W_LOCK_TOKEN])
+        next_seq = ctl[W_NEXT_SEQ]
+        if ctl[W_FIRST_SEQ] >= next_seq:  # empty: nothing committed since any eviction
+            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
+            ctl[W_FIRST_SEQ] = next_seq
+            return
+        pos = ctl[W_FIRST_POS]
+        hit = self.header_at(pos)
+        end = None
+        if hit is not None and ctl[W_FIRST_SEQ] <= hit[0] < next_seq:
+            ctl[W_FIRST_SEQ] = hit[0]  # it died between FIRST_POS and FIRST_SEQ
+            end = self.walk_end(hit[0], pos, next_seq)
+        if end is None:
+            log.error("shmq: %s: ring unreadable after writer death; dropping its contents "
+                      "(readers will count them lost)", self.path)
+            end = max(ctl[W_NEXT_POS], ctl[W_FIRST_POS])
+            ctl[W_NEXT_POS] = end
+            ctl[W_FIRST_POS] = end
+            ctl[W_FIRST_SEQ] = next_seq
+            return
+        ctl[W_NEXT_POS] = end  # it may have died between NEXT_SEQ and NEXT_POS
+
+    def set_timestamp(self, hit, ts) -> None:
+        """Store ``ts`` as the timestamp of the frame of header hit ``hit`` (one aligned
+        8-byte store: a concurrent reader sees the old or the new value).  For
+        importing dumps; the caller holds the writer lock."""
+        o = self.base + hit[1] % self.size + F.FRAME_TS_OFFSET
+        word = self.view[o:o + 8].cast("Q")
+        try:
+            word[0] = ts
+        finally:
+            word.release()
+
+    def walk_end(self, seq, pos, next_seq):
+        """Position right after frame ``next_seq - 1``, walking from frame ``seq`` at ``pos``;
+        None if a header on the way is invalid (recovery and repair only: O(frames))."""
+        limit = pos + self.size
+        while seq < next_seq:
+            hit = self.header_at(pos)
+            if hit is None or hit[0] != seq or hit[1] + hit[2] > limit:
+                return None
+            pos = hit[1] + hit[2]
+            if not hit[6] & FLAG_PAD:
+                seq += 1
+        return pos
+
+    # -- cursors ------------------------------------------------------------
+
+    def first_cursor(self):
+        """A consistent ``(seq, pos)`` of the oldest frame, read lock-free (in the core)."""
+        return self.core.first_cursor()
+
+    def latest_cursor(self):
+        """``(NEXT_SEQ, NEXT_POS)`` as a consistent pair (takes the writer lock briefly,
+        recovering it from a dead holder)."""
+        while True:
+            cur = self.core.latest(self._recovery_timeout)
+            if cur is not None:
+                return cur
+            self._lock.recover_if_dead()
+
+    def locate(self, seq) -> int:
+        """Header position of frame ``seq`` (the core walks from the oldest frame or the hint).
+
+        :raises shmq.FrameLost: ``seq`` is overwritten, not written yet, or the
+            ring moved under the walk.
+        """
+        ctl = self.ctl
+        if seq >= ctl[W_NEXT_SEQ]:
+            raise FrameLost(f"seq {seq} has not been written yet (next is {ctl[W_NEXT_SEQ]})")
+        hint = self.locate_hint or (1 << 63, 0)
+        pos = self.core.locate(seq, hint[0], hint[1])
+        if pos == -1:
+            raise FrameLost(f"seq {seq} was overwritten (oldest is {ctl[W_FIRST_SEQ]})")
+        if pos == -2:
+            raise FrameLost(f"seq {seq} could not be located while the ring was being rewritten")
+        self.locate_hint = (seq, pos)
+        return pos
+
+    def cursor_for(self, start):
+        """The cursor for ``start``: "earliest", "latest" or a seq (the next frame to read).
+
+        :raises ValueError: not one of those, negative, or beyond the next seq.
+        :raises shmq.FrameLost: that seq was already overwritten.
+        """
+        if start == "earliest":
+            return self.first_cursor()
+        if start == "latest":
+            return self.latest_cursor()
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise ValueError(f"start must be 'earliest', 'latest' or a seq, not {start!r}")
+        if start < 0:
+            raise ValueError(f"seq must be non-negative, not {start}")
+        nxt = self.ctl[W_NEXT_SEQ]
+        if start >= nxt:
+            if start > nxt:
+                raise ValueError(f"seq {start} is beyond the next seq {nxt}")
+            return self.latest_cursor()
+        return start, self.locate(start)
+
+    def check_cursor(self, name, seq, pos) -> None:
+        """Refuse a stored cursor no reader could have left (beyond the ring's end).
+
+        :raises shmq.SpoolFormatError: it is, with what to do about it.
+        """
+        ctl = self.ctl
+        if seq > ctl[W_NEXT_SEQ] or pos > ctl[W_NEXT_POS] + self.size:
+            raise SpoolFormatError(
+                f"{self.path}: the stored cursor of {name!r} (seq {seq}, position {pos}) is "
+                f"beyond the ring's end; reset it with 'shmq readers seek' or fsck --repair")
+
+    def read(self, seq, pos, verify=False):
+        """Read the frame at cursor ``(seq, pos)``; return ``(frame, seq', pos', lost, codec)``.
+
+        ``frame`` is None when the cursor caught up (after counting a loss).
+        Lock-free, seqlock style (in the core): a frame overwritten during
+        the copy is counted in ``lost``, never returned torn.
+        """
+        return self.core.read(seq, pos, verify)
+
+    def read_at(self, seq, verify=False):
+        """Frame ``seq`` (a ``shmq.Frame``), without a lock and without moving any cursor.
+
+        :raises shmq.FrameLost: ``seq`` was overwritten or is not written yet.
+        """
+        pos = self.locate(seq)
+        frame, _s, _p, lost, _c = self.core.read(seq, pos, verify)
+        if frame is None or lost or frame[0] != seq:
+            raise FrameLost(f"seq {seq} was overwritten while being read")
+        return frame
+
+    def check_control(self) -> None:
+        """Refuse control words no writer could have left (bit rot, foreign writes).
+
+        Read lock-free while writers may be running: FIRST_* before NEXT_*
+        (both only grow), and a suspicious reading is re-read a few times
+        before it is believed, so a live spool is never called corrupt.
+
+        :raises shmq.SpoolFormatError: the control block is corrupt.
+        """
+        ctl, ring = self.ctl, self.size
+        for attempt in range(5):
+            fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+            nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
+            if max(nseq, npos, fseq, fpos) >= MAX_COUNTER:
+                problem = "counter out of range"
+            elif fseq > nseq:
+                problem = f"first seq {fseq} > next seq {nseq}"
+            elif npos - fpos > ring if npos >= fpos else fpos - npos > ring:
+                problem = f"positions {fpos}..{npos} span more than the ring"
+            else:
+                return
+            # (finer consistency, e.g. frames vs bytes, is fsck's job: a writer
+            # killed between two control stores leaves them briefly out of step)
+            time.sleep(0.001 * attempt)
+        raise SpoolFormatError(f"{self.path}: control block is corrupt ({problem}); "
+                               "it cannot be repaired: remove it ('shmq rm') and create it again")

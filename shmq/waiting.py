@@ -1,0 +1,49 @@
+"""Waiting: stdlib-style ``(block, timeout)`` arguments, and retries around a stuck lock.
+
+One home for what every blocking call shares: the validation of its
+timeout, and the loop that waits for a recoverable lock's holder, breaking
+the lock when the holder died.  The sleeping itself is the doorbells'
+(:mod:`shmq._notify`).
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["check_block_timeout", "retry_stuck"]
+
+
+def check_block_timeout(block, timeout):
+    """Validate a stdlib-style (block, timeout) pair; return the timeout to use (0: do not wait).
+
+    :raises TypeError: timeout is not a number.
+    :raises ValueError: NaN or negative.
+    """
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number or None, not {type(timeout).__name__}")
+        if timeout != timeout:
+            raise ValueError("timeout must not be NaN")
+        if timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+    return timeout if block else 0
+
+
+def retry_stuck(call, lock, limit, is_stuck, on_timeout):
+    """``call(wait)`` until its result is not ``is_stuck``; return that result.
+
+    ``call`` tries to take ``lock`` (a :class:`shmq._lock.RecoverableLock`) for at
+    most ``wait`` seconds.  Each time it reports the lock stuck, a dead
+    holder's lock is recovered and the call retried, until ``limit`` (a
+    ``time.monotonic()`` deadline, None: never) passes; then ``on_timeout()``
+    is called and must raise.  A live holder is never broken.
+    """
+    rt = lock.recovery_timeout
+    while True:
+        wait = rt if limit is None else max(0.0, min(rt, limit - time.monotonic()))
+        out = call(wait)
+        if not is_stuck(out):
+            return out
+        if limit is not None and time.monotonic() >= limit:
+            on_timeout()
+        lock.recover_if_dead()
