@@ -496,6 +496,12 @@ class GroupReader(_SlotReader):
     def position(self) -> int:
         return self._spool.slots.word(self._slot, F.S_SEQ)
 
+    @property
+    def lock(self):
+        """The group's :class:`shmq._lock.RecoverableLock` (the work queue runs its
+        state changes under it)."""
+        return self._lock
+
     def _locked(self, call, timeout):
         """Run a core call that takes the group lock; recover a dead holder's lock.
 

@@ -18,7 +18,6 @@ is dead-lettered or superseded by a newer message with the same key.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import traceback
@@ -27,12 +26,15 @@ from . import _format as F
 from . import codec
 from ._format import (
     L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN, LEASE_DELAYED,
-    LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS, KEY_WORDS,
+    LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS,
 )
 from ._lock import holder_alive, holder_pid
 from ._mapping import read_geometry, resolve_path
+from .deadletters import DeadLetter, DeadLetters
 from .errors import Empty, LeaseLost, ShmqError
-from .spool import Spool, check_block_timeout
+from .leases import KeyIndex, WorkQueueStats, lease_stats
+from .spool import Spool
+from .waiting import check_block_timeout
 
 __all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
 
@@ -41,38 +43,6 @@ LOW_SLOT = "wq.low"
 _NS = 1_000_000_000
 #: How often a consumer checks that lease holders are alive (seconds).
 LIVENESS_INTERVAL_S = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkQueueStats:
-    """Counts from the lease table and the control block (a snapshot)."""
-
-    ready: int  # committed, not yet handed out (superseded ones included until skipped)
-    in_flight: int  # leased
-    delayed: int  # waiting for their not-before time (delay= or nack(delay=))
-    dead: int  # in the dead-letter spool, not replayed or purged
-    redeliveries: int
-    acked: int
-    superseded: int
-    oldest_age_s: float  # age of the oldest message not yet acked (0: none)
-    lease_slots: int
-    lease_slots_used: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DeadLetter:
-    """A message that failed ``attempts`` times, with the last failure."""
-
-    id: int  # seq in the dead-letter spool (for replay_dead / purge_dead)
-    message_id: int
-    body: object
-    headers: dict
-    key: object
-    attempts: int
-    error: dict  # {"type", "message", "traceback"}
-    last_holder_pid: int
-    enqueued_at: float
-    failed_at: float
 
 
 class Message:
@@ -172,15 +142,7 @@ class WorkQueue:
             sp.close()
             raise
         try:
-            # A side spool gets the same trust check as the main one: its records
-            # are pickles too (a planted .dead file must not run code here).
-            self._dead = Spool.create(self.path + ".dead", capacity=dead_capacity,
-                                      on_full="overwrite", exist_ok=True)
-            try:
-                codec.require_trust(self._dead, trusted)  # refused at once, as the main spool
-            except BaseException:
-                self._dead.close()
-                raise
+            self._dead = DeadLetters.create(self.path + ".dead", dead_capacity, trusted)
         except BaseException:
             self._region.release()
             self._take.close()
@@ -196,7 +158,7 @@ class WorkQueue:
         ctl = sp.ring.ctl
         take = sp.reader(TAKE_SLOT, group=True)  # creates the slot if new (earliest)
         self._spool, self._ctl, self._take = sp, ctl, take
-        self._lock = take._lock
+        self._lock = take.lock
         with self._lock:
             if not ctl[F.W_WQ_LEASE_SLOTS]:  # first attach: initialize under the lock
                 if F.wq_region_records(leases, keys) > sp.geometry["lease_count"]:
@@ -210,7 +172,7 @@ class WorkQueue:
         self._nkeys = ctl[F.W_WQ_KEY_SLOTS]
         self._max_attempts = ctl[F.W_WQ_MAX_ATTEMPTS]
         self._region = sp.lease_region()
-        self._keys_base = self._nleases * LEASE_WORDS
+        self._keys = KeyIndex(self._region, self._nleases * LEASE_WORDS, self._nkeys)
         self._lock.on_recover = self._recover
 
     @classmethod
@@ -332,50 +294,18 @@ class WorkQueue:
 
     def _index_keys(self, seq0, placed, hashes):
         """Point the key index at the new messages (writer lock held, before commit)."""
-        reg, base, n, first = self._region, self._keys_base, self._nkeys, self._ctl[F.W_FIRST_SEQ]
-        for k, h in enumerate(hashes):
-            if not h:
-                continue
-            i = h % n
-            reuse = None
-            for _ in range(n):
-                w = base + i * KEY_WORDS
-                eh = reg[w]
-                if eh == h:
-                    reuse = w
-                    break
-                if eh == 0:
-                    reuse = w if reuse is None else reuse
-                    break
-                if reuse is None and reg[w + 1] < first:  # its frame left the ring: reusable
-                    reuse = w
-                i = (i + 1) % n
-            if reuse is None:
-                raise ShmqError(f"{self.path}: key index full ({n} live keys); create the work "
-                                "queue with more keys=")
-            reg[reuse + 2] = placed[k]
-            reg[reuse + 1] = seq0 + k
-            reg[reuse] = h  # published last
+        self._keys.point(seq0, placed, hashes, self._ctl[F.W_FIRST_SEQ], self.path)
 
     def _superseded(self, h, seq):
         """True if a newer committed message with key hash ``h`` exists."""
-        if not h:
+        got = self._keys.newest(h)
+        if got is None:
             return False
-        reg, base, n = self._region, self._keys_base, self._nkeys
-        i = h % n
-        for _ in range(n):
-            w = base + i * KEY_WORDS
-            eh = reg[w]
-            if eh == 0:
-                return False
-            if eh == h:
-                newer, pos = reg[w + 1], reg[w + 2]
-                if newer <= seq or newer >= self._ctl[F.W_NEXT_SEQ]:
-                    return False
-                hit = self._spool.ring.header_at(pos)  # verify: the entry may be torn or stale
-                return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
-            i = (i + 1) % n
-        return False
+        newer, pos = got
+        if newer <= seq or newer >= self._ctl[F.W_NEXT_SEQ]:
+            return False
+        hit = self._spool.ring.header_at(pos)  # verify: the entry may be torn or stale
+        return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
 
     def _ext(self, hit):
         """Decode the work-queue header of the frame whose header is ``hit``."""
@@ -589,7 +519,7 @@ class WorkQueue:
                   "attempts": reg[lw + L_ATTEMPTS] & 0xFFFFFFFF, "error": error,
                   "last_holder_pid": holder_pid(reg[lw + L_HOLDER]),
                   "enqueued_ns": reg[lw + L_ENQ_NS], "failed_ns": time.time_ns()}
-        self._dead.put(codec.encode_dead(record), codec=F.CODEC_PICKLE)  # before freeing: never lost
+        self._dead.add(record)  # before freeing: never lost
         reg[lw + L_STATE] = LEASE_FREE
         self._ctl[F.W_WQ_DEAD] += 1
 
@@ -700,39 +630,10 @@ class WorkQueue:
 
     # -- dead letters ---------------------------------------------------------------
 
-    def _dead_frames(self):
-        """Live (not tombstoned) dead-letter frames with their headers, oldest first."""
-        ring = self._dead.ring
-        seq, pos = ring.first_cursor()
-        while True:
-            frame, nseq, npos, _lost, _codec = ring.read(seq, pos)
-            if frame is None:
-                return
-            hit = ring.header_at(ring.frame_pos(pos) if frame[0] == seq else npos)
-            if hit is not None and hit[0] == frame[0] and not hit[6] & F.FLAG_SUPERSEDED:
-                yield frame, hit
-            seq, pos = nseq, npos
-
     def dead_letters(self) -> list:
         """Messages that ran out of attempts, oldest first (replayed/purged ones excluded)."""
         self._check()
-        trust = self._dead_trusted()
-        out = []
-        for f, _hit in self._dead_frames():
-            rec = codec.decode_dead(f.data, trust)
-            obj, headers, key = rec["message"]
-            out.append(DeadLetter(f.seq, rec["message_id"], obj, headers or {}, key, rec["attempts"],
-                                  rec["error"], rec["last_holder_pid"], rec["enqueued_ns"] / _NS,
-                                  rec["failed_ns"] / _NS))
-        return out
-
-    def _dead_trusted(self):
-        # Decided again on each (cold) dead-letter read: the owner may have
-        # widened the file's mode since this handle attached.
-        return codec.require_trust(self._dead, self._opts["trusted"])
-
-    def _tombstone(self, hit):
-        self._dead.ring.set_flags(hit, F.FLAG_SUPERSEDED)
+        return self._dead.list()
 
     def replay_dead(self, ids=None) -> int:
         """Re-enqueue dead letters (all, or those whose ``id`` is in ``ids``); return how many.
@@ -740,41 +641,19 @@ class WorkQueue:
         Replayed messages get new ids and fresh attempts.
         """
         self._check()
-        wanted = None if ids is None else set(ids)
-        trust = self._dead_trusted()
-        n = 0
-        with self._dead.writer_lock:  # one replayer at a time; tombstones under the DLQ's lock
-            for f, hit in list(self._dead_frames()):
-                if wanted is not None and f.seq not in wanted:
-                    continue
-                rec = codec.decode_dead(f.data, trust)
-                obj, headers, key = rec["message"]
-                self.put(obj, key=key, headers=headers)
-                self._tombstone(hit)
-                n += 1
-        return n
+        return self._dead.replay(ids, self.put)
 
     def purge_dead(self, older_than=None) -> int:
         """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""
         self._check()
-        cutoff = None if older_than is None else time.time() - older_than
-        trust = self._dead_trusted()
-        n = 0
-        with self._dead.writer_lock:
-            for f, hit in list(self._dead_frames()):
-                rec = codec.decode_dead(f.data, trust, body=False)
-                if cutoff is None or rec["failed_ns"] / _NS < cutoff:
-                    self._tombstone(hit)
-                    n += 1
-        return n
+        return self._dead.purge(older_than)
 
     # -- statistics -----------------------------------------------------------------
 
     def stats(self) -> WorkQueueStats:
         """Ready, in-flight, delayed and dead counts, redeliveries, oldest age."""
         self._check()
-        return _stats(self._spool, self._region, self._take_seq(),
-                      sum(1 for _ in self._dead_frames()))
+        return lease_stats(self._spool, self._region, self._take_seq(), self._dead.count())
 
     @staticmethod
     def stats_of(spool) -> WorkQueueStats | None:
@@ -790,48 +669,15 @@ class WorkQueue:
         region = spool.lease_region()
         dead = 0
         if os.path.exists(spool.path + ".dead"):
-            dq = WorkQueue.__new__(WorkQueue)
-            dq._dead = Spool.open(spool.path + ".dead")
+            letters = DeadLetters(Spool.open(spool.path + ".dead"))
             try:
-                dead = sum(1 for _ in WorkQueue._dead_frames(dq))
+                dead = letters.count()
             finally:
-                dq._dead.close()
+                letters.close()
         try:
-            return _stats(spool, region, take, dead)
+            return lease_stats(spool, region, take, dead)
         finally:
             region.release()
-
-
-def _stats(spool, reg, take_seq, dead) -> WorkQueueStats:
-    ctl = spool.ring.ctl
-    nleases = ctl[F.W_WQ_LEASE_SLOTS]
-    counts = {LEASE_LEASED: 0, LEASE_DELAYED: 0, LEASE_RETRY: 0}
-    oldest = None
-    now_ns = time.time_ns()
-    retry_due = 0
-    for i in range(min(ctl[F.W_WQ_LEASE_HWM], nleases)):
-        lw = i * LEASE_WORDS
-        st = reg[lw + L_STATE]
-        if st in counts:
-            counts[st] += 1
-            if st == LEASE_RETRY and reg[lw + L_DUE_NS] <= now_ns:
-                retry_due += 1
-            enq = reg[lw + L_ENQ_NS]
-            oldest = enq if oldest is None else min(oldest, enq)
-    ready = max(0, ctl[F.W_NEXT_SEQ] - take_seq)
-    if ready:
-        try:
-            head = spool.read_at(take_seq)
-            oldest = head.timestamp_ns if oldest is None else min(oldest, head.timestamp_ns)
-        except ShmqError:
-            pass
-    return WorkQueueStats(
-        ready=ready + retry_due, in_flight=counts[LEASE_LEASED],
-        delayed=counts[LEASE_DELAYED] + counts[LEASE_RETRY] - retry_due, dead=dead,
-        redeliveries=ctl[F.W_WQ_REDELIVERED], acked=ctl[F.W_WQ_ACKED],
-        superseded=ctl[F.W_WQ_SUPERSEDED],
-        oldest_age_s=0.0 if oldest is None else max(0.0, (now_ns - oldest) / _NS),
-        lease_slots=nleases, lease_slots_used=sum(counts.values()))
 
 
 def _reopen(path, opts):
