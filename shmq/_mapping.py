@@ -424,30 +424,58 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
 class Mapping:
     """An open, validated, memory-mapped spool file.
 
-    Attributes: ``path``, ``fd``, ``mm``, ``geo`` (decoded geometry),
-    ``view`` (a memoryview of the whole mapping), ``ctl`` (header page as u64
-    words), ``slots`` (reader table as u64 words).
+    Attributes: ``path``, ``fd``, ``st`` (fstat of the descriptor mapped),
+    ``mm``, ``geo`` (decoded geometry), ``view`` (a memoryview of the whole
+    mapping), ``ctl`` (header page as u64 words), ``slots`` (reader table as
+    u64 words).
+
+    ``write=False`` maps the file read-only (fsck).  ``geometry=False``
+    opens without decoding the geometry or mapping: ``head`` holds the raw
+    geometry bytes and :meth:`map` maps once the caller has judged them
+    (fsck reports a damaged header instead of raising).
+
+    :raises shmq.SpoolFormatError: (``geometry=True``) not a spool, corrupt, truncated,
+        or a newer format.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, write: bool = True, geometry: bool = True):
         self.path = path
-        fd, st = open_file(path, write=True)
-        try:
-            head = os.pread(fd, F.GEOMETRY.size, 0)
-            self.geo = F.unpack_geometry(head, st.st_size, path)
-            self.mm = mmap.mmap(fd, self.geo["file_bytes"], mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
         self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
         self.st_uid = st.st_uid
         self.st_mode = st.st_mode
+        self.size = st.st_size
+        self.write = write
+        self.mm = None
+        try:
+            self.head = os.pread(fd, F.GEOMETRY.size, 0)
+            if geometry:
+                self.map(F.unpack_geometry(self.head, st.st_size, path))
+        except BaseException:
+            os.close(fd)
+            self.fd = None
+            raise
+
+    def map(self, geo: dict) -> None:
+        """Map the file as described by the decoded geometry ``geo``."""
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.write else 0)
+        self.geo = geo
+        self.mm = mmap.mmap(self.fd, geo["file_bytes"], mmap.MAP_SHARED, prot)
         self.view = self._view = memoryview(self.mm)  # the whole mapping
         self.ctl = self._view[:F.HEADER_BYTES].cast("Q")
-        so, n = self.geo["slot_offset"], self.geo["slot_count"]
+        so, n = geo["slot_offset"], geo["slot_count"]
         self.slots = self._view[so:so + n * F.SLOT_BYTES].cast("Q")
+
+    def slot_byte(self, i: int, which: int) -> int:
+        """File offset of byte ``which`` of reader-table slot ``i`` (what its fcntl locks
+        cover; ``NAME_OFFSET`` is where its name starts)."""
+        return self.geo["slot_offset"] + i * F.SLOT_BYTES + which
+
+    def slot_name(self, i: int):
+        """The name stored in slot ``i``, or None if it does not decode."""
+        off = self.slot_byte(i, F.NAME_OFFSET)
+        return F.unpack_name(self.mm[off:off + F.NAME_MAX_BYTES + 1])
 
     def reopen_fd(self) -> None:
         """After fork: get a private open file description for the same inode.
@@ -460,17 +488,25 @@ class Mapping:
         self.fd = new
 
     def close(self) -> None:
-        if self.mm is None:
-            return
-        try:
-            self.slots.release()
-            self.ctl.release()
-            self._view.release()
-            self.mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the kernel unmaps at exit
-        os.close(self.fd)
-        self.mm = None
+        """Unmap and close the descriptor.  Idempotent."""
+        if self.mm is not None:
+            try:
+                self.slots.release()
+                self.ctl.release()
+                self._view.release()
+                self.mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the kernel unmaps at exit
+            self.mm = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def read_geometry(path: str) -> dict:

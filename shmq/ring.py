@@ -22,7 +22,7 @@ from . import _format as F
 from ._format import FLAG_PAD, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ, W_NEXT_POS, W_NEXT_SEQ
 from .errors import FrameLost, SpoolFormatError
 
-__all__ = ["Ring"]
+__all__ = ["Ring", "header_at"]
 
 log = logging.getLogger("shmq")
 
@@ -30,6 +30,23 @@ _unpack_frame = F.FRAME.unpack_from
 #: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
 #: larger values can only come from corruption.
 MAX_COUNTER = 1 << 62
+
+
+def header_at(buf, base, size, pos):
+    """The header hit at/after ring position ``pos`` of the ring of ``size`` bytes at
+    offset ``base`` of ``buf``, or None if its lengths are out of bounds.
+
+    Follows the short-tail skip; never reads outside the ring.  (The one
+    decoder of frame headers above the core: :class:`Ring` and fsck use it.)
+    """
+    off = pos % size
+    if size - off < FRAME_BYTES:
+        pos += size - off
+        off = 0
+    hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(buf, base + off)
+    if not F.valid_frame_header(stored, length, off, size):
+        return None
+    return hseq, pos, stored, length, ts, crc, flags, codec
 
 
 class Ring:
@@ -93,15 +110,7 @@ class Ring:
         ring's end).  Never reads outside the ring; the hit says nothing
         about whether the frame is still there (see :meth:`still_there`).
         """
-        ring = self.size
-        off = pos % ring
-        if ring - off < FRAME_BYTES:
-            pos += ring - off
-            off = 0
-        hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(self.mm, self.base + off)
-        if not F.valid_frame_header(stored, length, off, ring):
-            return None
-        return hseq, pos, stored, length, ts, crc, flags, codec
+        return header_at(self.mm, self.base, self.size, pos)
 
     def frame_pos(self, pos) -> int:
         """Header position of the frame at cursor position ``pos`` (past any pad)."""

@@ -73,13 +73,12 @@ class SlotTable:
 
     def name(self, i):
         """Name stored in slot ``i`` (None if unreadable)."""
-        off = self.offset + i * F.SLOT_BYTES + F.NAME_OFFSET
-        return F.unpack_name(self._mapping.mm[off:off + F.NAME_MAX_BYTES + 1])
+        return self._mapping.slot_name(i)
 
     def byte(self, i, which) -> int:
         """File offset of byte ``which`` (``SLOT_LIVE_BYTE``, ``SLOT_RECOVERY_BYTE``) of slot ``i``:
         what its fcntl locks cover."""
-        return self.offset + i * F.SLOT_BYTES + which
+        return self._mapping.slot_byte(i, which)
 
     def find(self, name):
         """Index of the slot named ``name`` (any kind), or None."""

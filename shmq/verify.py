@@ -1,4 +1,5 @@
-"""fsck for spools: :func:`verify` checks a spool, :func:`repair` fixes what it safely can.
+"""fsck for spools: :func:`verify` checks a spool, :func:`shmq.repair.repair` fixes what it
+safely can.
 
 :func:`verify` maps the file read-only and never writes: it checks the
 geometry, the control words, the writer lock (a holder word naming a dead
@@ -8,7 +9,7 @@ padding rules, the CRC-32 of every payload whose frame has ``FLAG_CRC``),
 and the reader/group table (state values, decodable unique names, cursors
 within the ring and pointing at the frame they name, stale group locks).
 
-:func:`repair` breaks a lock held by a dead process (as the engine's own
+:func:`shmq.repair.repair` breaks a lock held by a dead process (as the engine's own
 lock recovery would: under the recovery region lock, bumping the fencing
 token, then posting the semaphore), finishes a commit a dead writer left
 half-done, and resets damaged reader slots to the earliest frame (or frees
@@ -22,8 +23,6 @@ problem.
 
 from __future__ import annotations
 
-import mmap
-import os
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -33,13 +32,13 @@ from ._format import (
     FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ,
     W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
 )
-from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
-from ._mapping import SEM_WRITER, group_sem_name, open_file, open_semaphore, resolve_path, sem_name
+from ._lock import holder_alive, holder_pid, ofd_locked_by_other
+from ._mapping import SEM_WRITER, Mapping, resolve_path, sem_name
 from .errors import NotASpool, SpoolFormatError
+from .ring import MAX_COUNTER, header_at
 
-__all__ = ["Report", "verify", "repair"]
+__all__ = ["Report", "verify"]
 
-_MAX_COUNTER = 1 << 62
 _KNOWN_FLAGS = FLAG_PAD | FLAG_SUPERSEDED | FLAG_CRC | FLAG_EXT
 #: A walk overtaken by eviction this many times is abandoned (with a warning).
 WALK_ATTEMPTS = 5
@@ -92,59 +91,6 @@ class Report:
         return d
 
 
-class _View:
-    """A spool file mapped for checking: read-only unless ``write``."""
-
-    def __init__(self, path, write=False):
-        self.path = path
-        fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
-        self.fd = fd
-        self.st = st
-        self.mm = None
-        try:
-            self.size = st.st_size
-            self.head = os.pread(fd, F.GEOMETRY.size, 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.write = write
-
-    def map(self, geo):
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.write else 0)
-        self.geo = geo
-        self.mm = mmap.mmap(self.fd, geo["file_bytes"], mmap.MAP_SHARED, prot)
-        self._view = memoryview(self.mm)
-        self.ctl = self._view[:F.HEADER_BYTES].cast("Q")
-        so, n = geo["slot_offset"], geo["slot_count"]
-        self.slots = self._view[so:so + n * F.SLOT_BYTES].cast("Q")
-        self.ring = geo["ring_bytes"]
-        self.base = geo["ring_offset"]
-
-    def slot_name(self, i):
-        off = self.geo["slot_offset"] + i * F.SLOT_BYTES + F.NAME_OFFSET
-        return F.unpack_name(self.mm[off:off + F.NAME_MAX_BYTES + 1])
-
-    def slot_byte(self, i, which):
-        return self.geo["slot_offset"] + i * F.SLOT_BYTES + which
-
-    def close(self):
-        if self.mm is not None:
-            self.slots.release()
-            self.ctl.release()
-            self._view.release()
-            self.mm.close()
-            self.mm = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 def _open_geometry(view, rep):
     """Decode the geometry; foreign files raise, damaged spools become problems."""
     try:
@@ -156,13 +102,33 @@ def _open_geometry(view, rep):
         return None
 
 
-def _semaphore(name):
+def existing_semaphore(name):
+    """Named semaphore ``name`` if it exists and we may open it, else None (creates nothing)."""
     import posix_ipc
 
     try:
         return posix_ipc.Semaphore(name)
     except posix_ipc.Error:  # missing, or not ours to open (read-only fsck by another user)
         return None
+
+
+def header_of(v, pos):
+    """The header hit (see :mod:`shmq.ring`) at/after ring position ``pos`` of mapping ``v``,
+    or None if its lengths are out of bounds."""
+    return header_at(v.mm, v.geo["ring_offset"], v.geo["ring_bytes"], pos)
+
+
+def first_cursor(v):
+    """``(FIRST_SEQ, FIRST_POS)`` of mapping ``v`` as a pair: an evicting writer stores POS
+    then SEQ, so a SEQ read first may lag; the header at POS names the frame (as the core's
+    ``first_cursor``)."""
+    ctl = v.ctl
+    seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
+    if seq < ctl[W_NEXT_SEQ] and pos < MAX_COUNTER:
+        hit = header_of(v, pos)
+        if hit is not None and seq <= hit[0] < ctl[W_NEXT_SEQ]:
+            seq = hit[0]
+    return seq, pos
 
 
 def verify(path) -> Report:
@@ -177,7 +143,7 @@ def verify(path) -> Report:
     """
     path = resolve_path(path)
     rep = Report(path)
-    with _View(path) as v:
+    with Mapping(path, write=False, geometry=False) as v:
         geo = _open_geometry(v, rep)
         if geo is None:
             return rep
@@ -206,7 +172,7 @@ def _control_problems(ctl, ring):
     bad = []
     for name, value in (("NEXT_SEQ", nseq), ("NEXT_POS", npos), ("FIRST_SEQ", fseq),
                         ("FIRST_POS", fpos)):
-        if value >= _MAX_COUNTER:
+        if value >= MAX_COUNTER:
             bad.append(f"control word {name} = {value} is out of range")
     if not bad:
         if fseq > nseq:
@@ -225,7 +191,7 @@ def _control_problems(ctl, ring):
 def _check_control(v, rep) -> bool:
     ctl = v.ctl
     for attempt in range(3):
-        fseq, nseq, bad = _control_problems(ctl, v.ring)
+        fseq, nseq, bad = _control_problems(ctl, v.geo["ring_bytes"])
         if not bad:
             break
         time.sleep(0.01)  # a live writer between two stores: a damaged word stays damaged
@@ -241,7 +207,7 @@ def _check_control(v, rep) -> bool:
 def _check_writer_lock(v, rep):
     ctl = v.ctl
     prefix = v.geo["sem_prefix"]
-    sem = _semaphore(sem_name(prefix, SEM_WRITER))
+    sem = existing_semaphore(sem_name(prefix, SEM_WRITER))
     word = ctl[W_LOCK_HOLDER]
     rep.lock_pid, rep.lock_token = holder_pid(word), ctl[W_LOCK_TOKEN]
     try:
@@ -275,7 +241,7 @@ def _check_writer_lock(v, rep):
                                 "not mutually excluded")
         if not word and ctl[W_FIRST_SEQ] == ctl[W_NEXT_SEQ]:
             fpos, npos = ctl[W_FIRST_POS], ctl[W_NEXT_POS]
-            if fpos != npos and fpos < _MAX_COUNTER and not ctl[W_LOCK_HOLDER]:
+            if fpos != npos and fpos < MAX_COUNTER and not ctl[W_LOCK_HOLDER]:
                 rep.control_fix = True
                 rep.problems.append(f"control words: the ring is empty but FIRST_POS {fpos} != "
                                     f"NEXT_POS {npos}")
@@ -293,7 +259,7 @@ def _check_table(v, rep, control_ok):
     n = v.geo["slot_count"]
     hwm = min(ctl[F.W_SLOT_HWM], n)
     nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
-    fseq, fpos = _first_cursor(v) if control_ok else (ctl[W_FIRST_SEQ], ctl[W_FIRST_POS])
+    fseq, fpos = first_cursor(v) if control_ok else (ctl[W_FIRST_SEQ], ctl[W_FIRST_POS])
     seen = {}
     cursors = {}
     for i in range(n):
@@ -336,7 +302,7 @@ def _check_table(v, rep, control_ok):
         if not control_ok:
             continue
         nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]  # fresh: the cursor was read first
-        if seq > nseq or pos > npos or seq >= _MAX_COUNTER or pos >= _MAX_COUNTER:
+        if seq > nseq or pos > npos or seq >= MAX_COUNTER or pos >= MAX_COUNTER:
             rep.problems.append(f"reader table: {label}: cursor (seq {seq}, position {pos}) is "
                                 f"beyond the ring's end (next seq {nseq}, position {npos})")
             rep.damaged_slots[i] = "reset"
@@ -373,7 +339,7 @@ def _walk_ring(v, rep, cursors):
         # here may be mid-update, so NEXT_POS is only compared at the end.
         nseq = ctl[W_NEXT_SEQ]
         npos = ctl[W_NEXT_POS]
-        fseq, fpos = _first_cursor(v)
+        fseq, fpos = first_cursor(v)
         local = Report(rep.path)
         try:
             _walk(v, local, cursors, fseq, fpos, nseq, npos)
@@ -394,7 +360,7 @@ def _walk_ring(v, rep, cursors):
 
 
 def _walk(v, rep, cursors, fseq, fpos, nseq, npos):
-    ctl, mm, ring, base = v.ctl, v.mm, v.ring, v.base
+    ctl, mm, ring, base = v.ctl, v.mm, v.geo["ring_bytes"], v.geo["ring_offset"]
     seq, pos = fseq, fpos
     gap_start = pos
     wanted = {p for entries in cursors.values() for _i, _l, p in entries}
@@ -502,247 +468,3 @@ def _settled_next_pos(ctl, nseq, end):
         time.sleep(0.002)
     npos = ctl[W_NEXT_POS]
     return None if ctl[W_NEXT_SEQ] != nseq or npos == end else npos
-
-
-# --- repair -------------------------------------------------------------------
-
-
-def repair(path, *, lock_timeout=2.0) -> Report:
-    """Fix what can be fixed without rewriting frames; return the report of a fresh verify.
-
-    * a writer or group lock held by a dead process is broken: under the
-      recovery region lock, the holder word is replaced, the fencing token
-      bumped (and ``LOCK_BREAKS``), a commit the dead writer left half-done
-      is finished, then the holder word is cleared and the semaphore posted;
-    * a writer semaphore taken with no holder recorded is posted; a value
-      above 1 is brought back to 1;
-    * reader slots whose cursor is damaged are reset to the earliest frame;
-      slots that are not valid readers (bad state, undecodable or duplicate
-      name) are freed; a valid slot beyond the scan bound is made visible.
-
-    ``Report.repaired`` lists the actions; remaining ``problems`` (damaged
-    frames, corrupt control words) need ``shmq export`` and a new spool.
-
-    :raises: as :func:`verify`; also PermissionError if the file is read-only to us.
-    """
-    path = resolve_path(path)
-    before = verify(path)
-    if before.capacity is None:  # geometry unreadable: nothing is safe to touch
-        return before
-    actions = []
-    with _View(path, write=True) as v:
-        v.map(F.unpack_geometry(v.head, v.size, path))
-        if before.stale_writer_lock or before.orphan_writer_lock:
-            _break_writer_lock(v, actions)
-        _fix_semaphore_value(v, actions)
-        if before.control_fix:
-            _with_writer_lock(v, actions, lock_timeout, lambda: _finish_commit(v, actions))
-        for i in before.stale_group_locks:
-            _break_group_lock(v, i, actions)
-        if before.damaged_slots:
-            _with_writer_lock(v, actions, lock_timeout,
-                              lambda: _fix_slots(v, before.damaged_slots, actions))
-    after = verify(path)
-    after.repaired = actions
-    return after
-
-
-def _break_writer_lock(v, actions):
-    ctl = v.ctl
-    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
-    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
-    try:
-        word = ctl[W_LOCK_HOLDER]
-        if sem.value > 0:
-            if word and not holder_alive(word):
-                ctl[W_LOCK_HOLDER] = 0
-                actions.append(f"cleared the stale holder record of dead pid {holder_pid(word)} "
-                               "(the lock itself was free)")
-            return
-        if word and holder_alive(word):
-            return  # taken over by a live process meanwhile
-        if not word:
-            # Held, nobody recorded: re-confirm it persists (a live writer
-            # records itself nanoseconds after taking the lock).
-            deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
-            while time.monotonic() < deadline:
-                if ctl[W_LOCK_HOLDER] or sem.value:
-                    return
-                time.sleep(0.02)
-        token = ctl[W_LOCK_TOKEN]
-        # Inherit the dead holder's acquisition, repair, then release it.
-        ctl[W_LOCK_HOLDER] = holder_word()
-        ctl[W_LOCK_TOKEN] = token + 1
-        ctl[F.W_LOCK_BREAKS] += 1
-        _recover_control(v, actions)
-        ctl[W_LOCK_HOLDER] = 0
-        sem.release()
-        who = f"dead pid {holder_pid(word)}" if word else "a writer that died unrecorded"
-        actions.append(f"broke the writer lock of {who}; fencing token {token} -> {token + 1}")
-    finally:
-        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
-        sem.close()
-
-
-def _fix_semaphore_value(v, actions):
-    sem = _semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER))
-    if sem is None:
-        return
-    import posix_ipc
-
-    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)
-    try:
-        before = sem.value
-        while sem.value > 1:
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
-                break
-        if before > 1:
-            actions.append(f"writer semaphore value {before} -> {sem.value}")
-    finally:
-        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
-        sem.close()
-
-
-def _recover_control(v, actions):
-    """The engine's post-crash re-derivation of the control words (writer lock held).
-
-    Mirrors ``Spool._recover_writer``: FIRST_SEQ is re-read from the header
-    at FIRST_POS, NEXT_POS from walking the headers up to NEXT_SEQ.  Unlike
-    the engine, a ring that cannot be walked is left alone (its contents are
-    never dropped by fsck): that stays a reported problem.
-    """
-    ctl = v.ctl
-    nseq = ctl[W_NEXT_SEQ]
-    if ctl[W_FIRST_SEQ] >= nseq:
-        if ctl[W_FIRST_POS] != ctl[W_NEXT_POS]:
-            actions.append(f"reset the empty ring's head from position {ctl[W_FIRST_POS]} to "
-                           f"NEXT_POS {ctl[W_NEXT_POS]}")
-            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
-            ctl[W_FIRST_SEQ] = nseq
-        return
-    pos = ctl[W_FIRST_POS]
-    hit = _header_at(v, pos)
-    if hit is None or not ctl[W_FIRST_SEQ] <= hit[0] < nseq:
-        actions.append("left the control words alone: the oldest frame's header is unreadable")
-        return
-    if ctl[W_FIRST_SEQ] != hit[0]:
-        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit[0]} (a writer died while evicting)")
-        ctl[W_FIRST_SEQ] = hit[0]
-    seq, limit = hit[0], pos + v.ring
-    while seq < nseq:
-        h = _header_at(v, pos)
-        if h is None or h[0] != seq or h[1] + h[2] > limit:
-            actions.append(f"left NEXT_POS alone: frame {seq}'s header is unreadable")
-            return
-        pos = h[1] + h[2]
-        if not h[3] & FLAG_PAD:
-            seq += 1
-    if ctl[W_NEXT_POS] != pos:
-        actions.append(f"NEXT_POS {ctl[W_NEXT_POS]} -> {pos} (re-derived from the frame headers)")
-        ctl[W_NEXT_POS] = pos
-
-
-def _finish_commit(v, actions):
-    _recover_control(v, actions)
-
-
-def _header_at(v, pos):
-    """``(seq, pos, stored, flags)`` of a header with in-bounds lengths at/after ``pos``."""
-    off = pos % v.ring
-    if v.ring - off < FRAME_BYTES:
-        pos += v.ring - off
-        off = 0
-    hseq, stored, length, _ts, _crc, flags, _codec, _x = FRAME.unpack_from(v.mm, v.base + off)
-    if not F.valid_frame_header(stored, length, off, v.ring):
-        return None
-    return hseq, pos, stored, flags
-
-
-def _with_writer_lock(v, actions, timeout, fn):
-    import posix_ipc
-
-    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
-    try:
-        try:
-            sem.acquire(timeout)
-        except posix_ipc.BusyError:
-            actions.append(f"skipped a repair: the writer lock stayed busy for {timeout} s")
-            return
-        v.ctl[W_LOCK_HOLDER] = holder_word()
-        try:
-            fn()
-        finally:
-            v.ctl[W_LOCK_HOLDER] = 0
-            sem.release()
-    finally:
-        sem.close()
-
-
-def _sem(v, name):
-    """A lock semaphore of the spool being repaired; one another user squatted is refused."""
-    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid, group=v.st.st_gid)
-
-
-def _break_group_lock(v, i, actions):
-    slots, w = v.slots, i * F.SLOT_WORDS
-    byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
-    sem = _sem(v, group_sem_name(v.geo["sem_prefix"], i))
-    ofd_lock(v.fd, byte, wait=True)
-    try:
-        word = slots[w + F.S_LOCK_HOLDER]
-        if not word or holder_alive(word):
-            return
-        token = slots[w + F.S_LOCK_TOKEN]
-        slots[w + F.S_LOCK_TOKEN] = token + 1
-        slots[w + F.S_LOCK_HOLDER] = 0
-        if sem.value == 0:
-            sem.release()
-        actions.append(f"broke the lock of group {v.slot_name(i)!r} held by dead pid "
-                       f"{holder_pid(word)}; fencing token {token} -> {token + 1}")
-    finally:
-        ofd_unlock(v.fd, byte)
-        sem.close()
-
-
-def _first_cursor(v):
-    """``(FIRST_SEQ, FIRST_POS)`` as a pair: an evicting writer stores POS then SEQ, so a
-    SEQ read first may lag; the header at POS names the frame (as Spool._first_cursor)."""
-    ctl = v.ctl
-    seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
-    if seq < ctl[W_NEXT_SEQ] and pos < _MAX_COUNTER:
-        hit = _header_at(v, pos)
-        if hit is not None and seq <= hit[0] < ctl[W_NEXT_SEQ]:
-            seq = hit[0]
-    return seq, pos
-
-
-def _fix_slots(v, damaged, actions):
-    """Reset or free damaged slots (writer lock held: FIRST_* cannot move under us)."""
-    slots = v.slots
-    ofd_lock(v.fd, F.TABLE_LOCK_BYTE, wait=True)
-    try:
-        for i, how in sorted(damaged.items()):
-            w = i * F.SLOT_WORDS
-            name = v.slot_name(i)
-            if how == "free":
-                slots[w + F.S_STATE] = F.SLOT_FREE
-                v.mm[v.slot_byte(i, F.NAME_OFFSET)] = 0
-                actions.append(f"freed damaged slot {i}" + (f" ({name!r})" if name else ""))
-            elif how == "hwm":
-                if i + 1 > v.ctl[F.W_SLOT_HWM]:
-                    v.ctl[F.W_SLOT_HWM] = i + 1
-                actions.append(f"made slot {i} ({name!r}) visible to writers (SLOT_HWM -> "
-                               f"{v.ctl[F.W_SLOT_HWM]})")
-            else:
-                if i + 1 > v.ctl[F.W_SLOT_HWM]:
-                    v.ctl[F.W_SLOT_HWM] = i + 1
-                seq, pos = _first_cursor(v)
-                old = slots[w + F.S_SEQ], slots[w + F.S_POS]
-                slots[w + F.S_POS] = pos  # position first, as readers commit
-                slots[w + F.S_SEQ] = seq
-                actions.append(f"reset reader {name!r} (slot {i}) from seq {old[0]} / position "
-                               f"{old[1]} to the earliest frame (seq {seq})")
-    finally:
-        ofd_unlock(v.fd, F.TABLE_LOCK_BYTE)

@@ -10,7 +10,8 @@ import pytest
 import shmq
 from shmq import _format as F
 from shmq.cli import main
-from shmq.verify import repair, verify
+from shmq.repair import repair
+from shmq.verify import verify
 
 
 def _fill(sp, n, size=lambda i: i % 97):

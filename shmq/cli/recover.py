@@ -12,7 +12,8 @@ from .fmt import human_bytes, plural, print_json
 
 
 def cmd_fsck(a) -> int:
-    from ..verify import repair, verify
+    from ..repair import repair
+    from ..verify import verify
 
     rep = repair(a.path) if a.repair else verify(a.path)
     code = EXIT_OK if rep.ok else EXIT_PROBLEMS

@@ -1,0 +1,237 @@
+"""fsck --repair: :func:`repair` fixes what it safely can in a spool (see :mod:`shmq.verify`).
+
+It breaks a lock held by a dead process (as the engine's own lock recovery
+would: under the recovery region lock, bumping the fencing token, then
+posting the semaphore), finishes a commit a dead writer left half-done, and
+resets damaged reader slots to the earliest frame (or frees slots that are
+not readers at all).  It never rewrites a frame: damaged frames are
+reported and left for ``shmq export`` + recreate.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import _format as F
+from ._format import FLAG_PAD, W_FIRST_POS, W_FIRST_SEQ, W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ
+from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_unlock
+from ._mapping import SEM_WRITER, Mapping, group_sem_name, open_semaphore, resolve_path, sem_name
+from .verify import ORPHAN_LOCK_CHECK_S, Report, existing_semaphore, first_cursor, header_of, verify
+
+__all__ = ["repair"]
+
+
+def repair(path, *, lock_timeout=2.0) -> Report:
+    """Fix what can be fixed without rewriting frames; return the report of a fresh verify.
+
+    * a writer or group lock held by a dead process is broken: under the
+      recovery region lock, the holder word is replaced, the fencing token
+      bumped (and ``LOCK_BREAKS``), a commit the dead writer left half-done
+      is finished, then the holder word is cleared and the semaphore posted;
+    * a writer semaphore taken with no holder recorded is posted; a value
+      above 1 is brought back to 1;
+    * reader slots whose cursor is damaged are reset to the earliest frame;
+      slots that are not valid readers (bad state, undecodable or duplicate
+      name) are freed; a valid slot beyond the scan bound is made visible.
+
+    ``Report.repaired`` lists the actions; remaining ``problems`` (damaged
+    frames, corrupt control words) need ``shmq export`` and a new spool.
+
+    :raises: as :func:`verify`; also PermissionError if the file is read-only to us.
+    """
+    path = resolve_path(path)
+    before = verify(path)
+    if before.capacity is None:  # geometry unreadable: nothing is safe to touch
+        return before
+    actions = []
+    with Mapping(path) as v:
+        if before.stale_writer_lock or before.orphan_writer_lock:
+            _break_writer_lock(v, actions)
+        _fix_semaphore_value(v, actions)
+        if before.control_fix:
+            _with_writer_lock(v, actions, lock_timeout, lambda: _finish_commit(v, actions))
+        for i in before.stale_group_locks:
+            _break_group_lock(v, i, actions)
+        if before.damaged_slots:
+            _with_writer_lock(v, actions, lock_timeout,
+                              lambda: _fix_slots(v, before.damaged_slots, actions))
+    after = verify(path)
+    after.repaired = actions
+    return after
+
+
+def _break_writer_lock(v, actions):
+    ctl = v.ctl
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
+    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
+    try:
+        word = ctl[W_LOCK_HOLDER]
+        if sem.value > 0:
+            if word and not holder_alive(word):
+                ctl[W_LOCK_HOLDER] = 0
+                actions.append(f"cleared the stale holder record of dead pid {holder_pid(word)} "
+                               "(the lock itself was free)")
+            return
+        if word and holder_alive(word):
+            return  # taken over by a live process meanwhile
+        if not word:
+            # Held, nobody recorded: re-confirm it persists (a live writer
+            # records itself nanoseconds after taking the lock).
+            deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
+            while time.monotonic() < deadline:
+                if ctl[W_LOCK_HOLDER] or sem.value:
+                    return
+                time.sleep(0.02)
+        token = ctl[W_LOCK_TOKEN]
+        # Inherit the dead holder's acquisition, repair, then release it.
+        ctl[W_LOCK_HOLDER] = holder_word()
+        ctl[W_LOCK_TOKEN] = token + 1
+        ctl[F.W_LOCK_BREAKS] += 1
+        _recover_control(v, actions)
+        ctl[W_LOCK_HOLDER] = 0
+        sem.release()
+        who = f"dead pid {holder_pid(word)}" if word else "a writer that died unrecorded"
+        actions.append(f"broke the writer lock of {who}; fencing token {token} -> {token + 1}")
+    finally:
+        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
+        sem.close()
+
+
+def _fix_semaphore_value(v, actions):
+    sem = existing_semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER))
+    if sem is None:
+        return
+    import posix_ipc
+
+    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)
+    try:
+        before = sem.value
+        while sem.value > 1:
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                break
+        if before > 1:
+            actions.append(f"writer semaphore value {before} -> {sem.value}")
+    finally:
+        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
+        sem.close()
+
+
+def _recover_control(v, actions):
+    """The engine's post-crash re-derivation of the control words (writer lock held).
+
+    Mirrors :meth:`shmq.ring.Ring.repair_after_writer_death`: FIRST_SEQ is re-read from the header
+    at FIRST_POS, NEXT_POS from walking the headers up to NEXT_SEQ.  Unlike
+    the engine, a ring that cannot be walked is left alone (its contents are
+    never dropped by fsck): that stays a reported problem.
+    """
+    ctl = v.ctl
+    nseq = ctl[W_NEXT_SEQ]
+    if ctl[W_FIRST_SEQ] >= nseq:
+        if ctl[W_FIRST_POS] != ctl[W_NEXT_POS]:
+            actions.append(f"reset the empty ring's head from position {ctl[W_FIRST_POS]} to "
+                           f"NEXT_POS {ctl[W_NEXT_POS]}")
+            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
+            ctl[W_FIRST_SEQ] = nseq
+        return
+    pos = ctl[W_FIRST_POS]
+    hit = header_of(v, pos)
+    if hit is None or not ctl[W_FIRST_SEQ] <= hit[0] < nseq:
+        actions.append("left the control words alone: the oldest frame's header is unreadable")
+        return
+    if ctl[W_FIRST_SEQ] != hit[0]:
+        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit[0]} (a writer died while evicting)")
+        ctl[W_FIRST_SEQ] = hit[0]
+    seq, limit = hit[0], pos + v.geo["ring_bytes"]
+    while seq < nseq:
+        h = header_of(v, pos)
+        if h is None or h[0] != seq or h[1] + h[2] > limit:
+            actions.append(f"left NEXT_POS alone: frame {seq}'s header is unreadable")
+            return
+        pos = h[1] + h[2]
+        if not h[6] & FLAG_PAD:
+            seq += 1
+    if ctl[W_NEXT_POS] != pos:
+        actions.append(f"NEXT_POS {ctl[W_NEXT_POS]} -> {pos} (re-derived from the frame headers)")
+        ctl[W_NEXT_POS] = pos
+
+
+def _finish_commit(v, actions):
+    _recover_control(v, actions)
+
+
+def _with_writer_lock(v, actions, timeout, fn):
+    import posix_ipc
+
+    sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
+    try:
+        try:
+            sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            actions.append(f"skipped a repair: the writer lock stayed busy for {timeout} s")
+            return
+        v.ctl[W_LOCK_HOLDER] = holder_word()
+        try:
+            fn()
+        finally:
+            v.ctl[W_LOCK_HOLDER] = 0
+            sem.release()
+    finally:
+        sem.close()
+
+
+def _sem(v, name):
+    """A lock semaphore of the spool being repaired; one another user squatted is refused."""
+    return open_semaphore(name, 1, v.st.st_mode & 0o666, owner=v.st.st_uid, group=v.st.st_gid)
+
+
+def _break_group_lock(v, i, actions):
+    slots, w = v.slots, i * F.SLOT_WORDS
+    byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
+    sem = _sem(v, group_sem_name(v.geo["sem_prefix"], i))
+    ofd_lock(v.fd, byte, wait=True)
+    try:
+        word = slots[w + F.S_LOCK_HOLDER]
+        if not word or holder_alive(word):
+            return
+        token = slots[w + F.S_LOCK_TOKEN]
+        slots[w + F.S_LOCK_TOKEN] = token + 1
+        slots[w + F.S_LOCK_HOLDER] = 0
+        if sem.value == 0:
+            sem.release()
+        actions.append(f"broke the lock of group {v.slot_name(i)!r} held by dead pid "
+                       f"{holder_pid(word)}; fencing token {token} -> {token + 1}")
+    finally:
+        ofd_unlock(v.fd, byte)
+        sem.close()
+
+
+def _fix_slots(v, damaged, actions):
+    """Reset or free damaged slots (writer lock held: FIRST_* cannot move under us)."""
+    slots = v.slots
+    ofd_lock(v.fd, F.TABLE_LOCK_BYTE, wait=True)
+    try:
+        for i, how in sorted(damaged.items()):
+            w = i * F.SLOT_WORDS
+            name = v.slot_name(i)
+            if how == "free":
+                slots[w + F.S_STATE] = F.SLOT_FREE
+                v.mm[v.slot_byte(i, F.NAME_OFFSET)] = 0
+                actions.append(f"freed damaged slot {i}" + (f" ({name!r})" if name else ""))
+            elif how == "hwm":
+                if i + 1 > v.ctl[F.W_SLOT_HWM]:
+                    v.ctl[F.W_SLOT_HWM] = i + 1
+                actions.append(f"made slot {i} ({name!r}) visible to writers (SLOT_HWM -> "
+                               f"{v.ctl[F.W_SLOT_HWM]})")
+            else:
+                if i + 1 > v.ctl[F.W_SLOT_HWM]:
+                    v.ctl[F.W_SLOT_HWM] = i + 1
+                seq, pos = first_cursor(v)
+                old = slots[w + F.S_SEQ], slots[w + F.S_POS]
+                slots[w + F.S_POS] = pos  # position first, as readers commit
+                slots[w + F.S_SEQ] = seq
+                actions.append(f"reset reader {name!r} (slot {i}) from seq {old[0]} / position "
+                               f"{old[1]} to the earliest frame (seq {seq})")
+    finally:
+        ofd_unlock(v.fd, F.TABLE_LOCK_BYTE)
