@@ -26,9 +26,9 @@ for each occurrence of
    ``self._name = ...``, ``cls._name = ...``, also augmented and annotated
    assignments; ``other._name = ...`` is itself a reach, not a definition), a
    string in a ``__slots__`` of the file, or a parameter name.  This catches
-   ``sp._map`` in workqueue.py (``_map`` is assigned only in spool.py) and
-   ``msg._slot`` in a file that does not define Message, without type
-   inference.  Excluded: ``X._name`` where ``X`` is bound by an import of a
+   e.g. ``sp._map`` in workqueue.py if ``_map`` is assigned only in
+   spool.py, and ``msg._slot`` in a file that does not define Message,
+   without type inference.  Excluded: ``X._name`` where ``X`` is bound by an import of a
    non-shmq module (``os._exit``, ``sys._getframe``: the stdlib's own
    business), and the namedtuple API ``_replace``, ``_asdict``, ``_fields``,
    ``_make``.
@@ -40,7 +40,7 @@ Known blind spots (so the count is a floor, not a proof): ``self._x`` is
 never counted, so a mixin spread over files, or a subclass in another file
 using its base's private attributes, hides its reaches; a private name
 defined in *both* files is not counted in either (rule 3: ``r._count_lost``
-in spark/read.py, which has a method of that name too); a name computed at
+in a file with a method of that name too); a name computed at
 run time (``getattr(obj, name)``) is not seen.
 
 **Import cycles.**  A directed edge A -> B for every import statement in A
