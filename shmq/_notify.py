@@ -232,6 +232,17 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _next_sleep(deadline, now):
+    """How long to sleep before re-checking: the safety net, less if ``deadline`` (None:
+    none) is nearer; None once it has passed."""
+    if deadline is None:
+        return SAFETY_NET_S
+    left = deadline - now
+    if left <= 0:
+        return None
+    return min(SAFETY_NET_S, left)
+
+
 class Doorbell:
     """One side's wake-up channel: waiters on ``sem`` sleep until ``ring()``.
 
@@ -288,12 +299,9 @@ class Doorbell:
             while True:
                 if ready():
                     return True
-                wait = SAFETY_NET_S
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    wait = min(wait, left)
+                wait = _next_sleep(deadline, time.monotonic())
+                if wait is None:
+                    return False
                 watcher().sleep(wait)
 
     async def wait_async(self, ready, timeout: float | None) -> bool:
@@ -308,12 +316,9 @@ class Doorbell:
             while True:
                 if ready():
                     return True
-                wait = SAFETY_NET_S
-                if deadline is not None:
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        return False
-                    wait = min(wait, left)
+                wait = _next_sleep(deadline, loop.time())
+                if wait is None:
+                    return False
                 fut = loop.create_future()
                 futs.add(fut)
                 try:

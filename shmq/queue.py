@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 import weakref
 from multiprocessing import resource_tracker
 
@@ -32,7 +31,8 @@ from . import _format as F
 from . import codec as _codec
 from ._mapping import SEM_UNFINISHED, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
-from .spool import Spool, check_block_timeout
+from .spool import Spool
+from .waiting import check_block_timeout, retry_async
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
 
@@ -270,29 +270,19 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         timeout = check_block_timeout(True, timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return self.get(block=False)
-            except Empty:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise
-            await self._spool.data_bell.wait_async(self._reader.available, left)
+        return await retry_async(lambda: self.get(block=False), Empty, self._spool.data_bell,
+                                 lambda: self._reader.available, timeout)
 
     async def put_async(self, obj, timeout=None):
         """``await`` room, then put ``obj``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return self.put(obj, block=False)
-            except Full:
-                sp = self._spool
-                marker = sp.writer.room_marker()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise
-                await sp.space_bell.wait_async(lambda: sp.writer.room_marker() != marker, left)
+        writer = self._spool.writer
+
+        def room_moved():
+            marker = writer.room_marker()
+            return lambda: writer.room_marker() != marker
+
+        return await retry_async(lambda: self.put(obj, block=False), Full, self._spool.space_bell,
+                                 room_moved, timeout)
 
     @property
     def path(self) -> str:

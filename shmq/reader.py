@@ -26,7 +26,7 @@ from . import _format as F
 from ._lock import RecoverableLock
 from ._mapping import group_sem_name
 from .errors import Empty, ReaderBusy
-from .waiting import check_block_timeout, retry_stuck
+from .waiting import check_block_timeout, retry_async, retry_stuck
 
 Frame = _core.Frame
 
@@ -209,18 +209,11 @@ class Reader:
         """
         self.check()
         timeout = check_block_timeout(True, timeout)
-        loop_deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return self.get(block=False)
-            except Empty:
-                pass
-            left = None if loop_deadline is None else loop_deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise Empty(f"no frame within {timeout} s")
-            self._before_wait()
-            if not await self._spool.data_bell.wait_async(self._cur.available, left):
-                raise Empty(f"no frame within {timeout} s")
+        try:
+            return await retry_async(lambda: self.get(block=False), Empty, self._spool.data_bell,
+                                     lambda: self._cur.available, timeout, self._before_wait)
+        except Empty:
+            raise Empty(f"no frame within {timeout} s") from None
 
     def __iter__(self):
         """Blocking iteration: yields frames forever (until the reader is closed)."""

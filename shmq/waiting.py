@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["check_block_timeout", "retry_stuck"]
+__all__ = ["check_block_timeout", "retry_stuck", "retry_async"]
 
 
 def check_block_timeout(block, timeout):
@@ -27,6 +27,29 @@ def check_block_timeout(block, timeout):
         if timeout < 0:
             raise ValueError("'timeout' must be a non-negative number")
     return timeout if block else 0
+
+
+async def retry_async(attempt, retry_on, bell, ready, timeout, before_wait=None):
+    """``attempt()`` until it does not raise ``retry_on``; return its result.
+
+    Between attempts, awaits ``bell`` (a :class:`shmq._notify.Doorbell`: the
+    event loop parks on its inotify fd) until the predicate ``ready()``
+    returned right after the failed attempt holds, calling ``before_wait()``
+    first if given.  ``timeout`` bounds the whole call (None: forever); once
+    it has passed, the last ``retry_on`` error propagates.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            return attempt()
+        except retry_on:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise
+            check = ready()  # taken after the failed attempt: no change is missed
+        if before_wait is not None:
+            before_wait()
+        await bell.wait_async(check, left)
 
 
 def retry_stuck(call, lock, limit, is_stuck, on_timeout):
