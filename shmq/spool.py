@@ -148,12 +148,6 @@ class Spool:
                              checksum=self.checksum, sync=self._sync)
         self._readers = weakref.WeakSet()
         self.holder = holder_word()
-        # Plain views of the parts, for tests and tools that poke at the bytes.
-        self._map, self._geo, self._mm, self._view = m, geo, m.mm, m.view
-        self._ctl, self._slots = m.ctl, m.slots
-        self._ring, self._base = geo["ring_bytes"], geo["ring_offset"]
-        self._core, self._wlock, self._data_bell = self.core, self.writer_lock, self.data_bell
-        self._sem_prefix = prefix
 
     def open_semaphore(self, name, initial):
         """Open (or create) named semaphore ``name`` with this spool's mode, refusing one
@@ -263,7 +257,6 @@ class Spool:
             sem.close()
         self.core.close()  # drops its export of the mapping: unmapping can proceed
         self.writer_lock.close()
-        self._ctl = self._slots = self._mm = self._view = None
         self.mapping.close()
         _open_spools.discard(self)
 

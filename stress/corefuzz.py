@@ -258,7 +258,7 @@ def _templates(shmq, F):
                     take(r, 1)
                     take(g, 1)
                 if k in (40, 199):
-                    seq, pos = sp._core.first_cursor()
+                    seq, pos = sp.core.first_cursor()
                     r.close()
                     g.close()
                     snap(sp, ops(ri, 0xcf if checksum else 0x4f, nslot, gslot, k * 11, k % 70, seq, pos), keep=k < 199)
@@ -270,8 +270,8 @@ def _templates(shmq, F):
         p = os.path.join(d, "codecs")
         sp = shmq.Spool.create(p, capacity=CAPACITY, readers=SLOTS, leases=0, checksum=True)
         for k in range(60):
-            sp._core.put(bytes(range(k % 200)), (3, 6, 0, 1)[k % 4])
-        seq, pos = sp._core.first_cursor()
+            sp.core.put(bytes(range(k % 200)), (3, 6, 0, 1)[k % 4])
+        seq, pos = sp.core.first_cursor()
         snap(sp, ops(1, 0x9f, 0, 1, 300, 9, seq, pos))
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -188,8 +188,8 @@ def scenario_fanout(tmp, rng, duration, quick):
     os.close(wfd)
     # The last kill may have hit a lock holder: take and release the lock, which
     # recovers it (no frame is written), so verify sees a settled spool.
-    sp._wlock.acquire(10)
-    sp._wlock.release()
+    sp.writer_lock.acquire(10)
+    sp.writer_lock.release()
     stop.set()
     results = [out.get(timeout=120) for _ in rprocs]
     for p in rprocs:

@@ -59,7 +59,7 @@ def group_drain(path, name, conn, stop_after_idle=1.0):
 def hold_writer_lock_forever(path, ready):
     """Take the writer lock and signal; the parent SIGKILLs us while we hold it."""
     sp = shmq.Spool.open(path)
-    sp._wlock.acquire()
+    sp.writer_lock.acquire()
     ready.set()
     time.sleep(600)
 

@@ -246,7 +246,7 @@ def test_victims_own_world_writable_spools_never_run_planted_pickles(attacker, s
     wq = shmq.WorkQueue(wpath, capacity=65536, dead_capacity=8192)
     os.chmod(wpath + ".dead", 0o666)  # the victim's mistake, after attaching
     for which in "wrf":  # (and its semaphores, so others can use it)
-        os.chmod(_mapping.semaphore_file(_mapping.sem_name(wq._dead._sem_prefix, which)), 0o666)
+        os.chmod(_mapping.semaphore_file(_mapping.sem_name(wq._dead.spool.sem_prefix, which)), 0o666)
     try:
         as_user(attacker, _write_into, qpath, marker, True)
         as_user(attacker, _write_into, wpath + ".dead", marker, False)
@@ -282,7 +282,7 @@ def test_squatted_semaphores_are_refused(attacker, shared):
     d, _marker = shared
     path = os.path.join(d, "s")
     sp = shmq.Spool.create(path, capacity=65536)
-    prefix = sp._sem_prefix
+    prefix = sp.sem_prefix
     sp.put(b"x")
     try:
         # the names are visible in /dev/shm once the spool exists: squat a group's
@@ -353,7 +353,7 @@ def test_destroying_a_planted_file_never_unlinks_our_semaphores(attacker, shared
     mine = shmq.Spool.create(os.path.join(d, "mine"), capacity=4096)
     planted = os.path.join(d, "planted")
     try:
-        own_prefix = mine._sem_prefix
+        own_prefix = mine.sem_prefix
         as_user(attacker, _plant_file_with_prefix, planted, own_prefix)
         shmq.Spool.destroy(planted)  # removes the attacker's file ...
         assert not os.path.exists(planted)
@@ -372,7 +372,7 @@ def test_group_writable_spool_accepts_members_semaphores_only(attacker, shared):
     path = os.path.join(d, "shared")
     sp = shmq.Spool.create(path, capacity=65536, mode=0o660)
     sp.put(b"x")
-    name = _mapping.group_sem_name(sp._sem_prefix, 0)
+    name = _mapping.group_sem_name(sp.sem_prefix, 0)
     sp.close()
     try:
         os.chown(path, 0, 0)  # group root: the attacker is not a member

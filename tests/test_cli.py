@@ -113,7 +113,7 @@ def test_rm_removes_file_and_semaphores(capsys, spool_dir):
     path = os.path.join(spool_dir, "gone")
     assert run(capsys, "create", path, "--capacity", "64KiB")[0] == 0
     with shmq.Spool.open(path) as sp:
-        prefix = sp._sem_prefix
+        prefix = sp.sem_prefix
         sp.reader("g", group=True).close()
     assert _sems(prefix)
     code, out, _ = run(capsys, "rm", path)
@@ -228,18 +228,18 @@ def test_stat_text(capsys, busy_spool):
 
 def test_stat_shows_a_dead_lock_holder(capsys, make_spool):
     sp = make_spool()
-    sp._writer_sem.acquire()
+    sp.writer_lock.sem.acquire()
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-    sp._ctl[F.W_LOCK_HOLDER] = pid
+    sp.ring.ctl[F.W_LOCK_HOLDER] = pid
     code, out, _ = run(capsys, "stat", sp.path, "--json")
     d = json.loads(out)
     assert d["lock_pid"] == pid and d["lock_alive"] is False
     assert f"held by pid {pid} (DEAD" in run(capsys, "stat", sp.path)[1]
-    sp._ctl[F.W_LOCK_HOLDER] = 0
-    sp._writer_sem.release()
+    sp.ring.ctl[F.W_LOCK_HOLDER] = 0
+    sp.writer_lock.sem.release()
 
 
 def test_stat_watch_count(capsys, busy_spool):
@@ -561,24 +561,24 @@ def test_fsck_corrupt_frame_and_repair_leaves_it(capsys, make_spool):
     sp = make_spool(name="bad")
     for i in range(5):
         sp.put(b"x" * 40)
-    o = sp._base + sp.ring.locate(2) % sp._ring
-    sp._mm[o] ^= 0x55
+    o = sp.ring.base + sp.ring.locate(2) % sp.ring.size
+    sp.mapping.mm[o] ^= 0x55
     code, out, _ = run(capsys, "fsck", sp.path)
     assert code == 1 and "PROBLEM: ring: expected frame 2" in out
     code, out, _ = run(capsys, "fsck", sp.path, "--repair", "--json")
     assert code == 1 and json.loads(out)["ok"] is False
-    sp._mm[o] ^= 0x55
+    sp.mapping.mm[o] ^= 0x55
 
 
 def test_fsck_stale_lock_repair_lets_puts_through(capsys, make_spool):
     sp = make_spool(name="locked")
     sp.put(b"before")
-    sp._writer_sem.acquire()
+    sp.writer_lock.sem.acquire()
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
-    sp._ctl[F.W_LOCK_HOLDER] = pid
+    sp.ring.ctl[F.W_LOCK_HOLDER] = pid
     code, out, _ = run(capsys, "fsck", sp.path)
     assert code == 1 and f"held by pid {pid}, which is dead" in out
     code, out, _ = run(capsys, "fsck", sp.path, "--repair")
@@ -831,13 +831,13 @@ def test_error_exit_codes_subprocess(spool_dir, make_spool):
     assert res.returncode == cli.EXIT_NOT_FOUND and "no spools" in _one_error_line(res.stderr)
     sp = make_spool(name="corrupt")
     sp.put(b"x")
-    sp._ctl[F.W_FIRST_SEQ] = 99
+    sp.ring.ctl[F.W_FIRST_SEQ] = 99
     res = shmq_cmd("stat", sp.path)
     assert res.returncode == cli.EXIT_CORRUPT
     assert "control block is corrupt" in _one_error_line(res.stderr)
     res = shmq_cmd("fsck", sp.path)
     assert res.returncode == cli.EXIT_PROBLEMS and "FIRST_SEQ 99" in res.stdout
-    sp._ctl[F.W_FIRST_SEQ] = 0
+    sp.ring.ctl[F.W_FIRST_SEQ] = 0
 
 
 def _main_as_nobody(argv):

@@ -87,7 +87,7 @@ def _damage(path, how):
 def test_rm_removes_a_damaged_spool_and_its_semaphores(spool_dir, how):
     path = os.path.join(spool_dir, "damaged")
     with shmq.Spool.create(path, capacity="64KiB") as sp:
-        prefix = sp._sem_prefix
+        prefix = sp.sem_prefix
         sp.reader("g", group=True).close()  # a group semaphore too: found without the header
     assert len(_sems(prefix)) == 4
     _damage(path, how)
@@ -137,7 +137,7 @@ def _corrupt_frames(path, n, which):
     for i in range(n):
         sp.put(b"frame-%d" % i)
     for k in which:  # the seq word of frame k (all frames have the same stored size)
-        sp._mm[sp._base + k * F.frame_stored_bytes(7)] ^= 0x55
+        sp.mapping.mm[sp.ring.base + k * F.frame_stored_bytes(7)] ^= 0x55
     sp.close()
 
 
@@ -186,7 +186,7 @@ def test_failed_import_leaves_nothing_and_a_retry_works(spool_dir, monkeypatch, 
 
     def recording_create(cls, *args, **kw):
         sp = create(cls, *args, **kw)
-        made.append(sp._sem_prefix)
+        made.append(sp.sem_prefix)
         return sp
 
     monkeypatch.setattr(shmq.Spool, "create", classmethod(recording_create))
@@ -348,7 +348,7 @@ def test_fsck_recommends_only_what_helps(spool_dir):
     assert "--repair" not in last and "export --skip-corrupt" in last
     ctl = os.path.join(spool_dir, "ctl")
     with shmq.Spool.create(ctl, capacity="64KiB") as sp:
-        sp._ctl[F.W_FIRST_SEQ] = 1 << 63
+        sp.ring.ctl[F.W_FIRST_SEQ] = 1 << 63
     res = shmq_cmd("fsck", ctl)
     last = res.stdout.splitlines()[-1]
     assert "--repair" not in last and "'shmq rm PATH'" in last

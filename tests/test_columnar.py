@@ -75,7 +75,7 @@ def test_pinned_view_blocks_overwrite_until_released(make_spool):
     r = sp.reader()
     view = r.get_array(copy=False)
     assert not view.array.flags.writeable
-    assert np.shares_memory(view.array, np.frombuffer(sp._view, dtype=np.uint8))  # truly zero-copy
+    assert np.shares_memory(view.array, np.frombuffer(sp.mapping.view, dtype=np.uint8))  # truly zero-copy
     with pytest.raises(shmq.Full):  # even in overwrite mode, the pinned frame is kept
         for _ in range(4):
             sp.put(bytes(20000), timeout=0.1)

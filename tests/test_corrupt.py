@@ -18,7 +18,7 @@ from shmq import _format as F
 def doomed(spool_path):
     """A spool whose header the test will damage; its semaphores are removed after."""
     sp = shmq.Spool.create(spool_path, capacity="64KiB")
-    prefix, slots = sp._sem_prefix, sp._geo["slot_count"]
+    prefix, slots = sp.sem_prefix, sp.geometry["slot_count"]
     sp.close()
     yield spool_path
     from shmq._mapping import unlink_semaphores
@@ -79,7 +79,7 @@ def test_corrupt_header_checksum(doomed):
 def test_corrupt_control_words(spool_path):
     sp = shmq.Spool.create(spool_path, capacity="64KiB")
     sp.put(b"x")
-    sp._ctl[F.W_FIRST_SEQ] = 99  # first beyond next
+    sp.ring.ctl[F.W_FIRST_SEQ] = 99  # first beyond next
     sp.close()
     with pytest.raises(shmq.SpoolFormatError, match="control block"):
         shmq.Spool.open(spool_path)
@@ -133,7 +133,7 @@ def test_corrupt_frame_header_reported(spool_path):
     sp = shmq.Spool.create(spool_path, capacity="64KiB")
     for i in range(5):
         sp.put(bytes([i]) * 40)
-    sp._mm[sp._base + 2 * F.frame_stored_bytes(40)] ^= 0x55  # seq field of frame 2
+    sp.mapping.mm[sp.ring.base + 2 * F.frame_stored_bytes(40)] ^= 0x55  # seq field of frame 2
     r = sp.reader()
     assert [r.get().seq for _ in range(2)] == [0, 1]
     with pytest.raises(shmq.SpoolFormatError, match="seq 2"):

@@ -236,7 +236,7 @@ def test_anonymous_queue_removed_on_close():
     # Only this queue's own file and semaphores are checked: tests running in
     # parallel create and remove other queues in /dev/shm meanwhile.
     q = shmq.Queue()
-    path, prefix = q.path, q._spool._sem_prefix
+    path, prefix = q.path, q._spool.sem_prefix
     assert os.path.basename(path) in _queue_files() and _sems(prefix)
     q.close()
     assert not os.path.exists(path)

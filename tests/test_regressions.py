@@ -18,7 +18,7 @@ def test_pad_covering_the_whole_ring_does_not_hang(make_spool):
     sp = make_spool(capacity=4096)
     sp.put(b"x")
     # forge: frame 0 becomes a pad that spans the whole ring, pointing at itself
-    F.FRAME.pack_into(sp._mm, sp._base, 0, 4096, 0, 0, 0, F.FLAG_PAD, 0, 0)
+    F.FRAME.pack_into(sp.mapping.mm, sp.ring.base, 0, 4096, 0, 0, 0, F.FLAG_PAD, 0, 0)
     for call in (lambda: sp.reader().get(block=False), lambda: sp.reader().get_many(5, block=False),
                  lambda: sp.read_at(0)):
         with pytest.raises(shmq.SpoolFormatError):
@@ -28,7 +28,7 @@ def test_pad_covering_the_whole_ring_does_not_hang(make_spool):
 def test_semaphores_follow_the_spool_mode(spool_dir):
     sp = shmq.Spool.create(os.path.join(spool_dir, "shared"), capacity=4096, mode=0o666)
     sp.reader("g", group=True)  # group semaphore created lazily
-    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{sp._sem_prefix}.")]
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{sp.sem_prefix}.")]
     assert len(names) >= 4
     for n in names:
         assert stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) == 0o666
@@ -54,8 +54,8 @@ def test_group_get_nowait_with_busy_lock_raises_empty_not_timeout(make_spool):
 
 def test_queue_put_nowait_with_stuck_writer_lock_raises_full(spool_dir):
     q = shmq.Queue(path=os.path.join(spool_dir, "q"))
-    q._spool._recovery_timeout = 0.2
-    q._spool._wlock.recovery_timeout = 0.2
+    q._spool.recovery_timeout = 0.2
+    q._spool.writer_lock.recovery_timeout = 0.2
     ctx = mp.get_context("fork")
     ready = ctx.Event()
     p = ctx.Process(target=hold_writer_lock_forever, args=(q.path, ready))
@@ -106,7 +106,7 @@ def test_writer_killed_between_first_pos_and_first_seq_still_opens(spool_path):
     for i in range(40):
         sp.put(bytes([i]) * 100)
     first_seq, first_pos = sp.ring.first_cursor()
-    sp._ctl[F.W_FIRST_POS] = first_pos + F.frame_stored_bytes(100)  # killed before FIRST_SEQ
+    sp.ring.ctl[F.W_FIRST_POS] = first_pos + F.frame_stored_bytes(100)  # killed before FIRST_SEQ
     sp.close()
     sp = shmq.Spool.open(spool_path)  # not refused as corrupt
     frames = sp.reader().get_many(100, block=False)

@@ -259,7 +259,7 @@ def test_trust_comes_from_the_mapped_descriptor_not_the_path(spool_dir):
         b.close()
         shmq.Spool.destroy(shared)
         # `a`'s inode is unlinked: only its semaphores remain
-        _mapping.unlink_semaphores(a._sem_prefix, 0)
+        _mapping.unlink_semaphores(a.sem_prefix, 0)
 
 
 def test_codec_decodes_every_tag_and_pickles_only_when_trusted(spool_dir):
@@ -454,7 +454,7 @@ def _unlink(name):
 def test_squatted_writer_semaphore_is_refused(spool_dir):
     path = os.path.join(spool_dir, "s")
     sp = shmq.Spool.create(path, capacity=4096)
-    prefix = sp._sem_prefix
+    prefix = sp.sem_prefix
     sp.close()
     name = _mapping.sem_name(prefix, _mapping.SEM_WRITER)
     _unlink(name)  # e.g. after a reboot kept a disk spool: the name is free to squat
@@ -474,7 +474,7 @@ def test_squatted_group_semaphore_all_members_refuse(spool_dir, ctx):
     sp = shmq.Spool.create(path, capacity=65536)
     for i in range(6):
         sp.put(b"x%d" % i)
-    name = _mapping.group_sem_name(sp._sem_prefix, 0)  # the first group's slot
+    name = _mapping.group_sem_name(sp.sem_prefix, 0)  # the first group's slot
     _squat(name)
     try:
         with pytest.raises(shmq.ShmqError, match="squatted"):
@@ -500,7 +500,7 @@ def test_our_own_semaphores_are_accepted_and_get_the_spool_mode(spool_dir):
         os.umask(old)
     try:
         for which in ("w", "r", "f", "g0"):
-            st = os.stat(_mapping.semaphore_file(_mapping.sem_name(sp._sem_prefix, which)))
+            st = os.stat(_mapping.semaphore_file(_mapping.sem_name(sp.sem_prefix, which)))
             assert stat.S_IMODE(st.st_mode) == 0o660, which
     finally:
         r.close()
@@ -511,7 +511,7 @@ def test_our_own_semaphores_are_accepted_and_get_the_spool_mode(spool_dir):
 def test_squatted_joinable_queue_counter_is_refused(spool_dir):
     path = os.path.join(spool_dir, "jq")
     sp = shmq.Spool.create(path, capacity=65536, on_full="block")
-    name = _mapping.sem_name(sp._sem_prefix, _mapping.SEM_UNFINISHED)
+    name = _mapping.sem_name(sp.sem_prefix, _mapping.SEM_UNFINISHED)
     sp.close()
     _squat(name)  # would let its owner make join() return early, or never
     try:
@@ -528,7 +528,7 @@ def test_fsck_repair_refuses_a_squatted_writer_semaphore(spool_dir, capsys):
 
     path = os.path.join(spool_dir, "s")
     sp = shmq.Spool.create(path, capacity=4096)
-    name = _mapping.sem_name(sp._sem_prefix, _mapping.SEM_WRITER)
+    name = _mapping.sem_name(sp.sem_prefix, _mapping.SEM_WRITER)
     sp.close()
     _unlink(name)
     posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o666, initial_value=0).close()  # "held"

@@ -405,8 +405,8 @@ def test_pickle_handles(make_spool):
 def test_checksum_verify(make_spool):
     sp = make_spool(checksum=True)
     sp.put(b"payload")
-    off = sp._base + F.FRAME_BYTES
-    sp._mm[off] ^= 0xFF  # flip a payload bit behind the writer's back
+    off = sp.ring.base + F.FRAME_BYTES
+    sp.mapping.mm[off] ^= 0xFF  # flip a payload bit behind the writer's back
     assert sp.reader().get().data != b"payload"  # default: seq checks only
     with pytest.raises(shmq.SpoolFormatError, match="CRC"):
         sp.reader(verify=True).get()

@@ -166,13 +166,13 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind):
     q = sp = None
     if handle_kind == "queue":
         q = shmq.Queue(capacity="1MiB")
-        take, bell = (lambda: q.get(timeout=30)), q._spool._data_bell
+        take, bell = (lambda: q.get(timeout=30)), q._spool.data_bell
         path = q.path
     else:
         sp = shmq.Spool.create(spool_path, capacity="1MiB")
         r = sp.reader() if handle_kind == "anonymous" else sp.reader(
             "r", group=handle_kind == "group")
-        take, bell = (lambda: r.get(timeout=30).data), sp._data_bell
+        take, bell = (lambda: r.get(timeout=30).data), sp.data_bell
         path = spool_path
     out, errors = [], []
     barrier = threading.Barrier(n + 1)
@@ -300,7 +300,7 @@ def _storm_victim(spool_path, queue, seconds, ready, conn):
 def _group_holder_word(sp, name):
     for r in sp.readers():
         if r.name == name:
-            return sp._slots[r.slot * F.SLOT_WORDS + F.S_LOCK_HOLDER]
+            return sp.slots.words[r.slot * F.SLOT_WORDS + F.S_LOCK_HOLDER]
     raise KeyError(name)
 
 
@@ -545,7 +545,7 @@ def test_keyboardinterrupt_while_registered_leaks_no_waiter(make_spool):
     """A KeyboardInterrupt at the first signal-delivery point after registering (the first
     call inside the wait) unregisters: a leaked count would make every writer ring forever."""
     sp = make_spool(capacity="64KiB")
-    bell = sp._data_bell
+    bell = sp.data_bell
     calls = []
 
     def ready():
@@ -595,7 +595,7 @@ def test_keyboardinterrupt_while_becoming_the_pump_keeps_wakeups(make_spool, mon
 
         def put_when_parked():
             deadline = time.monotonic() + 10
-            while sp._data_bell.sem.value < 1 and time.monotonic() < deadline:
+            while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
                 time.sleep(0.001)
             sp.put(b"wake")
 

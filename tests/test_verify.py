@@ -20,7 +20,7 @@ def _fill(sp, n, size=lambda i: i % 97):
 
 
 def _ring_bytes(sp):
-    return bytes(sp._mm[sp._base:sp._base + sp._ring])
+    return bytes(sp.mapping.mm[sp.ring.base:sp.ring.base + sp.ring.size])
 
 
 def _dead_pid():
@@ -33,12 +33,12 @@ def _dead_pid():
 
 def _take_lock_as_dead(sp):
     """Take the writer semaphore and record a holder that no longer exists."""
-    sp._writer_sem.acquire()
-    sp._ctl[F.W_LOCK_HOLDER] = _dead_pid() | (12345 << 32)
+    sp.writer_lock.sem.acquire()
+    sp.ring.ctl[F.W_LOCK_HOLDER] = _dead_pid() | (12345 << 32)
 
 
 def _offset(sp, seq):
-    return sp._base + sp.ring.locate(seq) % sp._ring
+    return sp.ring.base + sp.ring.locate(seq) % sp.ring.size
 
 
 # --- healthy spools ---------------------------------------------------------
@@ -113,7 +113,7 @@ def test_verify_is_read_only(make_spool):
 def test_corrupt_frame_seq_reported_precisely(make_spool):
     sp = make_spool(capacity="64KiB")
     _fill(sp, 20)
-    sp._mm[_offset(sp, 7)] ^= 0x55  # seq field of frame 7
+    sp.mapping.mm[_offset(sp, 7)] ^= 0x55  # seq field of frame 7
     rep = verify(sp.path)
     assert not rep.ok
     assert any("expected frame 7" in p and "frames 7..19 cannot be reached" in p
@@ -125,7 +125,7 @@ def test_corrupt_frame_length_reported(make_spool):
     sp = make_spool(capacity="64KiB")
     _fill(sp, 10)
     o = _offset(sp, 3)
-    sp._mm[o + 8:o + 12] = (10**9).to_bytes(4, "little")  # stored length
+    sp.mapping.mm[o + 8:o + 12] = (10**9).to_bytes(4, "little")  # stored length
     rep = verify(sp.path)
     assert any("frame 3" in p and "out of bounds" in p for p in rep.problems), rep.problems
 
@@ -133,7 +133,7 @@ def test_corrupt_frame_length_reported(make_spool):
 def test_crc_mismatch_reported_and_walk_goes_on(make_spool):
     sp = make_spool(capacity="64KiB", checksum=True)
     _fill(sp, 10, size=lambda i: 50)
-    sp._mm[_offset(sp, 4) + F.FRAME_BYTES + 10] ^= 0xFF
+    sp.mapping.mm[_offset(sp, 4) + F.FRAME_BYTES + 10] ^= 0xFF
     rep = verify(sp.path)
     assert [p for p in rep.problems if "CRC mismatch" in p and "frame 4" in p]
     assert rep.frames_checked == 10 and rep.crc_verified == 9
@@ -142,7 +142,7 @@ def test_crc_mismatch_reported_and_walk_goes_on(make_spool):
 def test_repair_never_rewrites_frames(make_spool):
     sp = make_spool(capacity="64KiB", checksum=True)
     _fill(sp, 10, size=lambda i: 50)
-    sp._mm[_offset(sp, 4) + F.FRAME_BYTES] ^= 0xFF
+    sp.mapping.mm[_offset(sp, 4) + F.FRAME_BYTES] ^= 0xFF
     before = _ring_bytes(sp)
     rep = repair(sp.path)
     assert not rep.ok and rep.repaired == []
@@ -154,7 +154,7 @@ def test_bad_padding_reported(make_spool):
     for _ in range(30):
         sp.put(b"x" * 300)
     # find a pad in the ring and shorten it
-    pos = sp._ctl[F.W_FIRST_POS]
+    pos = sp.ring.ctl[F.W_FIRST_POS]
     for _ in range(30):
         hit = sp.ring.header_at(pos)
         if hit[6] & F.FLAG_PAD:
@@ -162,8 +162,8 @@ def test_bad_padding_reported(make_spool):
         pos = hit[1] + hit[2]
     else:
         pytest.skip("no pad resident")
-    o = sp._base + hit[1] % sp._ring
-    sp._mm[o + 12:o + 16] = (1).to_bytes(4, "little")  # pad "length" must be 0
+    o = sp.ring.base + hit[1] % sp.ring.size
+    sp.mapping.mm[o + 12:o + 16] = (1).to_bytes(4, "little")  # pad "length" must be 0
     rep = verify(sp.path)
     assert any("padding" in p and "length 1" in p for p in rep.problems), rep.problems
 
@@ -174,24 +174,24 @@ def test_bad_padding_reported(make_spool):
 def test_corrupt_control_words_reported(make_spool):
     sp = make_spool(capacity="64KiB")
     _fill(sp, 3)
-    sp._ctl[F.W_FIRST_SEQ] = 99
+    sp.ring.ctl[F.W_FIRST_SEQ] = 99
     rep = verify(sp.path)
     assert any("FIRST_SEQ 99 > NEXT_SEQ 3" in p for p in rep.problems), rep.problems
-    sp._ctl[F.W_FIRST_SEQ] = 0
+    sp.ring.ctl[F.W_FIRST_SEQ] = 0
     assert verify(sp.path).ok
 
 
 def test_damaged_geometry_is_a_problem_not_a_crash(make_spool):
     sp = make_spool(capacity="64KiB")
     path = sp.path
-    old = sp._mm[40]
-    sp._mm[40] = old ^ 0xFF
+    old = sp.mapping.mm[40]
+    sp.mapping.mm[40] = old ^ 0xFF
     try:
         rep = verify(path)
         assert not rep.ok and "checksum mismatch" in rep.problems[0]
         assert repair(path).repaired == []
     finally:
-        sp._mm[40] = old  # so the fixture can destroy it (and its semaphores)
+        sp.mapping.mm[40] = old  # so the fixture can destroy it (and its semaphores)
 
 
 def test_foreign_file_raises(spool_path):
@@ -224,17 +224,17 @@ def test_stale_writer_lock_detected_and_repaired(make_spool):
     sp = make_spool(capacity="64KiB")
     _fill(sp, 5)
     _take_lock_as_dead(sp)
-    token, breaks = sp._ctl[F.W_LOCK_TOKEN], sp._ctl[F.W_LOCK_BREAKS]
+    token, breaks = sp.ring.ctl[F.W_LOCK_TOKEN], sp.ring.ctl[F.W_LOCK_BREAKS]
     rep = verify(sp.path)
     assert rep.stale_writer_lock
     assert any("writer lock" in p and "dead" in p for p in rep.problems), rep.problems
     rep = repair(sp.path)
     assert rep.ok, rep.problems
     assert any("broke the writer lock" in a for a in rep.repaired)
-    assert sp._ctl[F.W_LOCK_TOKEN] == token + 1
-    assert sp._ctl[F.W_LOCK_BREAKS] == breaks + 1
-    assert sp._ctl[F.W_LOCK_HOLDER] == 0 and sp._writer_sem.value == 1
-    sp._wlock.recovery_timeout = 60  # were the lock still stale, the put would wait this long
+    assert sp.ring.ctl[F.W_LOCK_TOKEN] == token + 1
+    assert sp.ring.ctl[F.W_LOCK_BREAKS] == breaks + 1
+    assert sp.ring.ctl[F.W_LOCK_HOLDER] == 0 and sp.writer_lock.sem.value == 1
+    sp.writer_lock.recovery_timeout = 60  # were the lock still stale, the put would wait this long
     t = time.monotonic()
     assert sp.put(b"after repair", timeout=120) == 5
     assert time.monotonic() - t < 30  # no lock-recovery wait
@@ -243,7 +243,7 @@ def test_stale_writer_lock_detected_and_repaired(make_spool):
 
 def _die_holding_writer_lock(path):
     sp = shmq.Spool.open(path)
-    sp._wlock.acquire()
+    sp.writer_lock.acquire()
     os._exit(0)
 
 
@@ -262,7 +262,7 @@ def test_writer_killed_holding_lock(make_spool):
 
 def test_orphan_lock_without_holder_repaired(make_spool):
     sp = make_spool(capacity="64KiB")
-    sp._writer_sem.acquire()  # taken, never recorded: a writer killed right after sem_wait
+    sp.writer_lock.sem.acquire()  # taken, never recorded: a writer killed right after sem_wait
     rep = verify(sp.path)
     assert rep.orphan_writer_lock and not rep.ok
     rep = repair(sp.path)
@@ -272,40 +272,40 @@ def test_orphan_lock_without_holder_repaired(make_spool):
 
 def test_live_holder_is_not_a_problem(make_spool):
     sp = make_spool(capacity="64KiB")
-    sp._wlock.acquire()
+    sp.writer_lock.acquire()
     try:
         rep = verify(sp.path)
         assert rep.ok, rep.problems
         assert any("held by live pid" in n for n in rep.notes)
         rep = repair(sp.path)  # must not break a live holder's lock
-        assert rep.repaired == [] and sp._ctl[F.W_LOCK_HOLDER]
+        assert rep.repaired == [] and sp.ring.ctl[F.W_LOCK_HOLDER]
     finally:
-        sp._wlock.release()
+        sp.writer_lock.release()
 
 
 def test_next_pos_lag_after_writer_death_repaired(make_spool):
     """A writer killed between storing NEXT_SEQ and NEXT_POS."""
     sp = make_spool(capacity="64KiB")
     _fill(sp, 5, size=lambda i: 40)
-    end = sp._ctl[F.W_NEXT_POS]
+    end = sp.ring.ctl[F.W_NEXT_POS]
     _take_lock_as_dead(sp)
-    sp._ctl[F.W_NEXT_POS] = end - F.frame_stored_bytes(40)  # NEXT_POS not stored yet
+    sp.ring.ctl[F.W_NEXT_POS] = end - F.frame_stored_bytes(40)  # NEXT_POS not stored yet
     rep = verify(sp.path)
     assert any("past NEXT_POS" in p for p in rep.problems), rep.problems
     rep = repair(sp.path)
     assert rep.ok, (rep.problems, rep.repaired)
-    assert sp._ctl[F.W_NEXT_POS] == end
+    assert sp.ring.ctl[F.W_NEXT_POS] == end
     assert sp.put(b"y" * 40, timeout=0.5) == 5
     assert [sp.read_at(s).data for s in (4, 5)] == [bytes([4]) * 40, b"y" * 40]
 
 
 def test_semaphore_value_above_one_repaired(make_spool):
     sp = make_spool(capacity="64KiB")
-    sp._writer_sem.release()  # value 2: two writers could enter
+    sp.writer_lock.sem.release()  # value 2: two writers could enter
     rep = verify(sp.path)
     assert any("semaphore value is 2" in p for p in rep.problems)
     rep = repair(sp.path)
-    assert rep.ok and sp._writer_sem.value == 1
+    assert rep.ok and sp.writer_lock.sem.value == 1
 
 
 # --- reader table --------------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_reader_cursor_beyond_end_reset_to_earliest(make_spool):
     sp.reader("r").close()
     _fill(sp, 10)
     w = sp.slots.find("r") * F.SLOT_WORDS
-    sp._slots[w + F.S_SEQ] = 10**9
+    sp.slots.words[w + F.S_SEQ] = 10**9
     rep = verify(sp.path)
     assert any("'r'" in p and "beyond the ring's end" in p for p in rep.problems)
     before = _ring_bytes(sp)
@@ -333,12 +333,12 @@ def test_reader_cursor_inconsistent_position(make_spool):
     sp.reader("r").close()
     _fill(sp, 10, size=lambda i: 40)
     w = sp.slots.find("r") * F.SLOT_WORDS
-    sp._slots[w + F.S_SEQ] = 3
-    sp._slots[w + F.S_POS] = sp.ring.locate(3) + 8  # mid-header
+    sp.slots.words[w + F.S_SEQ] = 3
+    sp.slots.words[w + F.S_POS] = sp.ring.locate(3) + 8  # mid-header
     rep = verify(sp.path)
     assert any("does not point at frame 3" in p for p in rep.problems), rep.problems
     assert repair(sp.path).ok
-    assert sp._slots[w + F.S_SEQ] == 0
+    assert sp.slots.words[w + F.S_SEQ] == 0
 
 
 def test_half_committed_cursor_is_a_warning(make_spool):
@@ -347,8 +347,8 @@ def test_half_committed_cursor_is_a_warning(make_spool):
     sp.reader("r").close()
     _fill(sp, 10, size=lambda i: 40)
     w = sp.slots.find("r") * F.SLOT_WORDS
-    sp._slots[w + F.S_SEQ] = 3
-    sp._slots[w + F.S_POS] = sp.ring.locate(4)
+    sp.slots.words[w + F.S_SEQ] = 3
+    sp.slots.words[w + F.S_POS] = sp.ring.locate(4)
     rep = verify(sp.path)
     assert rep.ok, rep.problems
     assert any("self-heals" in x for x in rep.warnings)
@@ -358,7 +358,7 @@ def test_invalid_slot_state_freed(make_spool):
     sp = make_spool(capacity="64KiB")
     sp.reader("a").close()
     sp.reader("b").close()
-    sp._slots[1 * F.SLOT_WORDS + F.S_STATE] = 9
+    sp.slots.words[1 * F.SLOT_WORDS + F.S_STATE] = 9
     rep = verify(sp.path)
     assert any("slot 1 has invalid state 9" in p for p in rep.problems)
     rep = repair(sp.path)
@@ -369,8 +369,8 @@ def test_invalid_slot_state_freed(make_spool):
 def test_undecodable_name_freed(make_spool):
     sp = make_spool(capacity="64KiB")
     sp.reader("a").close()
-    off = sp._geo["slot_offset"] + F.NAME_OFFSET
-    sp._mm[off:off + 3] = b"\x02\xff\xfe"
+    off = sp.geometry["slot_offset"] + F.NAME_OFFSET
+    sp.mapping.mm[off:off + 3] = b"\x02\xff\xfe"
     rep = verify(sp.path)
     assert any("undecodable name" in p for p in rep.problems)
     assert repair(sp.path).ok
