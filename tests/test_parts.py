@@ -1,0 +1,297 @@
+"""The spool's parts through their public methods: ring I/O, the reader table, pins,
+the write path and the waiting helpers (what reader, columnar, workqueue, dump and
+the CLI build on)."""
+
+import asyncio
+import time
+
+import pytest
+
+import shmq
+from shmq import _format as F
+from shmq import waiting
+from shmq.ring import header_at
+from shmq.writer import Deferred
+
+
+# --- ring ---------------------------------------------------------------------
+
+
+def test_header_at_and_payload_describe_a_committed_frame(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"hello", codec=F.CODEC_UTF8)
+    hit = sp.ring.header_at(sp.ring.first_pos)
+    seq, pos, stored, length, ts, crc, flags, codec = hit
+    assert (seq, length, codec, flags & F.FLAG_PAD) == (0, 5, F.CODEC_UTF8, 0)
+    assert stored == F.frame_stored_bytes(5) and ts > 0
+    assert bytes(sp.ring.payload(hit)) == b"hello"
+    assert sp.ring.frame_at(0, pos) == hit
+    assert sp.ring.frame_at(1, pos) is None  # another frame's header
+    # the module function is the same decoder (fsck uses it on a bare mapping)
+    assert header_at(sp.mapping.mm, sp.ring.base, sp.ring.size, pos) == hit
+
+
+def test_header_at_refuses_out_of_bounds_lengths(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"x" * 10)
+    o = sp.ring.base
+    F.FRAME.pack_into(sp.mapping.mm, o, 0, 1 << 20, 10, 1, 0, 0, 0, 0)  # stored > ring
+    assert sp.ring.header_at(0) is None
+    assert sp.ring.frame_at(0, 0) is None
+
+
+def test_frame_pos_skips_the_padding_before_a_wrapped_frame(make_spool):
+    sp = make_spool(capacity=4096)
+    sp.put(b"a" * 4000)  # leaves a tail too short for the next frame
+    r = sp.reader()
+    r.get(timeout=1)
+    sp.put(b"b" * 100)  # evicts the first frame, padded tail, wraps to 0
+    seq, pos = r.cursor()
+    assert pos % sp.capacity != 0  # the cursor sits at the pad
+    fpos = sp.ring.frame_pos(pos)
+    assert fpos % sp.capacity == 0
+    hit = sp.ring.frame_at(seq, pos)
+    assert hit is not None and bytes(sp.ring.payload(hit)) == b"b" * 100
+
+
+def test_set_flags_and_set_timestamp_touch_only_their_field(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"payload")
+    hit = sp.ring.header_at(0)
+    sp.ring.set_flags(hit, F.FLAG_SUPERSEDED)
+    sp.ring.set_timestamp(hit, 123456789)
+    after = sp.ring.header_at(0)
+    assert after[6] == hit[6] | F.FLAG_SUPERSEDED and after[4] == 123456789
+    assert after[:4] == hit[:4] and after[5] == hit[5] and after[7] == hit[7]
+    assert bytes(sp.ring.payload(after)) == b"payload"
+    assert sp.read_at(0).timestamp_ns == 123456789
+
+
+def test_locate_read_and_cursor_for(make_spool):
+    sp = make_spool(capacity=8192)
+    for i in range(5):
+        sp.put(bytes([i]) * 8)
+    pos = sp.ring.locate(3)
+    frame, nseq, npos, lost, codec = sp.ring.read(3, pos)
+    assert (frame.seq, frame.data, nseq, lost, codec) == (3, b"\x03" * 8, 4, 0, F.CODEC_RAW)
+    assert sp.ring.cursor_for(3) == (3, pos)
+    assert sp.ring.cursor_for("earliest") == sp.ring.first_cursor() == (0, 0)
+    assert sp.ring.cursor_for("latest") == (5, sp.ring.next_pos)
+    with pytest.raises(shmq.FrameLost):
+        sp.ring.locate(5)
+    with pytest.raises(ValueError):
+        sp.ring.cursor_for(6)
+    with pytest.raises(ValueError):
+        sp.ring.cursor_for("middle")
+
+
+def test_check_cursor_refuses_a_cursor_past_the_end(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"x")
+    sp.ring.check_cursor("r", 1, sp.ring.next_pos)  # at the end: fine
+    with pytest.raises(shmq.SpoolFormatError, match="beyond the ring's end"):
+        sp.ring.check_cursor("r", 2, 0)
+
+
+def test_still_there_follows_eviction(make_spool):
+    sp = make_spool(capacity=4096)
+    sp.put(b"a" * 1000)
+    assert sp.ring.still_there(0)
+    for _ in range(4):
+        sp.put(b"b" * 1000)
+    assert not sp.ring.still_there(0)
+
+
+# --- reader table -------------------------------------------------------------------
+
+
+def test_slot_table_attach_find_remove(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"x")
+    i = sp.slots.attach("audit", F.SLOT_READER, "latest")
+    assert sp.slots.find("audit") == i and sp.slots.name(i) == "audit"
+    assert sp.slots.cursor(i) == (1, sp.ring.next_pos)
+    assert sp.slots.attach("audit", F.SLOT_READER, "earliest") == i  # found, not re-created
+    with pytest.raises(shmq.ShmqError, match="named reader"):
+        sp.slots.attach("audit", F.SLOT_GROUP, "earliest")
+    with pytest.raises(ValueError):
+        sp.slots.attach("", F.SLOT_READER, "earliest")
+    with pytest.raises(TypeError):
+        sp.slots.attach(3, F.SLOT_READER, "earliest")
+    assert [s.name for s in sp.slots.stats()] == ["audit"]
+    sp.slots.remove("audit")
+    assert sp.slots.find("audit") is None
+    with pytest.raises(KeyError):
+        sp.slots.remove("audit")
+
+
+def test_slot_table_hold_is_reference_counted(make_spool):
+    sp = make_spool(capacity=8192)
+    i = sp.slots.attach("g", F.SLOT_GROUP, "earliest")
+    assert sp.slots.hold(i, exclusive=False) and sp.slots.hold(i, exclusive=False)
+    assert sp.slots.holds(i) == 2 and sp.slots.alive(i)
+    with pytest.raises(shmq.ReaderBusy):
+        sp.slots.remove("g")
+    sp.slots.let_go(i)
+    assert sp.slots.alive(i)
+    sp.slots.let_go(i)
+    assert sp.slots.holds(i) == 0 and not sp.slots.alive(i)
+    sp.slots.remove("g")
+
+
+def test_slot_floor_is_the_slowest_named_cursor(make_spool):
+    sp = make_spool(capacity=8192, on_full="block")
+    for _ in range(3):
+        sp.put(b"x")
+    assert sp.slots.floor(F.S_SEQ) is None
+    a, b = sp.reader("a"), sp.reader("b")
+    a.get(timeout=1)
+    a.get(timeout=1)
+    b.get(timeout=1)
+    assert sp.slots.floor(F.S_SEQ) == 1
+    a.close()
+    b.close()
+
+
+# --- pins ------------------------------------------------------------------------
+
+
+def test_pins_hold_a_frame_against_eviction(make_spool):
+    sp = make_spool(capacity=4096)
+    sp.put(b"p" * 1000)
+    got = sp.pins.read(0, 0)
+    assert got is not None
+    view, codec, fpos, npos = got
+    assert bytes(view) == b"p" * 1000 and codec == F.CODEC_RAW and npos > fpos
+    assert sp.pins.held == {fpos: 1} and sp.pins.floor(None) == fpos
+    with pytest.raises(shmq.Full):
+        for _ in range(5):
+            sp.put(b"q" * 1000, timeout=0.05)  # overwrite mode waits for the pin, then Full
+    assert bytes(view) == b"p" * 1000
+    view.release()
+    sp.pins.unpin(fpos)
+    assert sp.pins.held == {} and sp.pins.floor(None) == F.NO_PIN  # the slot stays, empty
+    sp.put(b"q" * 1000, timeout=1)  # room again
+
+
+def test_pins_read_refuses_a_gone_frame(make_spool):
+    sp = make_spool(capacity=4096)
+    sp.put(b"a" * 1000)
+    for _ in range(4):
+        sp.put(b"b" * 1000)
+    assert sp.pins.read(0, 0) is None
+    assert sp.pins.held == {}
+
+
+# --- writer ------------------------------------------------------------------------
+
+
+def test_writer_append_and_append_general_write_the_same_frames(make_spool):
+    fast, ref = make_spool(capacity=8192), make_spool(capacity=8192)
+    batch = [b"one", (b"tw", b"o"), memoryview(b"three")]
+    assert fast.writer.append(batch, None, F.CODEC_RAW) == 0
+    assert ref.writer.append_general(batch, None, F.CODEC_RAW) == 0
+    for sp in (fast, ref):
+        assert [f.data for f in sp.reader().get_many(10)] == [b"one", b"two", b"three"]
+
+
+def test_writer_deferred_payload_is_filled_under_the_lock(make_spool):
+    sp = make_spool(capacity=8192, checksum=True)
+
+    def fill(view):
+        view[:] = b"0123456789"
+
+    sp.writer.append((Deferred(10, fill),), None, F.CODEC_RAW)
+    assert sp.reader(verify=True).get(timeout=1).data == b"0123456789"
+
+
+def test_writer_errors(make_spool):
+    sp = make_spool(capacity=4096, on_full="error")
+    with pytest.raises(shmq.TooLarge):
+        sp.writer.append([b"x" * 5000], None, F.CODEC_RAW)
+    with pytest.raises(shmq.TooLarge, match="maxsize"):
+        sp.writer.append([b"a", b"b"], None, F.CODEC_RAW, max_backlog=1)
+    sp.reader("slow")
+    sp.writer.append([b"x" * 3000], None, F.CODEC_RAW)
+    with pytest.raises(shmq.Full, match="on_full='error'"):
+        sp.writer.append([b"y" * 3000], 0, F.CODEC_RAW)
+    assert sp.next_seq == 1  # the refused batch left nothing behind
+
+
+def test_room_marker_moves_when_a_reader_advances(make_spool):
+    sp = make_spool(capacity=8192, on_full="block")
+    sp.put(b"x")
+    r = sp.reader("r")
+    before = sp.writer.room_marker()
+    r.get(timeout=1)
+    assert sp.writer.room_marker() != before
+
+
+# --- waiting -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block,timeout,want", [(True, None, None), (True, 1.5, 1.5),
+                                                 (False, 3, 0), (False, None, 0)])
+def test_check_block_timeout(block, timeout, want):
+    assert waiting.check_block_timeout(block, timeout) == want
+
+
+@pytest.mark.parametrize("bad,exc", [("1", TypeError), (True, TypeError), (float("nan"), ValueError),
+                                     (-1, ValueError)])
+def test_check_block_timeout_refuses(bad, exc):
+    with pytest.raises(exc):
+        waiting.check_block_timeout(True, bad)
+
+
+class _FakeLock:
+    recovery_timeout = 0.01
+
+    def __init__(self):
+        self.recoveries = 0
+
+    def recover_if_dead(self):
+        self.recoveries += 1
+
+
+def test_retry_stuck_recovers_until_the_call_succeeds():
+    lock, calls = _FakeLock(), []
+
+    def call(wait):
+        calls.append(wait)
+        return -1 if len(calls) < 3 else "done"
+
+    assert waiting.retry_stuck(call, lock, None, lambda out: out == -1, None) == "done"
+    assert lock.recoveries == 2 and calls == [0.01] * 3
+
+
+def test_retry_stuck_gives_up_at_the_limit():
+    lock = _FakeLock()
+
+    def timed_out():
+        raise TimeoutError("stuck")
+
+    with pytest.raises(TimeoutError):
+        waiting.retry_stuck(lambda wait: -1, lock, time.monotonic() + 0.05, lambda out: out == -1,
+                            timed_out)
+
+
+def test_retry_async_returns_once_the_attempt_succeeds(make_spool):
+    sp = make_spool(capacity=8192)
+    r = sp.reader()
+
+    async def main():
+        task = asyncio.ensure_future(waiting.retry_async(
+            lambda: r.get(block=False), shmq.Empty, sp.data_bell, lambda: r.available, 5))
+        await asyncio.sleep(0)
+        sp.put(b"late")
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(main()).data == b"late"
+
+
+def test_retry_async_raises_the_last_error_after_the_timeout(make_spool):
+    sp = make_spool(capacity=8192)
+    r = sp.reader()
+    with pytest.raises(shmq.Empty):
+        asyncio.run(waiting.retry_async(lambda: r.get(block=False), shmq.Empty, sp.data_bell,
+                                        lambda: r.available, 0.05))
