@@ -141,7 +141,6 @@ class Spool:
         self.writer_lock.on_recover = self.ring.repair_after_writer_death
         self.ring.check_control()
         self.slots = SlotTable(m, self.ring)
-        self.writer = None  # pins wake writers through it
         self.pins = Pins(m, self.ring, self.slots, self.writer_lock, self.notify_space)
         self.writer = Writer(self, self.ring, self.slots, self.pins, self.writer_lock,
                              self.data_bell, self.space_bell, policy=self._policy,
