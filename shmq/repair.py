@@ -14,7 +14,7 @@ import time
 
 from . import _format as F
 from ._format import FLAG_PAD, W_FIRST_POS, W_FIRST_SEQ, W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ
-from ._lock import holder_alive, holder_pid, holder_word, ofd_lock, ofd_unlock
+from ._lock import RecoverableLock, holder_alive, holder_pid, holder_word, ofd_lock, ofd_unlock
 from ._mapping import SEM_WRITER, Mapping, group_sem_name, open_semaphore, resolve_path, sem_name
 from .verify import ORPHAN_LOCK_CHECK_S, Report, existing_semaphore, first_cursor, header_of, verify
 
@@ -61,40 +61,56 @@ def repair(path, *, lock_timeout=2.0) -> Report:
 
 
 def _break_writer_lock(v, actions):
-    ctl = v.ctl
     sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
-    ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)  # one recoverer at a time (as the engine)
     try:
-        word = ctl[W_LOCK_HOLDER]
-        if sem.value > 0:
-            if word and not holder_alive(word):
-                ctl[W_LOCK_HOLDER] = 0
-                actions.append(f"cleared the stale holder record of dead pid {holder_pid(word)} "
-                               "(the lock itself was free)")
-            return
-        if word and holder_alive(word):
-            return  # taken over by a live process meanwhile
-        if not word:
-            # Held, nobody recorded: re-confirm it persists (a live writer
-            # records itself nanoseconds after taking the lock).
-            deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
-            while time.monotonic() < deadline:
-                if ctl[W_LOCK_HOLDER] or sem.value:
-                    return
-                time.sleep(0.02)
-        token = ctl[W_LOCK_TOKEN]
-        # Inherit the dead holder's acquisition, repair, then release it.
-        ctl[W_LOCK_HOLDER] = holder_word()
-        ctl[W_LOCK_TOKEN] = token + 1
-        ctl[F.W_LOCK_BREAKS] += 1
-        _recover_control(v, actions)
-        ctl[W_LOCK_HOLDER] = 0
-        sem.release()
-        who = f"dead pid {holder_pid(word)}" if word else "a writer that died unrecorded"
-        actions.append(f"broke the writer lock of {who}; fencing token {token} -> {token + 1}")
+        _break_lock(v, sem, v.ctl, W_LOCK_HOLDER, W_LOCK_TOKEN, F.RECOVERY_LOCK_BYTE,
+                    "the writer lock", actions, breaks_word=F.W_LOCK_BREAKS,
+                    on_recover=lambda _pid: _recover_control(v, actions))
     finally:
-        ofd_unlock(v.fd, F.RECOVERY_LOCK_BYTE)
         sem.close()
+
+
+def _break_lock(v, sem, words, holder, token_word, recovery_byte, what, actions, **lock_kw):
+    """Break ``what`` (semaphore ``sem``, holder record at ``words[holder]``) if its holder
+    died, then release it.
+
+    The breaking is the engine's own (:meth:`shmq._lock.RecoverableLock.recover_if_dead`:
+    under the recovery byte's fcntl lock, re-checked there, fencing token bumped, the
+    structure repaired through ``on_recover``); a live holder is never broken.  A free
+    lock with a dead holder's record only has the record cleared.
+    """
+    word = words[holder]
+    if word and holder_alive(word):
+        return  # held by a live process (or taken over by one meanwhile)
+    if sem.value > 0:
+        if word:
+            ofd_lock(v.fd, recovery_byte, wait=True)  # one recoverer at a time (as the engine)
+            try:
+                if words[holder] == word:
+                    words[holder] = 0
+                    actions.append(f"cleared the stale holder record of dead pid "
+                                   f"{holder_pid(word)} in {what} (the lock itself was free)")
+            finally:
+                ofd_unlock(v.fd, recovery_byte)
+        return
+    if not word:
+        # Held, nobody recorded: re-confirm it persists (a live holder records
+        # itself nanoseconds after taking the lock).
+        deadline = time.monotonic() + ORPHAN_LOCK_CHECK_S
+        while time.monotonic() < deadline:
+            if words[holder] or sem.value:
+                return
+            time.sleep(0.02)
+    token = words[token_word]
+    lock = RecoverableLock(sem, words, holder, token_word, v, recovery_byte, **lock_kw)
+    try:
+        # a lock held with no holder recorded is broken on the second look, as in the engine
+        broke = lock.recover_if_dead() or (not word and lock.recover_if_dead())
+    finally:
+        lock.close()
+    if broke:
+        who = f"dead pid {holder_pid(word)}" if word else "a holder that died unrecorded"
+        actions.append(f"broke {what} of {who}; fencing token {token} -> {token + 1}")
 
 
 def _fix_semaphore_value(v, actions):
@@ -187,23 +203,13 @@ def _sem(v, name):
 
 
 def _break_group_lock(v, i, actions):
-    slots, w = v.slots, i * F.SLOT_WORDS
-    byte = v.slot_byte(i, F.SLOT_RECOVERY_BYTE)
     sem = _sem(v, group_sem_name(v.geo["sem_prefix"], i))
-    ofd_lock(v.fd, byte, wait=True)
+    w = i * F.SLOT_WORDS
     try:
-        word = slots[w + F.S_LOCK_HOLDER]
-        if not word or holder_alive(word):
-            return
-        token = slots[w + F.S_LOCK_TOKEN]
-        slots[w + F.S_LOCK_TOKEN] = token + 1
-        slots[w + F.S_LOCK_HOLDER] = 0
-        if sem.value == 0:
-            sem.release()
-        actions.append(f"broke the lock of group {v.slot_name(i)!r} held by dead pid "
-                       f"{holder_pid(word)}; fencing token {token} -> {token + 1}")
+        _break_lock(v, sem, v.slots, w + F.S_LOCK_HOLDER, w + F.S_LOCK_TOKEN,
+                    v.slot_byte(i, F.SLOT_RECOVERY_BYTE), f"the lock of group {v.slot_name(i)!r}",
+                    actions)
     finally:
-        ofd_unlock(v.fd, byte)
         sem.close()
 
 
