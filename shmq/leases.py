@@ -14,12 +14,142 @@ import dataclasses
 import time
 
 from . import _format as F
-from ._format import KEY_WORDS, L_DUE_NS, L_ENQ_NS, L_STATE, LEASE_DELAYED, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS
-from .errors import ShmqError
+from ._format import (
+    KEY_WORDS, L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN,
+    LEASE_DELAYED, LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS,
+)
+from ._lock import holder_alive
+from .errors import LeaseLost, ShmqError
 
-__all__ = ["KeyIndex", "WorkQueueStats", "lease_stats"]
+__all__ = ["LeaseTable", "KeyIndex", "WorkQueueStats", "lease_stats"]
 
 _NS = 1_000_000_000
+
+
+class LeaseTable:
+    """The lease records of lease region ``reg`` (u64 words), ``n`` of them; ``ctl`` is the
+    control block (``W_WQ_LEASE_HWM``, ``W_WQ_TOKEN``).
+
+    Every method that writes is called with the work queue's lock held.  A
+    record's ``L_ATTEMPTS`` word holds the attempts allowed (high 32 bits)
+    and made (low 32 bits).
+    """
+
+    def __init__(self, reg, ctl, n):
+        self._reg, self._ctl, self.n = reg, ctl, n
+
+    def word(self, i, k):
+        """Word ``k`` (``L_*``) of record ``i``."""
+        return self._reg[i * LEASE_WORDS + k]
+
+    def set_word(self, i, k, value) -> None:
+        self._reg[i * LEASE_WORDS + k] = value
+
+    def in_use(self):
+        """Indices of the records that may be in use (below the high-water mark)."""
+        return range(min(self._ctl[F.W_WQ_LEASE_HWM], self.n))
+
+    def due(self, now_ns, check_live):
+        """Records due again at ``now_ns`` (retry or delay elapsed, lease expired, or
+        with ``check_live`` a dead holder) as ``[(seq, i)]`` oldest first, and the
+        earliest due time among the others (None: none)."""
+        reg = self._reg
+        due, next_due_ns = [], None
+        for i in self.in_use():
+            w = i * LEASE_WORDS
+            state = reg[w + L_STATE]
+            if state == LEASE_FREE:
+                continue
+            t = reg[w + L_DUE_NS]
+            if state == LEASE_LEASED:
+                if t > now_ns and not (check_live and not holder_alive(reg[w + L_HOLDER])):
+                    next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
+                    continue
+            elif t > now_ns:
+                next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
+                continue
+            due.append((reg[w + L_SEQ], i))
+        return sorted(due), next_due_ns
+
+    def take_free(self):
+        """Index of a free record (raising the high-water mark to cover it), or None."""
+        reg, ctl = self._reg, self._ctl
+        for i in range(self.n):
+            if reg[i * LEASE_WORDS + L_STATE] == LEASE_FREE:
+                if i + 1 > ctl[F.W_WQ_LEASE_HWM]:
+                    ctl[F.W_WQ_LEASE_HWM] = i + 1
+                return i
+        return None
+
+    def fill(self, i, seq, pos, enq_ns, max_attempts) -> None:
+        """Describe message ``seq`` at ``pos`` in free record ``i`` (its state is set by
+        :meth:`delay` or :meth:`grant`, which publish it)."""
+        w, reg = i * LEASE_WORDS, self._reg
+        reg[w + L_SEQ] = seq
+        reg[w + L_POS] = pos
+        reg[w + L_ENQ_NS] = enq_ns
+        reg[w + L_ATTEMPTS] = max_attempts << 32
+
+    def delay(self, i, due_ns, state=LEASE_DELAYED) -> None:
+        """Make record ``i`` due at ``due_ns`` in ``state`` (delayed, or retrying after a nack)."""
+        w = i * LEASE_WORDS
+        self._reg[w + L_DUE_NS] = due_ns
+        self._reg[w + L_STATE] = state
+
+    def grant(self, i, now_ns, lease, holder):
+        """Lease record ``i`` to ``holder`` (a holder word) for ``lease`` seconds under a new
+        fencing token; return ``(i, seq, attempt, enqueued_ns, token, deadline_ns)``."""
+        reg, ctl, lw = self._reg, self._ctl, i * LEASE_WORDS
+        token = ctl[F.W_WQ_TOKEN] + 1
+        ctl[F.W_WQ_TOKEN] = token
+        attempts = reg[lw + L_ATTEMPTS]
+        attempt = (attempts & 0xFFFFFFFF) + 1
+        reg[lw + L_ATTEMPTS] = (attempts & ~0xFFFFFFFF) | attempt
+        reg[lw + L_TOKEN] = token
+        reg[lw + L_HOLDER] = holder
+        deadline = now_ns + int(lease * _NS)
+        reg[lw + L_DUE_NS] = deadline
+        reg[lw + L_STATE] = LEASE_LEASED
+        return (i, reg[lw + L_SEQ], attempt, reg[lw + L_ENQ_NS], token, deadline)
+
+    def out_of_attempts(self, i) -> bool:
+        """True when record ``i`` has made all the attempts it is allowed."""
+        attempts = self._reg[i * LEASE_WORDS + L_ATTEMPTS]
+        return (attempts & 0xFFFFFFFF) >= attempts >> 32
+
+    def owned(self, i, token, msg_id=None) -> None:
+        """Check that record ``i`` is leased under ``token`` (and holds ``msg_id``).
+
+        :raises shmq.LeaseLost: it is not (settled, or re-granted after expiring).
+        """
+        reg, lw = self._reg, i * LEASE_WORDS
+        if (reg[lw + L_STATE] != LEASE_LEASED or reg[lw + L_TOKEN] != token
+                or (msg_id is not None and reg[lw + L_SEQ] != msg_id)):
+            what = f"message {msg_id}" if msg_id is not None else f"lease slot {i}"
+            raise LeaseLost(f"{what}: lease token {token} is stale (the lease expired "
+                            "and was re-granted, or the message was already settled)")
+
+    def free(self, i) -> None:
+        self._reg[i * LEASE_WORDS + L_STATE] = LEASE_FREE
+
+    def oldest(self, seq, pos):
+        """The oldest ``(seq, pos)`` among ``(seq, pos)`` and the records in use."""
+        reg = self._reg
+        for i in self.in_use():
+            lw = i * LEASE_WORDS
+            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] < seq:
+                seq, pos = reg[lw + L_SEQ], reg[lw + L_POS]
+        return seq, pos
+
+    def at_or_after(self, seq):
+        """``(seq, pos)`` of the records in use for messages ``seq`` or later."""
+        reg = self._reg
+        out = []
+        for i in self.in_use():
+            lw = i * LEASE_WORDS
+            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] >= seq:
+                out.append((reg[lw + L_SEQ], reg[lw + L_POS]))
+        return out
 
 
 class KeyIndex:

@@ -25,14 +25,14 @@ import traceback
 from . import _format as F
 from . import codec
 from ._format import (
-    L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, L_TOKEN, LEASE_DELAYED,
-    LEASE_FREE, LEASE_LEASED, LEASE_RETRY, LEASE_WORDS,
+    L_ATTEMPTS, L_DUE_NS, L_ENQ_NS, L_HOLDER, L_POS, L_SEQ, L_STATE, LEASE_LEASED, LEASE_RETRY,
+    LEASE_WORDS,
 )
-from ._lock import holder_alive, holder_pid
+from ._lock import holder_pid
 from ._mapping import read_geometry, resolve_path
 from .deadletters import DeadLetter, DeadLetters
-from .errors import Empty, LeaseLost, ShmqError
-from .leases import KeyIndex, WorkQueueStats, lease_stats
+from .errors import Empty, ShmqError
+from .leases import KeyIndex, LeaseTable, WorkQueueStats, lease_stats
 from .spool import Spool
 from .waiting import check_block_timeout
 
@@ -172,6 +172,7 @@ class WorkQueue:
         self._nkeys = ctl[F.W_WQ_KEY_SLOTS]
         self._max_attempts = ctl[F.W_WQ_MAX_ATTEMPTS]
         self._region = sp.lease_region()
+        self._leases = LeaseTable(self._region, ctl, self._nleases)
         self._keys = KeyIndex(self._region, self._nleases * LEASE_WORDS, self._nkeys)
         self._lock.on_recover = self._recover
 
@@ -370,30 +371,15 @@ class WorkQueue:
 
     def _lease_some(self, max_messages, lease):
         """Grant up to ``max_messages`` leases; return (grants, seconds until the next due time)."""
-        sp, reg, ctl = self._spool, self._region, self._ctl
+        sp = self._spool
         now_ns = time.time_ns()
         check_live = time.monotonic() >= self._next_liveness
-        grants, next_due_ns = [], None
+        grants = []
         freed = False
         with self._lock:
             # 1. lease records that are due again (retry, delay, expired or dead holder)
-            hwm = min(ctl[F.W_WQ_LEASE_HWM], self._nleases)
-            due = []
-            for i in range(hwm):
-                w = i * LEASE_WORDS
-                state = reg[w + L_STATE]
-                if state == LEASE_FREE:
-                    continue
-                t = reg[w + L_DUE_NS]
-                if state == LEASE_LEASED:
-                    if t > now_ns and not (check_live and not holder_alive(reg[w + L_HOLDER])):
-                        next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
-                        continue
-                elif t > now_ns:
-                    next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
-                    continue
-                due.append((reg[w + L_SEQ], i))
-            for _seq, i in sorted(due)[:max_messages]:
+            due, next_due_ns = self._leases.due(now_ns, check_live)
+            for _seq, i in due[:max_messages]:
                 g = self._redeliver(i, now_ns, lease)
                 if g is not None:
                     grants.append(g)
@@ -416,15 +402,6 @@ class WorkQueue:
             sp.core.ring_space()
         wait = None if next_due_ns is None else max(0.0, (next_due_ns - now_ns) / _NS)
         return grants, wait
-
-    def _free_record(self):
-        reg, ctl = self._region, self._ctl
-        for i in range(self._nleases):
-            if reg[i * LEASE_WORDS + L_STATE] == LEASE_FREE:
-                if i + 1 > ctl[F.W_WQ_LEASE_HWM]:
-                    ctl[F.W_WQ_LEASE_HWM] = i + 1
-                return i
-        return None
 
     def _take_new(self, now_ns, lease):
         """Move the frame at the take cursor into the lease table (lock held).
@@ -452,17 +429,12 @@ class WorkQueue:
             slots.set_cursor(t, nseq, npos)
             self._ctl[F.W_WQ_SUPERSEDED] += 1
             return None, True, None
-        i = self._free_record()
+        i = self._leases.take_free()
         if i is None:
             return None, False, None  # lease table full: stop taking (documented)
-        reg, lw = self._region, i * LEASE_WORDS
-        reg[lw + L_SEQ] = frame[0]
-        reg[lw + L_POS] = fpos
-        reg[lw + L_ENQ_NS] = frame[1]
-        reg[lw + L_ATTEMPTS] = (max_att or self._max_attempts) << 32
+        self._leases.fill(i, frame[0], fpos, frame[1], max_att or self._max_attempts)
         if nb_ns > now_ns:
-            reg[lw + L_DUE_NS] = nb_ns
-            reg[lw + L_STATE] = LEASE_DELAYED
+            self._leases.delay(i, nb_ns)
             slots.set_cursor(t, nseq, npos)
             return None, True, nb_ns
         grant = self._grant(i, now_ns, lease, data)
@@ -472,39 +444,27 @@ class WorkQueue:
         return grant, True, None
 
     def _grant(self, i, now_ns, lease, data):
-        reg, ctl, lw = self._region, self._ctl, i * LEASE_WORDS
-        token = ctl[F.W_WQ_TOKEN] + 1
-        ctl[F.W_WQ_TOKEN] = token
-        attempts = reg[lw + L_ATTEMPTS]
-        attempt = (attempts & 0xFFFFFFFF) + 1
-        reg[lw + L_ATTEMPTS] = (attempts & ~0xFFFFFFFF) | attempt
-        reg[lw + L_TOKEN] = token
-        reg[lw + L_HOLDER] = self._spool.holder
-        deadline = now_ns + int(lease * _NS)
-        reg[lw + L_DUE_NS] = deadline
-        reg[lw + L_STATE] = LEASE_LEASED
-        return (i, reg[lw + L_SEQ], attempt, reg[lw + L_ENQ_NS], token, deadline, data)
+        return self._leases.grant(i, now_ns, lease, self._spool.holder) + (data,)
 
     def _frame_payload(self, i):
-        reg, sp, lw = self._region, self._spool, i * LEASE_WORDS
-        frame, _s, _p, lost, _c = sp.ring.read(reg[lw + L_SEQ], reg[lw + L_POS])
-        if frame is None or lost or frame[0] != reg[lw + L_SEQ]:
-            raise ShmqError(f"{self.path}: leased frame {reg[lw + L_SEQ]} is gone (ring corrupt?)")
+        seq = self._leases.word(i, L_SEQ)
+        frame, _s, _p, lost, _c = self._spool.ring.read(seq, self._leases.word(i, L_POS))
+        if frame is None or lost or frame[0] != seq:
+            raise ShmqError(f"{self.path}: leased frame {seq} is gone (ring corrupt?)")
         return frame[2]
 
     def _redeliver(self, i, now_ns, lease):
         """A due record: grant it again, or drop it (superseded / out of attempts)."""
-        reg, lw = self._region, i * LEASE_WORDS
+        leases = self._leases
         data = self._frame_payload(i)
         h = F.WQ_HEADER.unpack_from(data)[0]
-        if self._superseded(h, reg[lw + L_SEQ]):
-            reg[lw + L_STATE] = LEASE_FREE
+        if self._superseded(h, leases.word(i, L_SEQ)):
+            leases.free(i)
             self._ctl[F.W_WQ_SUPERSEDED] += 1
             return None
-        state = reg[lw + L_STATE]
-        attempts = reg[lw + L_ATTEMPTS]
+        state = leases.word(i, L_STATE)
         if state == LEASE_LEASED:  # expired or holder died: counts as a failed attempt
-            if (attempts & 0xFFFFFFFF) >= attempts >> 32:
+            if leases.out_of_attempts(i):
                 self._dead_letter(i, data, {"type": "LeaseExpired", "message":
                                             "lease expired or holder died", "traceback": None})
                 return None
@@ -514,23 +474,19 @@ class WorkQueue:
         return self._grant(i, now_ns, lease, data)
 
     def _dead_letter(self, i, data, error):
-        reg, lw = self._region, i * LEASE_WORDS
-        record = {"message_id": reg[lw + L_SEQ], "payload": bytes(data[F.WQ_HEADER.size:]),
-                  "attempts": reg[lw + L_ATTEMPTS] & 0xFFFFFFFF, "error": error,
-                  "last_holder_pid": holder_pid(reg[lw + L_HOLDER]),
-                  "enqueued_ns": reg[lw + L_ENQ_NS], "failed_ns": time.time_ns()}
+        word = self._leases.word
+        record = {"message_id": word(i, L_SEQ), "payload": bytes(data[F.WQ_HEADER.size:]),
+                  "attempts": word(i, L_ATTEMPTS) & 0xFFFFFFFF, "error": error,
+                  "last_holder_pid": holder_pid(word(i, L_HOLDER)),
+                  "enqueued_ns": word(i, L_ENQ_NS), "failed_ns": time.time_ns()}
         self._dead.add(record)  # before freeing: never lost
-        reg[lw + L_STATE] = LEASE_FREE
+        self._leases.free(i)
         self._ctl[F.W_WQ_DEAD] += 1
 
     def _update_low(self):
         """Publish the oldest referenced frame so writers keep it (lock held)."""
-        reg, slots = self._region, self._spool.slots
-        seq, pos = slots.cursor(self._take.slot)
-        for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
-            lw = i * LEASE_WORDS
-            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] < seq:
-                seq, pos = reg[lw + L_SEQ], reg[lw + L_POS]
+        slots = self._spool.slots
+        seq, pos = self._leases.oldest(*slots.cursor(self._take.slot))
         slots.set_cursor(self._low, seq, pos)
 
     def _message(self, i, seq, attempt, enq_ns, token, deadline, data):
@@ -540,23 +496,13 @@ class WorkQueue:
 
     def _owned(self, msg):
         """Lock held: the lease record still belongs to this delivery, or LeaseLost."""
-        return self._owned_by(msg._slot, msg.token, msg.id)
-
-    def _owned_by(self, slot, token, msg_id=None):
-        """Lock held: record ``slot`` is leased under ``token`` (and holds ``msg_id``)."""
-        reg, lw = self._region, slot * LEASE_WORDS
-        if (reg[lw + L_STATE] != LEASE_LEASED or reg[lw + L_TOKEN] != token
-                or (msg_id is not None and reg[lw + L_SEQ] != msg_id)):
-            what = f"message {msg_id}" if msg_id is not None else f"lease slot {slot}"
-            raise LeaseLost(f"{what}: lease token {token} is stale (the lease expired "
-                            "and was re-granted, or the message was already settled)")
-        return lw
+        self._leases.owned(msg._slot, msg.token, msg.id)
 
     def _ack(self, msg):
         self._check()
         with self._lock:
-            lw = self._owned(msg)
-            self._region[lw + L_STATE] = LEASE_FREE
+            self._owned(msg)
+            self._leases.free(msg._slot)
             self._ctl[F.W_WQ_ACKED] += 1
             self._update_low()
         sp = self._spool
@@ -594,15 +540,12 @@ class WorkQueue:
         delay = 0.0 if delay is None else check_block_timeout(True, delay)
         rec = _error_record(error)
         with self._lock:
-            lw = self._owned_by(slot, token, msg_id)
-            reg = self._region
-            attempts = reg[lw + L_ATTEMPTS]
-            if (attempts & 0xFFFFFFFF) >= attempts >> 32:
+            self._leases.owned(slot, token, msg_id)
+            if self._leases.out_of_attempts(slot):
                 self._dead_letter(slot, self._frame_payload(slot), rec)
                 self._update_low()
             else:
-                reg[lw + L_DUE_NS] = time.time_ns() + int(delay * _NS)
-                reg[lw + L_STATE] = LEASE_RETRY
+                self._leases.delay(slot, time.time_ns() + int(delay * _NS), LEASE_RETRY)
         sp = self._spool
         sp.core.ring_data()  # a consumer may be waiting for exactly this
 
@@ -610,21 +553,20 @@ class WorkQueue:
         self._check()
         seconds = check_block_timeout(True, seconds)
         with self._lock:
-            lw = self._owned(msg)
+            self._owned(msg)
             deadline = time.time_ns() + int(seconds * _NS)
-            self._region[lw + L_DUE_NS] = deadline
+            self._leases.set_word(msg._slot, L_DUE_NS, deadline)
         return deadline / _NS
 
     def _recover(self, dead_pid):
         """After breaking a dead consumer's lock: records ahead of the take cursor
         mean it died between recording a lease and moving the cursor."""
-        sp, reg, slots, t = self._spool, self._region, self._spool.slots, self._take.slot
+        sp, slots, t = self._spool, self._spool.slots, self._take.slot
         seq = slots.word(t, F.S_SEQ)
-        for i in range(min(self._ctl[F.W_WQ_LEASE_HWM], self._nleases)):
-            lw = i * LEASE_WORDS
-            if reg[lw + L_STATE] != LEASE_FREE and reg[lw + L_SEQ] >= seq:
-                hit = sp.ring.header_at(reg[lw + L_POS])
-                if hit is not None and hit[0] == reg[lw + L_SEQ]:
+        for rseq, rpos in self._leases.at_or_after(seq):  # in record order, as they were taken
+            if rseq >= seq:
+                hit = sp.ring.header_at(rpos)
+                if hit is not None and hit[0] == rseq:
                     seq = hit[0] + 1
                     slots.set_cursor(t, seq, hit[1] + hit[2])
 

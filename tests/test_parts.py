@@ -295,3 +295,34 @@ def test_retry_async_raises_the_last_error_after_the_timeout(make_spool):
     with pytest.raises(shmq.Empty):
         asyncio.run(waiting.retry_async(lambda: r.get(block=False), shmq.Empty, sp.data_bell,
                                         lambda: r.available, 0.05))
+
+
+# --- lease table (the work queue's records) -----------------------------------------------
+
+
+def test_lease_table_grant_owned_due_and_free(make_spool):
+    from shmq.leases import LeaseTable
+
+    sp = make_spool(capacity=8192, leases=8)
+    reg = sp.lease_region()
+    try:
+        t = LeaseTable(reg, sp.ring.ctl, 4)
+        i = t.take_free()
+        assert i == 0 and list(t.in_use()) == [0]
+        t.fill(i, 7, 640, 123, max_attempts=2)
+        now = 1_000_000_000_000
+        got = t.grant(i, now, 5.0, sp.holder)
+        assert got[:4] == (0, 7, 1, 123) and got[5] == now + 5_000_000_000
+        t.owned(i, got[4], msg_id=7)
+        with pytest.raises(shmq.LeaseLost):
+            t.owned(i, got[4] + 1)
+        assert t.due(now, check_live=False) == ([], now + 5_000_000_000)
+        assert t.due(now + 6_000_000_000, check_live=False)[0] == [(7, 0)]  # expired
+        assert not t.out_of_attempts(i)
+        t.grant(i, now, 5.0, sp.holder)
+        assert t.out_of_attempts(i)
+        assert t.oldest(9, 900) == (7, 640) and t.at_or_after(7) == [(7, 640)]
+        t.free(i)
+        assert t.oldest(9, 900) == (9, 900) and t.take_free() == 0
+    finally:
+        reg.release()
