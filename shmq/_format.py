@@ -118,9 +118,6 @@ assert FRAME_BYTES == 32
 ALIGN = 8
 MAX_FRAME_PAYLOAD = 0xFFFFFFFF - FRAME_BYTES - ALIGN
 
-#: Byte offset of the u64 timestamp_ns field within a frame header (aligned: one store).
-FRAME_TS_OFFSET = 16
-assert FRAME_TS_OFFSET == struct.calcsize(FRAME.format[:4])
 #: Byte offset of the u16 flags field within a frame header (FRAME's sixth field).
 FRAME_FLAGS_OFFSET = 28
 assert FRAME_FLAGS_OFFSET == struct.calcsize(FRAME.format[:6])

@@ -34,6 +34,7 @@ from typing import NamedTuple
 from . import _format as F
 from .errors import Empty, FrameLost, Full, ShmqError, SpoolFormatError
 from .spool import Spool
+from .waiting import check_block_timeout
 
 __all__ = ["Record", "iter_records", "record_at", "export_spool", "import_dump", "DumpError",
            "DUMP_MAGIC", "DUMP_VERSION"]
@@ -390,32 +391,6 @@ def iter_dump(f):
             raise DumpError(f"dump is damaged: unknown record tag {tag!r} after {frames} frames")
 
 
-def _patch_timestamps(sp, seq0, stamps):
-    """Give the frames ``seq0..`` the exported timestamps (writer lock held; one aligned
-    8-byte store each, so a concurrent reader sees the old or the new value)."""
-    ring = sp.ring
-    with sp.writer_lock:
-        try:
-            pos = ring.locate(seq0)
-        except FrameLost:
-            return  # already overwritten (tiny target ring)
-        seq = seq0
-        for ts in stamps:
-            hit = ring.header_at(pos)
-            if hit is None:
-                return
-            if hit[6] & F.FLAG_PAD:
-                pos = hit[1] + hit[2]
-                hit = ring.header_at(pos)
-                if hit is None:
-                    return
-            if hit[0] != seq or not ring.still_there(hit[1]):
-                return
-            ring.set_timestamp(hit, ts)
-            pos = hit[1] + hit[2]
-            seq += 1
-
-
 def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=False,
                 keep_timestamps=True, timeout=10.0, progress=False, progress_stream=None) -> dict:
     """Load a dump (file path or "-" for stdin) into spool ``path``.
@@ -517,7 +492,11 @@ def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog, shown):
             return
         datas = [b[4] for b in batch]
         try:
-            seq0 = sp.put_many(datas, timeout=timeout, codec=batch[0][2])
+            if keep_timestamps:  # the exported times are written before the commit
+                seq0 = sp.writer.append(datas, check_block_timeout(True, timeout), batch[0][2],
+                                        timestamps=[b[1] for b in batch])
+            else:
+                seq0 = sp.put_many(datas, timeout=timeout, codec=batch[0][2])
         except Full:
             if append:
                 raise Full(f"{shown} is full after importing {frames} frames (they stay in "
@@ -526,8 +505,6 @@ def _load(sp, f, header, wanted, append, keep_timestamps, timeout, prog, shown):
                        "import with a larger --capacity or --on-full overwrite") from None
         if first_new is None:
             first_new = seq0
-        if keep_timestamps:
-            _patch_timestamps(sp, seq0, [b[1] for b in batch])
         for j, b in enumerate(batch):
             while k < len(positions) and positions[k] <= b[0]:
                 mapped[positions[k]] = seq0 + j

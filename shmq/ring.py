@@ -176,17 +176,6 @@ class Ring:
             return
         ctl[W_NEXT_POS] = end  # it may have died between NEXT_SEQ and NEXT_POS
 
-    def set_timestamp(self, hit, ts) -> None:
-        """Store ``ts`` as the timestamp of the frame of header hit ``hit`` (one aligned
-        8-byte store: a concurrent reader sees the old or the new value).  For
-        importing dumps; the caller holds the writer lock."""
-        o = self.base + hit[1] % self.size + F.FRAME_TS_OFFSET
-        word = self.view[o:o + 8].cast("Q")
-        try:
-            word[0] = ts
-        finally:
-            word.release()
-
     def walk_end(self, seq, pos, next_seq):
         """Position right after frame ``next_seq - 1``, walking from frame ``seq`` at ``pos``;
         None if a header on the way is invalid (recovery and repair only: O(frames))."""

@@ -121,7 +121,8 @@ class Writer:
 
     # -- public entry points ----------------------------------------------------
 
-    def append(self, views, timeout, codec, max_backlog=None, before_commit=None) -> int:
+    def append(self, views, timeout, codec, max_backlog=None, before_commit=None,
+               timestamps=None) -> int:
         """Write a batch atomically; return its first seq.  Waits for room and for a stuck lock.
 
         ``views`` is a list or tuple of frames, each bytes-like, a tuple of
@@ -133,14 +134,19 @@ class Writer:
         ``maxsize``); exceeding it waits like a full ring.
         ``before_commit(first_seq, positions)`` runs under the writer lock
         once the batch is placed, before anything is written; raising aborts
-        the batch (shmq.WorkQueue's key index).
+        the batch (shmq.WorkQueue's key index).  ``timestamps`` (one per frame,
+        ns) replaces the frames' put time, e.g. when importing a dump; the
+        statistics still count the put at the current time.
 
         :raises shmq.TooLarge: can never fit.
         :raises shmq.Full: no room in time (or policy "error").
         :raises shmq.Timeout: the lock's live holder did not release it in time.
+        :raises ValueError: ``timestamps`` is not one int per frame.
         """
-        if before_commit is not None or self.sync or any(type(v) is Deferred for v in views):
-            return self.append_general(views, timeout, codec, max_backlog, before_commit)
+        if (before_commit is not None or timestamps is not None or self.sync
+                or any(type(v) is Deferred for v in views)):
+            return self.append_general(views, timeout, codec, max_backlog, before_commit,
+                                       timestamps)
         backlog = -1 if max_backlog is None else max_backlog
         deadline, lock_deadline = self._deadlines(timeout)
         put_many = self._core.put_many
@@ -236,13 +242,18 @@ class Writer:
 
     # -- the general path -------------------------------------------------------
 
-    def append_general(self, views, timeout, codec, max_backlog=None, before_commit=None) -> int:
+    def append_general(self, views, timeout, codec, max_backlog=None, before_commit=None,
+                       timestamps=None) -> int:
         """:meth:`append` in Python: the reference write path, and the one for what the
         core does not do (deferred payloads, ``before_commit``, ``sync``, pins).
 
         Same arguments, guarantees and errors as :meth:`append`.
         """
         views = tuple(v if type(v) in (bytes, tuple, Deferred) else as_view(v) for v in views)
+        if timestamps is not None:
+            timestamps = [int(t) for t in timestamps]
+            if len(timestamps) != len(views) or not all(0 <= t < 1 << 64 for t in timestamps):
+                raise ValueError("timestamps must be one u64 (ns) per frame")
         ring = self._ring.size
         needs = []
         total = 0
@@ -281,7 +292,7 @@ class Writer:
             try:  # the try covers the acquire: no signal can land between the two
                 self._lock.acquire(lock_wait)
                 seq = self._write_locked(views, needs, total, crcs, flags, codec, max_backlog,
-                                         before_commit)
+                                         before_commit, timestamps)
             finally:
                 self._lock.release_if_held()  # sem_post: also the fence before reading waiters
             if seq is not None:
@@ -291,7 +302,7 @@ class Writer:
             self._wait_for_room(self._full_marker, deadline, timeout)
 
     def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None,
-                      before_commit=None):
+                      before_commit=None, timestamps=None):
         """Place, write and publish a batch; None if there is no room (not block-able here)."""
         r = self._ring
         ctl, mm, ring, base = r.ctl, r.mm, r.size, r.base
@@ -337,9 +348,11 @@ class Writer:
         nbytes = 0
         crash = crash_hook
         view = r.view
-        for v, (n, need), p, crc in zip(views, needs, placed, crcs or _ZEROS * len(views)):
+        stamps = timestamps or (ts,) * len(views)
+        for v, (n, need), p, crc, fts in zip(views, needs, placed, crcs or _ZEROS * len(views),
+                                             stamps):
             o = base + p % ring
-            _pack_frame(mm, o, seq, need, n, ts, crc, flags, codec, 0)
+            _pack_frame(mm, o, seq, need, n, fts, crc, flags, codec, 0)
             o += FRAME_BYTES
             tv = type(v)
             if tv is tuple:
@@ -350,7 +363,7 @@ class Writer:
             elif tv is Deferred:
                 v.fill(view[o:o + n])  # e.g. Arrow IPC written straight into the ring
                 if crcs:
-                    _pack_frame(mm, o - FRAME_BYTES, seq, need, n, ts, _crc(view[o:o + n]),
+                    _pack_frame(mm, o - FRAME_BYTES, seq, need, n, fts, _crc(view[o:o + n]),
                                 flags, codec, 0)
             else:
                 mm[o:o + n] = v

@@ -54,17 +54,15 @@ def test_frame_pos_skips_the_padding_before_a_wrapped_frame(make_spool):
     assert hit is not None and bytes(sp.ring.payload(hit)) == b"b" * 100
 
 
-def test_set_flags_and_set_timestamp_touch_only_their_field(make_spool):
+def test_set_flags_touches_only_the_flags(make_spool):
     sp = make_spool(capacity=8192)
     sp.put(b"payload")
     hit = sp.ring.header_at(0)
     sp.ring.set_flags(hit, F.FLAG_SUPERSEDED)
-    sp.ring.set_timestamp(hit, 123456789)
     after = sp.ring.header_at(0)
-    assert after[6] == hit[6] | F.FLAG_SUPERSEDED and after[4] == 123456789
-    assert after[:4] == hit[:4] and after[5] == hit[5] and after[7] == hit[7]
+    assert after[6] == hit[6] | F.FLAG_SUPERSEDED
+    assert after[:6] == hit[:6] and after[7] == hit[7]
     assert bytes(sp.ring.payload(after)) == b"payload"
-    assert sp.read_at(0).timestamp_ns == 123456789
 
 
 def test_locate_read_and_cursor_for(make_spool):
@@ -193,6 +191,20 @@ def test_writer_append_and_append_general_write_the_same_frames(make_spool):
     assert ref.writer.append_general(batch, None, F.CODEC_RAW) == 0
     for sp in (fast, ref):
         assert [f.data for f in sp.reader().get_many(10)] == [b"one", b"two", b"three"]
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_writer_writes_given_timestamps_before_the_commit(make_spool, checksum):
+    sp = make_spool(capacity=8192, checksum=checksum)
+    seq = sp.writer.append([b"a", b"b"], None, F.CODEC_RAW, timestamps=[111, 222])
+    r = sp.reader(verify=checksum)
+    assert [(f.seq, f.timestamp_ns) for f in r.get_many(5)] == [(seq, 111), (seq + 1, 222)]
+    assert sp.stats().last_put_ns > 222  # the statistics count the put itself
+    with pytest.raises(ValueError, match="one u64"):
+        sp.writer.append([b"a", b"b"], None, F.CODEC_RAW, timestamps=[1])
+    with pytest.raises(ValueError, match="one u64"):
+        sp.writer.append([b"a"], None, F.CODEC_RAW, timestamps=[-1])
+    assert sp.next_seq == seq + 2
 
 
 def test_writer_deferred_payload_is_filled_under_the_lock(make_spool):
