@@ -304,7 +304,8 @@ class Reader:
         """Publish this reader's pending counters to the reader table (named readers)."""
 
     def after_fork_in_child(self) -> None:
-        """Called by the spool in a fork child (this reader's cursor belongs to the parent)."""
+        """Called by the spool in a fork child.  An anonymous reader needs nothing: its
+        cursor is private memory, copied with the process."""
 
     def _locked(self, call, timeout):
         raise NotImplementedError  # only a group's cursor has a lock
