@@ -244,7 +244,7 @@ def _templates(shmq, F):
             sp = shmq.Spool.create(p, capacity=CAPACITY, on_full=policy, readers=SLOTS, leases=0,
                                    checksum=checksum)
             r, g = sp.reader("named"), sp.reader("grp", group=True)
-            nslot, gslot = r._slot, g._slot
+            nslot, gslot = r.slot, g.slot
             for k in range(200):
                 try:
                     if k % 7 == 0:
