@@ -40,6 +40,17 @@ def _our_leftovers():
             if n.startswith(("sem.shmq.", f"shmq-test-{SESSION_TAG}-"))}
 
 
+#: Tests that each take tens of seconds (a JVM, a sanitizer build, a chaos run).
+#: They run first, so xdist spreads them over its workers at the start instead
+#: of leaving one worker with a long tail after the quick tests are done.
+SLOW_FIRST = ("tests/test_examples.py::test_example_runs[spark_pipeline",
+              "tests/test_spark.py::", "tests/test_sanitize.py::", "tests/test_stress.py::")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))  # stable
+
+
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a plain run)
         session.config._shmq_before = _our_leftovers()

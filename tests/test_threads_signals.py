@@ -271,7 +271,11 @@ _armed = [False]  # only _storm_loop arms it: the storm may begin while ready.se
 def _raise_kbi(signum, frame):
     # KeyboardInterrupt at any bytecode of shmq's code and of the step (C calls
     # included), never in _storm_loop's own bookkeeping, where it would escape
-    # the try that absorbs it.
+    # the try that absorbs it. A second SIGINT can arrive while this handler
+    # runs (at its first bytecode): then ``frame`` is this handler's own frame,
+    # and what counts is the frame the first call interrupted.
+    while frame is not None and frame.f_code is _raise_kbi.__code__:
+        frame = frame.f_back
     if not _armed[0] or frame is not None and frame.f_code is _storm_loop.__code__:
         return
     _raised[0] += 1
