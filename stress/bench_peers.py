@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import time
 import uuid
 
@@ -208,7 +209,12 @@ class Iceoryx2(Contender):
         return None
 
     def setup(self, tmp, sc):
-        return {"service": f"shmq-bench-{uuid.uuid4().hex}", "subscribed": CTX.Event(), "drained": CTX.Event()}
+        # A prefix of our own for every iceoryx2 file of this run, so teardown can
+        # remove what iceoryx2 leaves behind by design (its global management
+        # segment in /dev/shm) without touching another iceoryx2 user's files.
+        tag = uuid.uuid4().hex[:12]
+        return {"service": f"shmq-bench-{tag}", "prefix": f"iox2_shmqbench_{tag}_",
+                "subscribed": CTX.Event(), "drained": CTX.Event()}
 
     @staticmethod
     def _service(node, name):
@@ -220,7 +226,9 @@ class Iceoryx2(Contender):
                 .open_or_create())
 
     def open(self, chan, role, index, sc):
-        node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+        cfg = iox2.config.default()
+        cfg.global_cfg.prefix = iox2.FileName.new(chan["prefix"])
+        node = iox2.NodeBuilder.new().config(cfg).create(iox2.ServiceType.Ipc)
         svc = self._service(node, chan["service"])
         if role == "producer":
             port = (svc.publisher_builder().initial_max_slice_len(sc.size)
@@ -262,3 +270,13 @@ class Iceoryx2(Contender):
         h.pop("port").delete()
         h.pop("service")
         h.pop("node")
+
+    def teardown(self, chan):
+        # Every node of the run is gone (close() dropped them): what is left with our
+        # prefix is iceoryx2's own bookkeeping, in /dev/shm and under its root path.
+        root = iox2.config.default().global_cfg.root_path.to_string()
+        for d in ("/dev/shm", root):
+            for name in os.listdir(d) if os.path.isdir(d) else ():
+                if name.startswith(chan["prefix"]):
+                    p = os.path.join(d, name)
+                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
