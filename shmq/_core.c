@@ -36,6 +36,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1377,7 +1378,39 @@ typedef struct {
     PyObject *last;  /* the frame get_obj() could not decode (UNDECODED) */
     PyObject *owner;  /* weak reference to the reader whose _get_slow completes get_api */
     PyObject *qowner; /* weak reference to the shmq.Queue whose _get_slow completes get_obj_api */
+    uint64_t released; /* ring position up to which this cursor has released its pages */
 } Cursor;
+
+/* ---- releasing pages behind a reader ----
+ * Every tmpfs page a reader touched would stay mapped: reading 1 GiB through a
+ * 1 GiB spool would grow its RSS by 1 GiB.  On a MAP_SHARED mapping
+ * MADV_DONTNEED only drops this process's page-table entries: the data stays
+ * in the shared file for the writer and every other reader, and a later access
+ * here (a reader behind this one in the same process, a pinned zero-copy view)
+ * faults the same page back in.  So releasing never changes what anyone reads,
+ * it only costs a minor fault if the page is touched again: it is done once per
+ * RELEASE_CHUNK of progress, and only on rings large enough for it to matter. */
+#define RELEASE_CHUNK ((uint64_t)4 << 20)
+
+static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
+    uint64_t ring = r->ring_bytes;
+    if (ring < 4 * RELEASE_CHUNK) return;
+    if (pos < *released) { /* moved back (a seek): nothing behind it is ours to count yet */
+        *released = pos;
+        return;
+    }
+    if (pos - *released < RELEASE_CHUNK) return;
+    static uint64_t page = 0;
+    if (!page) page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t start = *released, end = pos & ~(page - 1); /* keep the page the next frame starts in */
+    if (end - start > ring) start = end - ring;            /* jumped (loss, seek): the whole ring */
+    start &= ~(page - 1);
+    *released = end;
+    uint64_t len = end - start, off = start % ring, first = len < ring - off ? len : ring - off;
+    /* errors (EINVAL where pages are larger than the ring's alignment) only cost memory */
+    (void)madvise(r->ring + off, (size_t)first, MADV_DONTNEED);
+    if (len > first) (void)madvise(r->ring, (size_t)(len - first), MADV_DONTNEED);
+}
 
 static uint64_t *cur_slot(Cursor *c) { return c->ring->slots + c->slot * SLOT_WORDS; }
 
@@ -1480,6 +1513,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
         c->lost += lost;
         c->lost_pending += lost;
     }
+    if (got || lost) release_behind(r, &c->released, c->pos);
     if (c->kind == K_NAMED && (got || lost)) {
         if (c->autocommit) named_commit(c);
         if (c->n >= STATS_FLUSH_FRAMES || (lost && !got)) flush_locked(c);
@@ -1537,6 +1571,7 @@ unlock:
     st_rlx(&s[S_LOCK_HOLDER], 0);
     sem_post(c->gsem);
     if (err || (as_list && !out)) return NULL;
+    if (got || lost) release_behind(r, &c->released, pos);
     if (got && r->policy != 0) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
     if (as_list) return out;
     if (single) return single;
@@ -1739,6 +1774,7 @@ static int Cursor_init(Cursor *c, PyObject *args, PyObject *kw) {
     c->slot = kind == K_ANON ? -1 : slot;
     c->seq = seq;
     c->pos = pos;
+    c->released = pos;
     c->autocommit = autocommit;
     c->verify = verify;
     if (kind == K_GROUP) {

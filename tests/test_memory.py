@@ -1,0 +1,117 @@
+"""Reader memory: a reader's RSS stays bounded whatever it has read.
+
+Every tmpfs page a process touches stays in its RSS while mapped; the compiled
+core drops the pages behind a reader's cursor (MADV_DONTNEED on the shared
+mapping, which never discards the data itself).  Measured in fresh child
+processes from /proc/self/status, the writer's growth is checked too, to show
+the measurement sees mapped pages at all.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import shmq
+
+from conftest import join_all
+
+MiB = 1 << 20
+FRAME = 64 * 1024
+
+
+def _rss_shmem():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssShmem in /proc/self/status")
+
+
+def _stamp(buf, seq):
+    buf[:8] = buf[-8:] = seq.to_bytes(8, "little")
+    return buf
+
+
+def _writer(path, total, conn):
+    sp = shmq.Spool.open(path)
+    before = _rss_shmem()
+    buf = bytearray(FRAME)
+    for seq in range(total // FRAME):
+        sp.put(_stamp(buf, seq), timeout=60)
+    conn.send(_rss_shmem() - before)
+    sp.close()
+
+
+def _reader(path, name, group, total, conn):
+    sp = shmq.Spool.open(path)
+    r = sp.reader(name, group=group)
+    before = peak = _rss_shmem()
+    got = bad = nbytes = 0
+    while nbytes < total:
+        for f in r.get_many(64, timeout=60):
+            seq = int.from_bytes(f.data[:8], "little")
+            bad += seq != got or f.data[-8:] != f.data[:8] or len(f.data) != FRAME
+            got += 1
+            nbytes += len(f.data)
+        peak = max(peak, _rss_shmem())
+    conn.send((nbytes, bad, peak - before))
+    r.close()
+    sp.close()
+
+
+def _run(ctx, path, ring, total, group=False):
+    shmq.Spool.create(path, capacity=ring, on_full="block").reader("r", group=group).close()
+    wr, ww = ctx.Pipe(duplex=False)
+    rr, rw = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_reader, args=(path, "r", group, total, rw)),
+             ctx.Process(target=_writer, args=(path, total, ww))]
+    for p in procs:
+        p.start()
+    try:
+        assert rr.poll(120) and wr.poll(120), "reader or writer did not finish"
+        res = rr.recv(), wr.recv()
+    finally:
+        assert join_all(procs, 60) == [0, 0]
+        shmq.Spool.destroy(path)
+    return res
+
+
+def test_reading_1gib_through_a_1gib_spool_keeps_reader_rss_under_64mib(spool_dir):
+    # The issue's size, in spawned children only (a fresh interpreter: nothing
+    # inherited is mapped, so RssShmem growth is the reader's own).
+    import multiprocessing as mp
+
+    (nbytes, bad, reader_growth), writer_growth = _run(
+        mp.get_context("spawn"), os.path.join(spool_dir, "big"), "1GiB", 1024 * MiB)
+    assert nbytes == 1024 * MiB and bad == 0
+    assert writer_growth > 512 * MiB  # the measurement sees mapped pages: the writer keeps its
+    assert reader_growth < 64 * MiB, f"reader RSS grew {reader_growth / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["named", "group"])
+def test_reader_rss_stays_bounded_on_a_smaller_ring(spool_dir, ctx, group):
+    # 128 MiB through a 64 MiB ring: it wraps, and the bound holds across the wrap.
+    (nbytes, bad, reader_growth), writer_growth = _run(
+        ctx, os.path.join(spool_dir, "mid"), "64MiB", 128 * MiB, group=group)
+    assert nbytes == 128 * MiB and bad == 0
+    assert reader_growth < 24 * MiB, f"reader RSS grew {reader_growth / MiB:.0f} MiB"
+
+
+def test_pinned_view_stays_valid_after_its_pages_are_released(make_spool):
+    # A zero-copy view taken before the reader moves chunks ahead still reads its
+    # data: releasing drops page-table entries only, and the page faults back in.
+    sp = make_spool(capacity="32MiB", on_full="block")
+    r = sp.reader("pin")
+    first = np.arange(FRAME // 8, dtype=np.int64)
+    sp.put_array(first)
+    view = r.get_array(copy=False)
+    filler = bytes(FRAME)
+    for _ in range(20 * MiB // FRAME):  # > 4 release chunks behind the pinned frame
+        sp.put(filler)
+        r.get(timeout=5)
+    try:
+        assert np.array_equal(view.array, first)
+    finally:
+        view.release()
+    r.close()
