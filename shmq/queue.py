@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat as _stat
 import weakref
 from multiprocessing import resource_tracker
 
@@ -34,12 +35,16 @@ from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool
 from .waiting import check_block_timeout, retry_async
 
-__all__ = ["Queue", "JoinableQueue", "SimpleQueue"]
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "anonymous_paths"]
 
 _EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
 GROUP = "queue"
 DEFAULT_CAPACITY = "32MiB"
+#: Where a Queue made without ``path`` lives: ``/dev/shm/shmq-q-<random>``
+#: (created exclusively, mode 0600, removed by its creator).
+ANONYMOUS_DIR = "/dev/shm"
+ANONYMOUS_PREFIX = "shmq-q-"
 _TRACKED_SEMS = ("w", "r", "f", "u")
 
 
@@ -71,7 +76,7 @@ class Queue:
             raise TypeError(f"maxsize must be an int, not {type(maxsize).__name__}")
         self._owner = None
         if path is None:
-            path = f"/dev/shm/shmq-q-{secrets.token_hex(8)}"
+            path = os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX + secrets.token_hex(8))
             spool = Spool.create(path, capacity=capacity, on_full="block", readers=1, leases=0)
             spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
             self._owner = os.getpid()
@@ -292,6 +297,32 @@ class Queue:
     def __repr__(self):
         state = "closed" if self._closed else f"{self.path}"
         return f"<shmq.{type(self).__name__} {state}>"
+
+
+def anonymous_paths() -> list[str]:
+    """Paths of this user's anonymous queues (``Queue()`` without ``path``), sorted.
+
+    Regular files named like one and owned by the calling user; never follows
+    a link.  What each one is, is for the caller to validate (``shmq ls`` reads
+    its header).
+    """
+    out = []
+    try:
+        names = sorted(os.listdir(ANONYMOUS_DIR))
+    except OSError:
+        return out
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(ANONYMOUS_PREFIX):
+            continue
+        full = os.path.join(ANONYMOUS_DIR, name)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if _stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            out.append(full)
+    return out
 
 
 def _destroy_owned(path, prefix, owner):

@@ -938,3 +938,44 @@ def test_stat_shows_work_queue(capsys, spool_dir):
     finally:
         wq.close()
         shmq.WorkQueue.destroy(path)
+
+
+def _hold_queue(q, ready, done):
+    q.put("held")  # attaches: this process now has the queue mapped
+    ready.set()
+    done.wait(60)
+
+
+def test_ls_anonymous_lists_queues_with_who_has_them_open(capsys, ctx):
+    q = shmq.Queue(capacity="64KiB")
+    ready, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_queue, args=(q, ready, done))
+    p.start()
+    planted = []
+    try:
+        assert ready.wait(60)
+        # look-alikes that are not ours are never listed: a link, another user's file
+        base = os.path.join(shmq.queue.ANONYMOUS_DIR, shmq.queue.ANONYMOUS_PREFIX + "test" + os.urandom(4).hex())
+        os.symlink(q.path, base + "-link")
+        planted.append(base + "-link")
+        with open(base + "-theirs", "wb") as f:
+            f.write(open(q.path, "rb").read(F.HEADER_BYTES))
+        planted.append(base + "-theirs")
+        os.chown(base + "-theirs", 54321, 54321)
+        code, out, _ = run(capsys, "ls", "--anonymous", "--json")
+        assert code == 0
+        rows = {r["path"]: r for r in json.loads(out) if r.get("anonymous")}
+        assert q.path in rows and not any(path.startswith(base) for path in rows)
+        assert rows[q.path]["frames"] == 1 and p.pid in rows[q.path]["open_by"]
+        code, out, _ = run(capsys, "ls", "-a")
+        assert code == 0 and "OPEN BY" in out.splitlines()[0]
+        line = next(ln for ln in out.splitlines() if ln.startswith(q.path))
+        assert str(p.pid) in line.split()[-1].split(",")
+        code, out, _ = run(capsys, "ls", "--json")  # without the flag: not listed
+        assert all(r["path"] != q.path for r in json.loads(out))
+    finally:
+        done.set()
+        p.join(30)
+        for path in planted:
+            os.unlink(path)
+        q.close()

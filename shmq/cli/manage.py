@@ -115,7 +115,7 @@ def _damaged_spools(directory):
 
 
 def _ls_rows(directory, damaged):
-    from ..metrics import peek, series_window, spool_paths
+    from ..metrics import spool_paths
 
     if not os.path.lexists(directory):
         if directory == _mapping.default_dir():
@@ -123,9 +123,26 @@ def _ls_rows(directory, damaged):
         raise CliError(f"{directory}: no such directory", EXIT_NOT_FOUND)
     if directory == _mapping.default_dir():
         _mapping.check_private_dir(directory)  # a planted one is refused, not listed
+    return _peek_rows(spool_paths([directory]), directory, damaged)
+
+
+def _anonymous_rows(damaged):
+    """Rows for this user's anonymous queues, each with the pids that have it open."""
+    from ..queue import anonymous_paths
+
+    rows = _peek_rows(anonymous_paths(), None, damaged)
+    for p in rows:
+        p["anonymous"] = True
+        p["open_by"] = _mapping.open_by(p["path"])
+    return rows
+
+
+def _peek_rows(paths, directory, damaged):
+    from ..metrics import peek, series_window
+
     now = int(time.time())
     rows = []
-    for path in spool_paths([directory]):
+    for path in paths:
         try:
             p = peek(path)
         except SpoolFormatError as exc:  # a header that validates, a body that does not
@@ -133,7 +150,9 @@ def _ls_rows(directory, damaged):
             continue
         except (OSError, ShmqError):
             continue  # vanished or not readable: listings skip it
-        p["name"] = os.path.relpath(path, directory) if os.path.isdir(directory) else path
+        p["name"] = (os.path.relpath(path, directory) if directory and os.path.isdir(directory)
+                     else path)
+        p.setdefault("path", path)
         p["write_rate_per_s"] = sum(series_window(p["write_rate"], 10, now)) / 10
         p["read_rate_per_s"] = sum(series_window(p["read_rate"], 10, now)) / 10
         rows.append(p)
@@ -154,6 +173,8 @@ def cmd_ls(a) -> int:
                            "of a directory", EXIT_NOT_SPOOL) from None
     damaged = _damaged_spools(directory)
     rows = _ls_rows(directory, damaged)
+    if a.anonymous:
+        rows += _anonymous_rows(damaged)
     for path, exc in damaged:  # stderr: the listing (and its JSON) keeps its shape
         print(f"shmq ls: damaged: {one_line(exc)}", file=sys.stderr)
     if a.json:
@@ -166,14 +187,19 @@ def cmd_ls(a) -> int:
         print(f"no {'usable ' if damaged else ''}spools in {directory}", file=sys.stderr)
         return EXIT_OK
     now = time.time_ns()
-    out = table(
-        ["SPOOL", "POLICY", "SIZE", "FILL", "FRAMES", "SEQ RANGE", "PUT/S", "GET/S", "LAST PUT"],
-        [[p["name"], p["on_full"], human_bytes(p["file_bytes"]), f"{100 * p['fill']:.1f}%",
-          f"{p['frames']:,}",
-          f"{p['first_seq']}..{p['next_seq'] - 1}" if p["frames"] else "-",
-          human_rate(p["write_rate_per_s"]), human_rate(p["read_rate_per_s"]),
-          human_age(p["last_put_ns"], now)] for p in rows],
-        "lllrrrrrl")
+    headers = ["SPOOL", "POLICY", "SIZE", "FILL", "FRAMES", "SEQ RANGE", "PUT/S", "GET/S", "LAST PUT"]
+    body = [[p["name"], p["on_full"], human_bytes(p["file_bytes"]), f"{100 * p['fill']:.1f}%",
+             f"{p['frames']:,}",
+             f"{p['first_seq']}..{p['next_seq'] - 1}" if p["frames"] else "-",
+             human_rate(p["write_rate_per_s"]), human_rate(p["read_rate_per_s"]),
+             human_age(p["last_put_ns"], now)] for p in rows]
+    align = "lllrrrrrl"
+    if a.anonymous:  # who has each anonymous queue open (its creator, usually)
+        headers.append("OPEN BY")
+        for p, row in zip(rows, body):
+            row.append(",".join(map(str, p["open_by"])) or "-" if p.get("anonymous") else "")
+        align += "l"
+    out = table(headers, body, align)
     print("\n".join(out))
     return EXIT_OK
 
@@ -225,6 +251,9 @@ def register(add):
             "validates, read without attaching.  Other files are skipped silently.  PUT/S and "
             "GET/S average the last 10 seconds.")
     p.add_argument("dir", nargs="?", metavar="DIR")
+    p.add_argument("-a", "--anonymous", action="store_true",
+                   help="also list your anonymous queues (shmq.Queue() without a path, "
+                   "/dev/shm/shmq-q-*) with the pids that have each open")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(func=cmd_ls)
 
