@@ -229,7 +229,7 @@ def test_stat_text(capsys, busy_spool):
 def test_stat_shows_a_dead_lock_holder(capsys, make_spool):
     sp = make_spool()
     sp.writer_lock.sem.acquire()
-    pid = os.fork()
+    pid = os.fork()  # a bare fork: only a pid that was alive and is gone is wanted
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
@@ -574,7 +574,7 @@ def test_fsck_stale_lock_repair_lets_puts_through(capsys, make_spool):
     sp = make_spool(name="locked")
     sp.put(b"before")
     sp.writer_lock.sem.acquire()
-    pid = os.fork()
+    pid = os.fork()  # a bare fork: only a pid that was alive and is gone is wanted
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)

@@ -113,7 +113,7 @@ def test_permission_denied_as_other_user(spool_path):
         pytest.skip("needs root to switch user")
     shmq.Spool.create(spool_path, capacity="64KiB").close()
     os.chmod(os.path.dirname(spool_path), 0o755)
-    pid = os.fork()
+    pid = os.fork()  # a bare fork: the child only drops privileges and opens (no start method)
     if pid == 0:  # child
         code = 3
         try:

@@ -525,6 +525,9 @@ def test_run_shuts_down_cleanly_on_signal(spool_dir, rec, sig):
     """SIGTERM/SIGINT: a clean stop.  SIGKILL of the dispatcher: its workers see
     their pipe close, finish their message and exit (no orphans)."""
     path = os.path.join(spool_dir, "q")
+    # The dispatcher runs as a program would: a fresh interpreter (spawn). Its own
+    # workers' start methods are covered by the tests above; what is tested here is
+    # how the process that runs it reacts to a signal, whatever started it.
     proc = mp.get_context("spawn").Process(target=serve_dispatcher, args=(path, rec.sp.path))
     proc.start()
     try:

@@ -14,7 +14,6 @@ Child-process entry points live here (importable under spawn).
 
 import array
 import logging
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -160,7 +159,7 @@ def _blocked_getter(take, barrier, out, errors):
 
 
 @pytest.mark.parametrize("handle_kind", ["queue", "anonymous", "named", "group"])
-def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind):
+def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx):
     """32 threads park in get() on ONE handle; 32 puts from another process wake all of them."""
     n = 32
     q = sp = None
@@ -187,7 +186,7 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind):
         while bell.sem.value < n and time.monotonic() < deadline:
             time.sleep(0.001)
         assert bell.sem.value == n
-        child = mp.get_context("fork").Process(target=_put_items, args=(path, n))
+        child = ctx.Process(target=_put_items, args=(path, n))
         child.start()
         assert join_all([child]) == [0]
         for th in threads:

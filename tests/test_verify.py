@@ -1,7 +1,6 @@
 """shmq.verify: fsck of healthy, damaged, stale-locked and live spools; repair never touches frames."""
 
 import json
-import multiprocessing as mp
 import os
 import time
 
@@ -24,6 +23,7 @@ def _ring_bytes(sp):
 
 
 def _dead_pid():
+    # A bare fork, not a start method: all that is wanted is a pid that was ours and is gone.
     pid = os.fork()
     if pid == 0:
         os._exit(0)
@@ -247,10 +247,10 @@ def _die_holding_writer_lock(path):
     os._exit(0)
 
 
-def test_writer_killed_holding_lock(make_spool):
+def test_writer_killed_holding_lock(make_spool, ctx):
     sp = make_spool(capacity="64KiB")
     _fill(sp, 3)
-    p = mp.get_context("fork").Process(target=_die_holding_writer_lock, args=(sp.path,))
+    p = ctx.Process(target=_die_holding_writer_lock, args=(sp.path,))
     p.start()
     p.join(30)
     assert p.exitcode == 0
@@ -384,11 +384,11 @@ def _die_holding_group_lock(path):
     os._exit(0)
 
 
-def test_stale_group_lock_repaired(make_spool):
+def test_stale_group_lock_repaired(make_spool, ctx):
     sp = make_spool(capacity="64KiB")
     sp.reader("grp", group=True).close()
     _fill(sp, 3)
-    p = mp.get_context("fork").Process(target=_die_holding_group_lock, args=(sp.path,))
+    p = ctx.Process(target=_die_holding_group_lock, args=(sp.path,))
     p.start()
     p.join(30)
     rep = verify(sp.path)
@@ -416,10 +416,10 @@ def _write_for(path, seconds):
     sp.close()
 
 
-def test_verify_live_overwriting_spool_reports_no_false_problems(make_spool):
+def test_verify_live_overwriting_spool_reports_no_false_problems(make_spool, ctx):
     sp = make_spool(capacity="16KiB")
     sp.reader("slow").close()
-    p = mp.get_context("fork").Process(target=_write_for, args=(sp.path, 1.5))
+    p = ctx.Process(target=_write_for, args=(sp.path, 1.5))
     p.start()
     try:
         deadline = time.monotonic() + 1.2
