@@ -7,6 +7,7 @@ processes from /proc/self/status, the writer's growth is checked too, to show
 the measurement sees mapped pages at all.
 """
 
+import mmap
 import os
 
 import numpy as np
@@ -114,4 +115,66 @@ def test_pinned_view_stays_valid_after_its_pages_are_released(make_spool):
         assert np.array_equal(view.array, first)
     finally:
         view.release()
+    r.close()
+
+
+def test_madv_dontneed_on_a_shared_tmpfs_mapping_drops_only_this_mappings_pages(spool_dir):
+    # The kernel behaviour the core relies on (madvise(2): on shared file and
+    # shmem mappings a later access repopulates "from the up-to-date contents of
+    # the underlying mapped file", and the caller's RSS drops at once), checked
+    # here on this kernel: two MAP_SHARED views of one /dev/shm file stand for a
+    # reader and the writer.
+    size = 16 * MiB
+    path = os.path.join(spool_dir, "raw")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        reader, writer = mmap.mmap(fd, size), mmap.mmap(fd, size)
+        data = np.frombuffer(writer, dtype=np.uint8)
+        data[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)  # dirty, never written back anywhere
+        want = data.copy()
+        assert reader[:] == want.tobytes()  # the reader has touched (mapped) every page too
+        before = _rss_shmem()
+        reader.madvise(mmap.MADV_DONTNEED)
+        dropped = before - _rss_shmem()
+        assert dropped >= size * 3 // 4, f"RssShmem fell by {dropped / MiB:.1f} MiB only"
+        assert np.array_equal(data, want)  # the other mapping keeps its pages and data
+        assert os.pread(fd, size, 0) == want.tobytes()  # the file keeps its data
+        data[:4] = 7  # a write through the other mapping after the release ...
+        assert reader[:4] == bytes([7] * 4) and reader[:] == data.tobytes()  # ... is seen: still shared
+        del data
+        reader.close()
+        writer.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_reserve_buffer_stays_valid_while_a_reader_in_the_process_releases_its_pages(make_spool):
+    # Behind the reader's cursor, in ring offsets, is where the writer writes
+    # next: a reservation held there while the same process's reader moves on
+    # has its pages released under it (one mapping serves both).  Its bytes,
+    # written before and after the release, must all arrive.
+    sp = make_spool(capacity="32MiB", on_full="block")
+    ring = sp.ring.size
+    r = sp.reader("mine")
+    filler = bytes(FRAME)
+    n = 0
+    try:
+        while True:  # fill the ring: the next frame no longer fits before its end
+            sp.put(filler, block=False)
+            n += 1
+    except shmq.Full:
+        pass
+    for _ in range(40):  # room for one more frame, which wraps to offset 0
+        r.get(timeout=5)
+    want = np.random.default_rng(7).integers(0, 256, FRAME, dtype=np.uint8).tobytes()
+    with sp.reserve(FRAME, timeout=5) as buf:
+        buf[: FRAME // 2] = want[: FRAME // 2]
+        for _ in range(n - 40):  # ~30 MiB read: the chunks from offset 0 on are released
+            r.get(block=False)
+        buf[FRAME // 2:] = want[FRAME // 2:]  # written after the release: faults back in
+    assert ring <= sp.ring.next_pos - FRAME < ring + 4096  # it did sit in the first released chunk
+    got = r.get(timeout=5)
+    assert got.seq == n and got.data == want
     r.close()
