@@ -1394,7 +1394,7 @@ typedef struct {
 
 static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
     uint64_t ring = r->ring_bytes;
-    if (ring < 4 * RELEASE_CHUNK) return;
+    if (!r->ring || ring < 4 * RELEASE_CHUNK) return; /* closed: the mapping is gone, never advise */
     if (pos < *released) { /* moved back (a seek): nothing behind it is ours to count yet */
         *released = pos;
         return;
@@ -1806,8 +1806,19 @@ static void Cursor_dealloc(Cursor *c) {
         return 0;                                                                                 \
     }
 U64_GETSET(seq)
-U64_GETSET(pos)
 U64_GETSET(lost)
+
+static PyObject *Cursor_get_pos(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->pos); }
+
+/* Python moves the cursor itself past frames it read outside the core (zero-copy
+ * columnar reads, seek): those reads release the pages behind them too. */
+static int Cursor_set_pos(Cursor *c, PyObject *v, void *x) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    c->pos = n;
+    if (c->ring) release_behind(c->ring, &c->released, c->pos);
+    return 0;
+}
 
 static PyObject *Cursor_get_pending(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->n); }
 

@@ -9,6 +9,7 @@ the measurement sees mapped pages at all.
 
 import mmap
 import os
+import types
 
 import numpy as np
 import pytest
@@ -34,23 +35,32 @@ def _stamp(buf, seq):
     return buf
 
 
-def _writer(path, total, conn):
+def _writer(path, total, conn, arrays=False):
     sp = shmq.Spool.open(path)
     before = _rss_shmem()
     buf = bytearray(FRAME)
     for seq in range(total // FRAME):
-        sp.put(_stamp(buf, seq), timeout=60)
+        if arrays:
+            sp.put_array(np.frombuffer(_stamp(buf, seq), dtype=np.uint8), timeout=60)
+        else:
+            sp.put(_stamp(buf, seq), timeout=60)
     conn.send(_rss_shmem() - before)
     sp.close()
 
 
-def _reader(path, name, group, total, conn):
+def _pinned_arrays(r):
+    # zero-copy reads: the cursor is moved from Python, past a pinned view
+    with r.get_array(copy=False, timeout=60) as v:
+        yield types.SimpleNamespace(data=v.array.tobytes())
+
+
+def _reader(path, name, group, total, conn, arrays=False):
     sp = shmq.Spool.open(path)
     r = sp.reader(name, group=group)
     before = peak = _rss_shmem()
     got = bad = nbytes = 0
     while nbytes < total:
-        for f in r.get_many(64, timeout=60):
+        for f in (_pinned_arrays(r) if arrays else r.get_many(64, timeout=60)):
             seq = int.from_bytes(f.data[:8], "little")
             bad += seq != got or f.data[-8:] != f.data[:8] or len(f.data) != FRAME
             got += 1
@@ -61,12 +71,12 @@ def _reader(path, name, group, total, conn):
     sp.close()
 
 
-def _run(ctx, path, ring, total, group=False):
+def _run(ctx, path, ring, total, group=False, arrays=False):
     shmq.Spool.create(path, capacity=ring, on_full="block").reader("r", group=group).close()
     wr, ww = ctx.Pipe(duplex=False)
     rr, rw = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_reader, args=(path, "r", group, total, rw)),
-             ctx.Process(target=_writer, args=(path, total, ww))]
+    procs = [ctx.Process(target=_reader, args=(path, "r", group, total, rw, arrays)),
+             ctx.Process(target=_writer, args=(path, total, ww, arrays))]
     for p in procs:
         p.start()
     try:
@@ -95,6 +105,15 @@ def test_reader_rss_stays_bounded_on_a_smaller_ring(spool_dir, ctx, group):
     # 128 MiB through a 64 MiB ring: it wraps, and the bound holds across the wrap.
     (nbytes, bad, reader_growth), writer_growth = _run(
         ctx, os.path.join(spool_dir, "mid"), "64MiB", 128 * MiB, group=group)
+    assert nbytes == 128 * MiB and bad == 0
+    assert reader_growth < 24 * MiB, f"reader RSS grew {reader_growth / MiB:.0f} MiB"
+
+
+def test_zero_copy_array_reads_release_too(spool_dir, ctx):
+    # get_array(copy=False) reads outside the core and moves the cursor from
+    # Python (Cursor.pos): the release happens there as well.
+    (nbytes, bad, reader_growth), _ = _run(
+        ctx, os.path.join(spool_dir, "arr"), "64MiB", 128 * MiB, arrays=True)
     assert nbytes == 128 * MiB and bad == 0
     assert reader_growth < 24 * MiB, f"reader RSS grew {reader_growth / MiB:.0f} MiB"
 
