@@ -318,13 +318,18 @@ static int call_crash_hook(const char *point) {
  * each); block/error jump in one step to the slowest named cursor. */
 static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
-    if (pin_floor(r) < limit) return ST_SLOW; /* a zero-copy view reads that frame */
+    uint64_t pin = pin_floor(r);
+    if (pin < limit) return ST_SLOW; /* a zero-copy view reads that frame */
     uint64_t seq = ld_rlx(&c[W_FIRST_SEQ]), pos = ld_rlx(&c[W_FIRST_POS]), start_seq = seq;
     uint64_t next_pos = ld_rlx(&c[W_NEXT_POS]);
     record_high_water(r);
     if (r->policy != 0) {
         uint64_t floor;
         if (!slot_floor(r, S_POS, &floor)) floor = pos; /* no consumers registered: keep everything */
+        /* The jump below goes past `limit`, up to the slowest cursor: never past a
+         * pinned frame (a reader moves its cursor on before it releases its view).
+         * A pin is the header position of a resident data frame, >= limit here. */
+        if (pin < floor) floor = pin;
         if (floor < limit && floor < next_pos) {
             take_full_marker(r);
             return ST_NO_ROOM; /* unconsumed frames in the way */
@@ -1394,7 +1399,7 @@ typedef struct {
 
 static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
     uint64_t ring = r->ring_bytes;
-    if (ring < 4 * RELEASE_CHUNK) return;
+    if (!r->ring || ring < 4 * RELEASE_CHUNK) return; /* closed: the mapping is gone, never advise */
     if (pos < *released) { /* moved back (a seek): nothing behind it is ours to count yet */
         *released = pos;
         return;
@@ -1806,8 +1811,19 @@ static void Cursor_dealloc(Cursor *c) {
         return 0;                                                                                 \
     }
 U64_GETSET(seq)
-U64_GETSET(pos)
 U64_GETSET(lost)
+
+static PyObject *Cursor_get_pos(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->pos); }
+
+/* Python moves the cursor itself past frames it read outside the core (zero-copy
+ * columnar reads, seek): those reads release the pages behind them too. */
+static int Cursor_set_pos(Cursor *c, PyObject *v, void *x) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    c->pos = n;
+    if (c->ring) release_behind(c->ring, &c->released, c->pos);
+    return 0;
+}
 
 static PyObject *Cursor_get_pending(Cursor *c, void *x) { return PyLong_FromUnsignedLongLong(c->n); }
 

@@ -979,3 +979,25 @@ def test_ls_anonymous_lists_queues_with_who_has_them_open(capsys, ctx):
         for path in planted:
             os.unlink(path)
         q.close()
+
+
+def test_top_anonymous_shows_queues_with_who_has_them_open(capsys, ctx, spool_dir, busy_spool):
+    q = shmq.Queue(capacity="64KiB")
+    ready, done = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold_queue, args=(q, ready, done))
+    p.start()
+    try:
+        assert ready.wait(60)
+        code, out, _ = run(capsys, "top", spool_dir, "-a", "--count", "1")
+        assert code == 0
+        lines = out.splitlines()
+        assert "anonymous" in lines[0] and lines[1].split()[-2:] == ["OPEN", "BY"]
+        line = next(ln for ln in lines if ln.startswith(os.path.basename(q.path)))
+        assert line.split()[1] == "block" and str(p.pid) in line.split()[-1].split(",")
+        assert any(ln.startswith("busy ") for ln in lines)  # the directory's spools still shown
+        code, out, _ = run(capsys, "top", spool_dir, "--count", "1")  # without the flag: not shown
+        assert code == 0 and os.path.basename(q.path) not in out and "OPEN BY" not in out
+    finally:
+        done.set()
+        p.join(30)
+        q.close()

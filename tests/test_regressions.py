@@ -134,3 +134,35 @@ def test_corrupt_holder_word_with_huge_pid_is_not_alive():
 
     assert not process_alive(1 << 40)
     assert not holder_alive((1 << 64) - 1)
+
+
+def test_block_writer_never_jumps_past_a_pinned_frame(make_spool):
+    # The core's block-mode eviction jumped FIRST_POS straight to the slowest
+    # reader's cursor, checking pins only below the room it needed: a reader
+    # that had moved on past a zero-copy view (as get_array(copy=False) does)
+    # had that frame overwritten under the view within one lap.
+    import numpy as np
+
+    sp = make_spool(capacity="1MiB", on_full="block")
+    r = sp.reader("r")
+    per = 16 * 1024 // 8
+    n = 0
+    with pytest.raises(shmq.Full):
+        while True:
+            sp.put_array(np.full(per, n, dtype=np.int64), block=False)
+            n += 1
+    k = n // 2
+    for _ in range(k):
+        r.get_array()
+    view = r.get_array(copy=False)  # frame k, pinned; the cursor moves on to k + 1
+    for _ in range(n - k - 1):
+        r.get_array()  # everything else consumed: only the pin holds room back
+    puts = 0
+    with pytest.raises(shmq.Full):  # the writer stops at the pinned frame ...
+        for puts in range(n):
+            sp.put_array(np.full(per, 10_000 + puts, dtype=np.int64), block=False)
+    assert 0 < puts < n
+    assert (view.array == k).all()  # ... which still holds its data
+    view.release()
+    sp.put_array(np.full(per, -1, dtype=np.int64), block=False)  # released: room again
+    r.close()

@@ -20,8 +20,9 @@ class Top:
 
     SPARK_SECONDS = 30
 
-    def __init__(self, targets):
+    def __init__(self, targets, anonymous=False):
         self.targets = targets
+        self.anonymous = anonymous  # also show this user's anonymous queues (shmq.Queue())
         self.handles = {}  # path -> (Spool, inode)
         self.prev = {}  # (path, reader) -> (gets, monotonic)
 
@@ -52,6 +53,10 @@ class Top:
         from ..metrics import spool_paths
 
         paths = spool_paths(self.targets)
+        if self.anonymous:
+            from ..queue import anonymous_paths
+
+            paths += [p for p in spool_paths(anonymous_paths()) if p not in paths]
         for gone in set(self.handles) - set(paths):
             self.handles.pop(gone)[0].close()
         out = []
@@ -72,7 +77,7 @@ class Top:
         now = time.time()
         now_s, mono = int(now), time.monotonic()
         snaps = self.snapshot()
-        where = ", ".join(self.targets)
+        where = ", ".join(self.targets) + (" + anonymous queues" if self.anonymous else "")
         stamp = time.strftime("%H:%M:%S", time.localtime(now))
         head = f"shmq top - {where} - {len(snaps)} spool{'s' * (len(snaps) != 1)} - {stamp}"
         lines = [head.ljust(max(0, width - 9)) + "  q: quit"
@@ -80,12 +85,20 @@ class Top:
         if not snaps:
             lines.append(f"(no spools in {where})")
             return [ln[:width] for ln in lines]
-        base = os.path.commonpath([os.path.dirname(p) for p, _ in snaps])
+        anon = set()
+        if self.anonymous:
+            from ..queue import anonymous_paths
+
+            anon = set(anonymous_paths())
+        named = [os.path.dirname(p) for p, _ in snaps if p not in anon]
+        base = os.path.commonpath(named) if named else ""
         spools, readers = [], []
         for path, st in snaps:
-            name = os.path.relpath(path, base) if base else path
+            # an anonymous queue goes by its file name (shmq-q-...), which says what it is
+            name = (os.path.basename(path) if path in anon
+                    else os.path.relpath(path, base) if base else path)
             if isinstance(st, str):
-                spools.append([name, "?", "", "", "", "", st, ""])
+                spools.append([name, "?", "", "", "", "", st, ""] + [""] * self.anonymous)
                 continue
             series = dict(st.write_rate)
             reads = dict(st.read_rate)
@@ -94,6 +107,9 @@ class Top:
             spools.append([name, st.on_full, f"{100 * st.fill:.1f}%", f"{st.frames:,}",
                            human_rate(series.get(now_s - 1, 0)),
                            human_rate(reads.get(now_s - 1, 0)), spark, lock])
+            if self.anonymous:  # who has each anonymous queue open (its creator, usually)
+                spools[-1].append(",".join(map(str, _mapping.open_by(path))) or "-"
+                                  if path in anon else "")
             for r in st.readers:
                 key = (path, r.name)
                 rate = None
@@ -106,7 +122,8 @@ class Top:
                                 f"{r.lost:,}", human_rate(rate), r.pid or "-",
                                 "yes" if r.alive else "no"])
         lines += table(["SPOOL", "POLICY", "FILL", "FRAMES", "PUT/S", "GET/S",
-                        f"PUTS, LAST {self.SPARK_SECONDS} S", "LOCK"], spools, "llrrrrll")
+                        f"PUTS, LAST {self.SPARK_SECONDS} S", "LOCK"] + ["OPEN BY"] * self.anonymous,
+                       spools, "llrrrrll" + "l" * self.anonymous)
         if readers:
             lines.append("")
             lines += table(["SPOOL", "READER", "KIND", "POSITION", "LAG", "LOST", "GET/S", "PID",
@@ -123,7 +140,7 @@ def cmd_top(a) -> int:
             raise CliError(f"{t}: no such spool or directory", EXIT_NOT_FOUND)
         if t == _mapping.default_dir() and os.path.lexists(t):
             _mapping.check_private_dir(t)  # a planted one is refused, not watched
-    top = Top(targets)
+    top = Top(targets, anonymous=a.anonymous)
     try:
         interactive = sys.stdout.isatty() and not a.once and not a.count
         if not interactive:
@@ -201,4 +218,7 @@ def register(add):
                    help="seconds between refreshes (default 1)")
     p.add_argument("--count", type=positive_arg(int), metavar="N",
                    help="print N frames, one after the other, and exit")
+    p.add_argument("-a", "--anonymous", action="store_true",
+                   help="also show your anonymous queues (shmq.Queue() without a path, "
+                   "/dev/shm/shmq-q-*) with the pids that have each open")
     p.set_defaults(func=cmd_top)
