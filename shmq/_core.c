@@ -48,6 +48,8 @@
 #define W_NEXT_POS 17
 #define W_FIRST_SEQ 18
 #define W_FIRST_POS 19
+#define W_ALLOC_LO 20 /* growable spools: positions whose pages are allocated, [LO, HI) */
+#define W_ALLOC_HI 21
 #define W_LOCK_HOLDER 22
 #define W_PUT_BYTES 26
 #define W_LAST_PUT_NS 27
@@ -55,6 +57,8 @@
 #define W_HIGH_FRAMES 29
 #define W_HIGH_BYTES 30
 #define W_SLOT_HWM 31
+#define W_SEGMENT 34  /* growable spools: bytes allocated / released at a time (0: fixed) */
+#define W_GROWTHS 35  /* segments allocated since creation */
 #define W_RATE 64
 #define RATE_SECONDS 60
 #define RATE_WORDS 3
@@ -91,6 +95,7 @@
 #define ST_NO_ROOM (-2)    /* block/error policy (or maxsize): no room now */
 #define ST_SLOW (-3)       /* a zero-copy pin is in the way: Python's general path */
 #define ST_TOO_LARGE (-4)  /* the frame or batch can never fit */
+#define ST_NO_SPACE (-5)   /* a growable spool could not allocate its next segment (ENOSPC) */
 
 typedef struct {
     uint64_t seq;
@@ -149,6 +154,8 @@ typedef struct {
     uint64_t *slots;
     char *ring;
     uint64_t ring_bytes;
+    uint64_t ring_offset; /* file offset of the ring (for fallocate) */
+    uint64_t segment;     /* growable spools: W_SEGMENT, read once at open (0: fixed) */
     uint64_t slot_count;
     uint64_t max_payload;
     int policy; /* 0 overwrite, 1 block, 2 error */
@@ -395,6 +402,96 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
     return 0;
 }
 
+/* fallocate the pages of ring positions [a, b) (b - a <= ring), or punch
+ * them out; the GIL is released for the syscall (zeroing a segment's pages
+ * takes a while) but the writer lock stays ours: no Python code runs in
+ * this thread meanwhile, so a signal handler still cannot see it held. */
+static int span_alloc(Ring *r, uint64_t a, uint64_t b, int punch) {
+    uint64_t ring = r->ring_bytes;
+    while (a < b) {
+        uint64_t off = a % ring, len = b - a;
+        if (len > ring - off) len = ring - off;
+        int rc, err = 0;
+        int mode = punch ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE : 0;
+        Py_BEGIN_ALLOW_THREADS
+        rc = fallocate(r->fd, mode, (off_t)(r->ring_offset + off), (off_t)len);
+        if (rc < 0) err = errno;
+        Py_END_ALLOW_THREADS
+        if (rc < 0) return err;
+        a += len;
+    }
+    return 0;
+}
+
+/* Evict what every named reader and group has consumed (block/error policy)
+ * and punch out the segments behind the oldest frame, keeping one segment
+ * of slack for a lock-free reader still copying an evicted frame (writer
+ * lock held).  Updates *lo; 0, or -100 with an exception set. */
+static int release_window(Ring *r, uint64_t next_seq, uint64_t batch_pos, uint64_t *lo, uint64_t hi) {
+    uint64_t *c = r->ctl, seg = r->segment, ring = r->ring_bytes;
+    if (r->policy != 0) { /* consumed frames first: their segments can go */
+        int st = make_room(r, ld_rlx(&c[W_FIRST_POS]), next_seq, batch_pos);
+        if (st == -100) return -100; /* else: a pin or a lagging cursor keeps them, fine */
+    }
+    uint64_t first = ld_rlx(&c[W_FIRST_POS]);
+    uint64_t keep = first / seg * seg;
+    keep = keep >= seg ? keep - seg : 0;
+    if (keep <= *lo) return 0;
+    if (keep > hi) keep = hi;
+    /* Positions at or past hi - ring share pages with the window's head: keep those. */
+    uint64_t from = hi > ring && hi - ring > *lo ? hi - ring : *lo;
+    if (from < keep) {
+        if (call_crash_hook("releasing") < 0) return -100;
+        int err = span_alloc(r, from, keep, 1);
+        if (err && err != EOPNOTSUPP) {
+            errno = err;
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
+            return -100;
+        }
+    }
+    *lo = keep;
+    st_rlx(&c[W_ALLOC_LO], keep);
+    return 0;
+}
+
+/* Growable spools (W_SEGMENT != 0): the ring is a sparse file whose pages
+ * exist only for positions [W_ALLOC_LO, W_ALLOC_HI).  Before the writer puts
+ * bytes up to `end` (writer lock held), make sure they are allocated: first
+ * evict what every named reader and group has consumed (block/error
+ * policy) and punch out the segments behind the oldest frame, keeping one
+ * segment of slack for a lock-free reader still copying an evicted frame;
+ * then allocate whole segments up to one segment past `end`.  A full
+ * filesystem gives ST_NO_SPACE before any byte is written: never SIGBUS.
+ * Both steps are crash-safe: only pages nobody may read are punched, the
+ * window words are stored after the syscall that makes them true.  Returns 0,
+ * ST_NO_SPACE, or -100 with an exception set. */
+static int ensure_window(Ring *r, uint64_t end, uint64_t next_seq, uint64_t batch_pos) {
+    uint64_t *c = r->ctl, seg = r->segment, ring = r->ring_bytes;
+    uint64_t lo = ld_rlx(&c[W_ALLOC_LO]), hi = ld_rlx(&c[W_ALLOC_HI]);
+    if (end <= hi) return 0;
+    if (hi < lo || hi > MAX_COUNTER || lo % seg || hi % seg) {
+        corrupt(r, "allocation window [%llu, %llu) is not whole segments of %llu bytes; " RING_ADVICE,
+                (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)seg);
+        return -100;
+    }
+    if (release_window(r, next_seq, batch_pos, &lo, hi) < 0) return -100;
+    uint64_t want = (end + seg - 1) / seg * seg + seg;
+    if (hi - lo < ring) { /* else every page is already allocated */
+        uint64_t to = want - lo > ring ? lo + ring : want;
+        if (call_crash_hook("allocating") < 0) return -100;
+        int err = span_alloc(r, hi, to, 0);
+        if (err == ENOSPC || err == EFBIG || err == EDQUOT) return ST_NO_SPACE;
+        if (err && err != EOPNOTSUPP) { /* no fallocate here: pages come on first touch, as on a sparse file */
+            errno = err;
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
+            return -100;
+        }
+    }
+    st_rlx(&c[W_ALLOC_HI], want);
+    st_rlx(&c[W_GROWTHS], ld_rlx(&c[W_GROWTHS]) + (want - hi) / seg);
+    return 0;
+}
+
 static void roll_rate(Ring *r, uint64_t ts) {
     uint64_t sec = ts / 1000000000ull;
     int b = W_RATE + (int)(sec % RATE_SECONDS) * RATE_WORDS;
@@ -533,6 +630,10 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
     uint64_t end = pos;
     if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
         int st = make_room(r, end - ring, seq0, placed[0]);
+        if (st != 0) return st;
+    }
+    if (r->segment && end > ld_rlx(&c[W_ALLOC_HI])) { /* a growable spool's next segment */
+        int st = ensure_window(r, end, seq0, placed[0]);
         if (st != 0) return st;
     }
     uint64_t ts = now_ns();
@@ -784,6 +885,14 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
     uint64_t end = pos + need;
     if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
         int st = make_room(r, end - ring, seq, pos);
+        if (st != 0) {
+            wlock_release(r);
+            if (st == -100) return NULL;
+            return PyLong_FromLong(st);
+        }
+    }
+    if (r->segment && end > ld_rlx(&c[W_ALLOC_HI])) {
+        int st = ensure_window(r, end, seq, pos);
         if (st != 0) {
             wlock_release(r);
             if (st == -100) return NULL;
@@ -1244,6 +1353,39 @@ static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Ring_ensure_window(Ring *r, PyObject *args) {
+    /* ensure_window(end, next_seq, batch_pos) -> 0 or NO_SPACE; the caller holds the writer lock */
+    unsigned long long end, next_seq, batch_pos;
+    if (!PyArg_ParseTuple(args, "KKK", &end, &next_seq, &batch_pos)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    if (!r->segment || end <= ld_rlx(&r->ctl[W_ALLOC_HI])) return PyLong_FromLong(0);
+    int st = ensure_window(r, end, next_seq, batch_pos);
+    if (st == -100) return NULL;
+    return PyLong_FromLong(st);
+}
+
+static PyObject *Ring_trim(Ring *r, PyObject *args) {
+    /* trim(lock_wait) -> bytes of segments released, or None if the writer lock was
+     * not free within lock_wait: a growable spool gives back what is consumed now
+     * instead of at the writer's next segment (a drained, idle queue). */
+    double wait = 0;
+    if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    if (!r->segment) return PyLong_FromLong(0);
+    int lk = sem_lock(r->wsem, wait);
+    if (lk < 0) return NULL;
+    if (lk > 0) Py_RETURN_NONE;
+    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
+    uint64_t *c = r->ctl, lo = ld_rlx(&c[W_ALLOC_LO]), before = lo, hi = ld_rlx(&c[W_ALLOC_HI]);
+    int rc = 0;
+    if (hi >= lo && lo % r->segment == 0 && hi % r->segment == 0)
+        rc = release_window(r, ld_rlx(&c[W_NEXT_SEQ]), ld_rlx(&c[W_NEXT_POS]), &lo, hi);
+    wlock_release(r);
+    if (rc < 0) return NULL;
+    ring_bell(r, r->fsem);
+    return PyLong_FromUnsignedLongLong(lo - before);
+}
+
 static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
     return Py_BuildValue("(KK)", r->full_floor, r->full_pin);
 }
@@ -1296,7 +1438,8 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
     r->have_buf = 1;
     if (ring_bytes < 4096 || ring_bytes % 4096 || ring_offset % 4096 || ring_offset < HEADER_BYTES ||
         slot_offset < HEADER_BYTES || slot_offset + slot_count * SLOT_BYTES > ring_offset ||
-        (uint64_t)r->buf.len < ring_offset + ring_bytes || policy < 0 || policy > 2) {
+        (uint64_t)r->buf.len < ring_offset + ring_bytes || policy < 0 || policy > 2 ||
+        ((uint64_t *)r->buf.buf)[W_SEGMENT] % 4096 || ((uint64_t *)r->buf.buf)[W_SEGMENT] > ring_bytes) {
         ring_release(r);
         PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
         return -1;
@@ -1307,6 +1450,8 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
     r->slots = (uint64_t *)(r->base + slot_offset);
     r->ring = r->base + ring_offset;
     r->ring_bytes = ring_bytes;
+    r->ring_offset = ring_offset;
+    r->segment = ld_rlx(&r->ctl[W_SEGMENT]);
     r->slot_count = slot_count;
     r->max_payload = ring_bytes - FRAME_BYTES;
     if (r->max_payload > 0xFFFFFFFFull - FRAME_BYTES - ALIGN) r->max_payload = 0xFFFFFFFFull - FRAME_BYTES - ALIGN;
@@ -1334,6 +1479,10 @@ static void Ring_dealloc(Ring *r) {
 static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->max_payload); }
 
 static PyMethodDef Ring_methods[] = {
+    {"trim", (PyCFunction)Ring_trim, METH_VARARGS,
+     "trim(lock_wait=0) -> bytes released, or None if the lock was busy: a growable spool's consumed segments"},
+    {"ensure_window", (PyCFunction)Ring_ensure_window, METH_VARARGS,
+     "ensure_window(end, next_seq, batch_pos) -> 0 or NO_SPACE (writer lock held): a growable spool's pages"},
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_FASTCALL,
      "put(data, codec=0, max_backlog=-1, lock_wait=None) -> seq, or a negative status"},
     {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL,
@@ -2179,7 +2328,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
     PyModule_AddObjectRef(m, "Waiting", (PyObject *)&WaitingType);
     PyObject *layout = Py_BuildValue(
-        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
+        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
         "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,
         "W_NEXT_POS", W_NEXT_POS, "W_FIRST_SEQ", W_FIRST_SEQ, "W_FIRST_POS", W_FIRST_POS, "W_LOCK_HOLDER",
         W_LOCK_HOLDER, "W_PUT_BYTES", W_PUT_BYTES, "W_LAST_PUT_NS", W_LAST_PUT_NS, "W_EVICTED", W_EVICTED,
@@ -2188,7 +2337,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         SLOT_BYTES, "SLOT_WORDS", SLOT_WORDS, "S_STATE", S_STATE, "S_SEQ", S_SEQ, "S_POS", S_POS, "S_LOST", S_LOST,
         "S_GETS", S_GETS, "S_GET_BYTES", S_GET_BYTES, "S_LAST_GET_NS", S_LAST_GET_NS, "S_DELAY_SUM_NS",
         S_DELAY_SUM_NS, "S_DELAY_MAX_NS", S_DELAY_MAX_NS, "S_LAG_HIGH", S_LAG_HIGH, "S_LAG_LOW", S_LAG_LOW,
-        "S_LOCK_HOLDER", S_LOCK_HOLDER);
+        "S_LOCK_HOLDER", S_LOCK_HOLDER, "W_ALLOC_LO", W_ALLOC_LO, "W_ALLOC_HI", W_ALLOC_HI, "W_SEGMENT", W_SEGMENT,
+        "W_GROWTHS", W_GROWTHS);
     if (!layout) return NULL;
     PyModule_AddObject(m, "LAYOUT", layout);
     EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
@@ -2202,5 +2352,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddIntConstant(m, "NO_ROOM", ST_NO_ROOM);
     PyModule_AddIntConstant(m, "SLOW", ST_SLOW);
     PyModule_AddIntConstant(m, "TOO_LARGE", ST_TOO_LARGE);
+    PyModule_AddIntConstant(m, "NO_SPACE", ST_NO_SPACE);
     return m;
 }

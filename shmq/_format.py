@@ -40,7 +40,8 @@ W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
 W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
 W_FIRST_SEQ = 18  # oldest frame still in the ring
 W_FIRST_POS = 19  # its byte position (stored before FIRST_SEQ)
-# 20, 21 reserved
+W_ALLOC_LO = 20  # growable spools: ring positions [LO, HI) have their pages allocated
+W_ALLOC_HI = 21  # (the rest of the ring is a hole in the sparse file; 0, 0 on fixed spools)
 W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
 W_LOCK_TOKEN = 24  # fencing token, bumped whenever a dead holder's lock is broken
 W_PUT_BYTES = 26  # (puts need no counter: every put takes the next seq)
@@ -51,7 +52,9 @@ W_HIGH_BYTES = 30  # most ring bytes in use, recorded before evicting
 W_SLOT_HWM = 31  # 1 + highest slot index ever used (bounds table scans)
 W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
 W_QUEUE_MAXSIZE = 33  # shmq.Queue's maxsize in items (0: unbounded), set at creation
-# 34..47 reserved
+W_SEGMENT = 34  # growable spools: bytes allocated / released at a time (0: fixed, all allocated)
+W_GROWTHS = 35  # segments allocated since creation (a growable spool's statistics)
+# 36..47 reserved
 # 48..63: shmq.WorkQueue (see the work queue section below)
 W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
 W_WQ_KEY_SLOTS = 49  # key-index entries after them
@@ -298,6 +301,37 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         "policy": POLICIES[policy], "checksum": bool(checksum), "flags": flags,
         "sem_prefix": prefix, "created_ns": created_ns,
     }
+
+
+MIN_SEGMENT = 64 << 10
+MAX_SEGMENT = 4 << 20
+
+
+def growth_plan(start: int, ceiling: int):
+    """``(segment, allocated)`` for a growable ring of ``ceiling`` bytes that starts with
+    ``start`` bytes allocated: whole segments, between 64 KiB and 4 MiB each, about the
+    start size (so a small queue stays small and a big one does few syscalls)."""
+    seg = min(max(align(start, PAGE), MIN_SEGMENT), MAX_SEGMENT, align(ceiling, PAGE))
+    return seg, min(-(-start // seg) * seg, ceiling)
+
+
+def check_window(ctl, ring_bytes: int) -> list:
+    """Problems with a growable spool's allocation words (empty if fine or fixed)."""
+    seg, lo, hi = ctl[W_SEGMENT], ctl[W_ALLOC_LO], ctl[W_ALLOC_HI]
+    if not seg:
+        return [] if not lo and not hi else [f"allocation window [{lo}, {hi}) on a fixed spool"]
+    problems = []
+    if seg % PAGE or seg > ring_bytes:
+        problems.append(f"segment size {seg} (ring {ring_bytes})")
+    elif lo % seg or hi % seg or hi < lo:
+        problems.append(f"allocation window [{lo}, {hi}) is not whole segments of {seg} bytes")
+    elif lo > ctl[W_FIRST_POS] and ctl[W_FIRST_SEQ] < ctl[W_NEXT_SEQ]:
+        problems.append(f"allocation window [{lo}, {hi}) starts after the oldest frame at "
+                        f"position {ctl[W_FIRST_POS]}: its pages were released")
+    elif hi < ctl[W_NEXT_POS]:
+        problems.append(f"allocation window [{lo}, {hi}) ends before the write position "
+                        f"{ctl[W_NEXT_POS]}")
+    return problems
 
 
 def frame_crc(data) -> int:

@@ -22,6 +22,7 @@ import mmap
 import os
 import secrets
 import stat
+import struct
 import time
 
 import posix_ipc
@@ -348,25 +349,45 @@ def _mount_point(path: str) -> str:
     return path
 
 
-def _no_space(parent: str, need: int) -> OSError:
-    """An ENOSPC error that names the filesystem, its size and what to do."""
-    def size(n):
-        return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _where(parent: str) -> str:
+    """``/dev/shm (12.0 MiB free of 64.0 MiB)``: the filesystem holding ``parent``."""
     try:
         vfs = os.statvfs(parent)
         mount = _mount_point(parent)
         free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
-        where = f"{mount} ({size(free)} free of {size(total)})"
+        return f"{mount} ({_size(free)} free of {_size(total)})"
     except OSError:
-        where = parent
-    return OSError(errno.ENOSPC, f"no space left for a {size(need)} spool file on {where}: "
-                   "choose a smaller --capacity, remove spools you no longer need, or grow "
-                   "the filesystem (tmpfs: mount -o remount,size=...)", parent)
+        return parent
+
+
+def _no_space(parent: str, need: int) -> OSError:
+    """An ENOSPC error that names the filesystem, its size and what to do."""
+    return OSError(errno.ENOSPC, f"no space left for a {_size(need)} spool file on "
+                   f"{_where(parent)}: choose a smaller --capacity, remove spools you no longer "
+                   "need, or grow the filesystem (tmpfs: mount -o remount,size=...)", parent)
+
+
+def no_space_to_grow(path: str, segment: int, allocated: int, ceiling: int) -> OSError:
+    """The ENOSPC error of a growable spool that could not allocate its next segment."""
+    return OSError(errno.ENOSPC, f"no space left on {_where(os.path.dirname(path))} for the next "
+                   f"{_size(segment)} segment of this spool (it uses {_size(allocated)}, ceiling "
+                   f"{_size(ceiling)}); nothing was written: consume the backlog, remove spools "
+                   "you no longer need, or grow the filesystem (tmpfs: mount -o "
+                   "remount,size=...)", path)
 
 
 def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: int,
-                leases: int, checksum: bool) -> None:
+                leases: int, checksum: bool, start_bytes: int | None = None) -> None:
     """Create a fully initialized, pre-allocated spool file at ``path``.
+
+    ``start_bytes`` (less than ``ring_bytes``) makes it growable: the file is
+    sparse, only the header, tables and the ring's first ``start_bytes``
+    (whole segments) are allocated, and the writer allocates the rest a
+    segment at a time (see ``_core.ensure_window``).
 
     :raises FileExistsError: something already exists at ``path``.
     """
@@ -388,12 +409,18 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     try:
         os.fchmod(fd, mode)
         # Not sparse: reserve every page now, so a full tmpfs fails here and
-        # not as SIGBUS in the middle of a put.
+        # not as SIGBUS in the middle of a put.  A growable ring is sparse
+        # past its first segments; the writer allocates each one before use.
+        window = None
+        if start_bytes is not None and start_bytes < ring_bytes:
+            window = F.growth_plan(start_bytes, ring_bytes)
         try:
-            os.posix_fallocate(fd, 0, file_bytes)
+            if window:
+                os.ftruncate(fd, file_bytes)
+            os.posix_fallocate(fd, 0, ring_offset + window[1] if window else file_bytes)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                raise _no_space(parent, file_bytes) from None
+                raise _no_space(parent, ring_offset + window[1] if window else file_bytes) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, file_bytes)
@@ -408,6 +435,9 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
                                 initial_value=initial).close()
             _check_semaphore(sem_name(prefix, which), os.geteuid(), sem_mode)  # applies the mode
         os.pwrite(fd, geometry, 0)  # control words are all zero: seq 0, empty ring
+        if window:  # ... but a growable ring's segment size and allocated window
+            os.pwrite(fd, struct.pack("<QQ", 0, window[1]), F.W_ALLOC_LO * 8)
+            os.pwrite(fd, struct.pack("<Q", window[0]), F.W_SEGMENT * 8)
         try:
             os.link(tmp, path)  # atomic publish; never replaces an existing file
             linked = True

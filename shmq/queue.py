@@ -40,7 +40,10 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "anonymous_paths"]
 _EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
 GROUP = "queue"
-DEFAULT_CAPACITY = "32MiB"
+#: What a queue allocates at first; it grows a segment at a time up to its ceiling.
+DEFAULT_CAPACITY = "1MiB"
+#: The default ceiling: half the filesystem holding the queue (``/dev/shm``), at most this.
+MAX_DEFAULT_CEILING = 4 << 30
 #: Where a Queue made without ``path`` lives: ``/dev/shm/shmq-q-<random>``
 #: (created exclusively, mode 0600, removed by its creator).
 ANONYMOUS_DIR = "/dev/shm"
@@ -53,14 +56,27 @@ _encode = _codec.encode
 _decode = _codec.decode_item  # only after _codec.require_trust() at attach
 
 
+def default_ceiling(directory: str, capacity) -> int:
+    """A queue's default ``max_capacity``: half of ``directory``'s filesystem, at most
+    4 GiB, never below ``capacity``."""
+    vfs = os.statvfs(directory)
+    half = vfs.f_blocks * vfs.f_frsize // 2 // F.PAGE * F.PAGE
+    return max(F.parse_size(capacity), min(half, MAX_DEFAULT_CEILING))
+
+
 class Queue:
     """A process- and crash-safe FIFO queue with the ``multiprocessing.Queue`` API.
 
-    ``maxsize`` bounds the items in the queue (0: only ``capacity`` bytes
-    bound it); ``capacity`` is the ring's size in bytes, so one object
-    larger than it raises :class:`shmq.TooLarge` at once.  ``path`` makes a
-    named, persistent queue (created if missing, attached otherwise).
-    ``trusted`` allows unpickling from a spool other users can write.
+    ``maxsize`` bounds the items in the queue (0: unbounded, as in
+    ``multiprocessing``: ``put`` never blocks).  The queue starts small
+    (``capacity``, 1 MiB of ``/dev/shm``) and grows a segment at a time as
+    items accumulate, giving segments back once they are consumed, up to
+    ``max_capacity`` (default: half of ``/dev/shm``, at most 4 GiB).  That
+    ceiling is a hard limit: a ``put`` that would pass it raises
+    :class:`shmq.Full` at once, naming it, instead of blocking; one object
+    larger than it raises :class:`shmq.TooLarge`.  ``path`` makes a named,
+    persistent queue (created if missing, attached otherwise).  ``trusted``
+    allows unpickling from a spool other users can write.
 
     Guarantees: items from one producer are received in the order put;
     each item is received by exactly one consumer; a consumer killed in
@@ -71,18 +87,25 @@ class Queue:
 
     _unfinished = None
 
-    def __init__(self, maxsize=0, *, capacity=DEFAULT_CAPACITY, path=None, trusted=False, ctx=None):
+    def __init__(self, maxsize=0, *, capacity=DEFAULT_CAPACITY, max_capacity=None, path=None,
+                 trusted=False, ctx=None):
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
             raise TypeError(f"maxsize must be an int, not {type(maxsize).__name__}")
         self._owner = None
+        if max_capacity is None:
+            max_capacity = default_ceiling(ANONYMOUS_DIR if path is None
+                                           else os.path.dirname(os.path.abspath(path)) or ".",
+                                           capacity)
         if path is None:
             path = os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX + secrets.token_hex(8))
-            spool = Spool.create(path, capacity=capacity, on_full="block", readers=1, leases=0)
+            spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
+                                 on_full="block", readers=1, leases=0)
             spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
             self._owner = os.getpid()
             self._track(spool)
         else:
-            spool = Spool.create(path, capacity=capacity, on_full="block", exist_ok=True)
+            spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
+                                 on_full="block", exist_ok=True)
             if maxsize > 0 and not spool.ring.ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
                 spool.ring.ctl[F.W_QUEUE_MAXSIZE] = maxsize
         self._attach(spool, trusted)
@@ -106,6 +129,7 @@ class Queue:
         self._backlog = self._maxsize or None
         self._backlog_word = self._maxsize or -1  # the core's "no bound"
         self._core = spool.core
+        spool.writer.full_is_ceiling = True  # maxsize=0 never blocks: the ceiling raises Full
         self._get_obj = self._reader.core_cursor.get_obj
         self._reader.core_cursor.bind(self._reader, self)
         # The item in one C call when there is one; _get_slow does the rest.
@@ -136,11 +160,14 @@ class Queue:
     def put(self, obj, block=True, timeout=None):
         """Put ``obj`` into the queue; it is in shared memory when this returns.
 
-        Blocks while the queue holds ``maxsize`` items or its ring is full,
-        for at most ``timeout`` seconds.
+        Blocks while the queue holds ``maxsize`` items, for at most
+        ``timeout`` seconds; otherwise never (the queue grows).
 
-        :raises queue.Full: (as shmq.Full) no room in time, or ``block=False``.
-        :raises shmq.TooLarge: the pickled object can never fit in ``capacity``.
+        :raises queue.Full: (as shmq.Full) ``maxsize`` items and no room in time, or
+            ``block=False``; at once if the queue is full to its ``max_capacity``.
+        :raises OSError: (ENOSPC) ``/dev/shm`` has no room for the queue to grow; the
+            message names its size and what to do.
+        :raises shmq.TooLarge: the pickled object can never fit in ``max_capacity``.
         :raises ValueError: the queue is closed.
         :raises pickle.PicklingError: (or the error ``__reduce__`` raised) at once.
         """
@@ -384,8 +411,10 @@ class JoinableQueue(Queue):
 class SimpleQueue(Queue):
     """An unbounded :class:`Queue` with the ``multiprocessing.SimpleQueue`` surface."""
 
-    def __init__(self, *, capacity=DEFAULT_CAPACITY, path=None, trusted=False, ctx=None):
-        super().__init__(0, capacity=capacity, path=path, trusted=trusted)
+    def __init__(self, *, capacity=DEFAULT_CAPACITY, max_capacity=None, path=None, trusted=False,
+                 ctx=None):
+        super().__init__(0, capacity=capacity, max_capacity=max_capacity, path=path,
+                         trusted=trusted)
 
     def get(self):
         return super().get()

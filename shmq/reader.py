@@ -169,9 +169,12 @@ class Reader:
         if timeout == 0:
             raise Empty("no frame available")
         now = time.monotonic()
+        first = deadline is None
         if deadline is None and timeout is not None:
             deadline = now + timeout
         self._before_wait()
+        if first:
+            self._spool.trim_idle()  # caught up: a growable spool gives back consumed segments
         left = None if deadline is None else deadline - now
         if left is not None and left <= 0 or not self._spool.data_bell.wait(self._cur.available, left):
             raise Empty(f"no frame within {timeout} s")

@@ -177,7 +177,7 @@ class Spool:
     @classmethod
     def create(cls, path, capacity="64MiB", on_full="overwrite", mode=0o600, *, readers=F.DEFAULT_SLOTS,
                leases=F.DEFAULT_LEASES, checksum=False, exist_ok=False, sync=False,
-               recovery_timeout=LOCK_RECOVERY_TIMEOUT_S) -> "Spool":
+               recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, max_capacity=None) -> "Spool":
         """Create a spool file and return a handle to it.
 
         ``capacity`` is the data ring's size in bytes (int or "64MiB"; rounded
@@ -191,12 +191,30 @@ class Spool:
         ~0.3 ms per MiB, while torn reads are already ruled out by the seq
         and FIRST_POS checks).
 
+        ``max_capacity`` (larger than ``capacity``) makes the spool growable:
+        the ring is ``max_capacity`` bytes of address space, but only
+        ``capacity`` bytes of it are allocated at first; the writer allocates
+        further segments as data accumulates and releases the segments every
+        named reader and group has consumed (block/error policies), so the
+        file's real size follows the backlog, up to ``max_capacity``, the
+        ceiling where the policy applies (see docs/guide.md, "Growable
+        spools").  A full filesystem while growing raises ``OSError(ENOSPC)``
+        naming it; nothing is written then.
+
         :raises FileExistsError: ``path`` exists and ``exist_ok`` is false.
-        :raises ValueError: bad capacity, policy, or slot counts.
+        :raises ValueError: bad capacity, policy, or slot counts, or ``max_capacity``
+            smaller than ``capacity``.
         """
         if on_full not in F.POLICIES:
             raise ValueError(f"on_full must be one of {F.POLICIES}, not {on_full!r}")
         ring = F.parse_size(capacity)
+        start = None
+        if max_capacity is not None:
+            ceiling = F.parse_size(max_capacity)
+            if ceiling < ring:
+                raise ValueError(f"max_capacity ({ceiling} bytes) is smaller than capacity "
+                                 f"({ring} bytes)")
+            ring, start = ceiling, ring
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise ValueError(f"mode must be a permission int like 0o600, not {mode!r}")
         if isinstance(readers, bool) or not isinstance(readers, int) or not 1 <= readers <= F.MAX_SLOTS:
@@ -211,7 +229,7 @@ class Spool:
                 pass  # removed meanwhile: create it
         try:
             create_file(resolved, ring_bytes=ring, policy=on_full, mode=mode, slots=readers,
-                        leases=leases, checksum=checksum)
+                        leases=leases, checksum=checksum, start_bytes=start)
         except FileExistsError:
             if not exist_ok:
                 raise
@@ -301,8 +319,20 @@ class Spool:
 
     @property
     def capacity(self) -> int:
-        """Size of the data ring in bytes."""
+        """Size of the data ring in bytes (a growable spool's ceiling)."""
         return self.ring.size
+
+    @property
+    def growable(self) -> bool:
+        """True if the ring allocates its pages a segment at a time (``max_capacity``)."""
+        return bool(self.mapping.ctl[F.W_SEGMENT])
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of the file's filesystem (``/dev/shm``) in use now: header, tables
+        and the ring's allocated pages (all of them unless :attr:`growable`)."""
+        self.check_open()
+        return os.fstat(self.mapping.fd).st_blocks * 512
 
     @property
     def on_full(self) -> str:
@@ -530,9 +560,32 @@ class Spool:
             high_water_frames=max(ctl[W_HIGH_FRAMES], nxt - first),
             high_water_bytes=max(ctl[W_HIGH_BYTES], used),
             lock_pid=holder_pid(ctl[F.W_LOCK_HOLDER]), lock_token=ctl[F.W_LOCK_TOKEN],
-            lock_breaks=ctl[F.W_LOCK_BREAKS],
+            lock_breaks=ctl[F.W_LOCK_BREAKS], allocated=self.allocated,
+            growable=bool(ctl[F.W_SEGMENT]), growths=ctl[F.W_GROWTHS],
             write_rate=tuple((s, p) for s, p, _g in series),
             read_rate=tuple((s, g) for s, _p, g in series), readers=tuple(readers))
+
+    def trim(self, lock_wait=0.0) -> int | None:
+        """Give back a growable spool's consumed segments now; return the bytes released.
+
+        Frames every named reader and group has consumed are evicted and the
+        segments behind them punched out of the file (one segment of slack
+        stays).  The writer does this itself whenever it allocates, and a
+        reader that finds nothing to read does it too; call this after
+        draining a large backlog to return the memory at once.  A fixed spool
+        releases nothing (0).  None: the writer lock stayed busy for
+        ``lock_wait`` seconds.
+        """
+        self.check_open()
+        return self.core.trim(lock_wait)
+
+    def trim_idle(self) -> None:
+        """:meth:`trim` without waiting, if a growable spool holds more than four segments
+        (called by readers about to wait: cheap when there is nothing to give back)."""
+        ctl = self.mapping.ctl
+        seg = ctl[F.W_SEGMENT]
+        if seg and ctl[F.W_ALLOC_HI] - ctl[F.W_ALLOC_LO] > 4 * seg:
+            self.core.trim(0.0)
 
     def sync(self) -> None:
         """``msync`` the whole file: on a disk path, durable once this returns.

@@ -81,6 +81,11 @@ class SpoolStats:
     lock_pid: int
     lock_token: int
     lock_breaks: int
+    #: bytes of the filesystem the file uses now (a growable spool's follow its backlog)
+    allocated: int = 0
+    growable: bool = False
+    #: segments a growable spool has allocated since creation
+    growths: int = 0
     write_rate: tuple = ()
     read_rate: tuple = ()
     readers: tuple = field(default_factory=tuple)

@@ -198,6 +198,12 @@ def _check_control(v, rep) -> bool:
     rep.first_seq, rep.next_seq = fseq, nseq
     hwm = ctl[F.W_SLOT_HWM]
     rep.problems.extend(bad)
+    window = F.check_window(ctl, v.geo["ring_bytes"])
+    rep.problems.extend(f"control words: {w}" for w in window)
+    if ctl[F.W_SEGMENT] and not window:
+        lo, hi = ctl[F.W_ALLOC_LO], ctl[F.W_ALLOC_HI]
+        rep.notes.append(f"growable: ring positions [{lo}, {hi}) allocated in segments of "
+                         f"{ctl[F.W_SEGMENT]} bytes, ceiling {v.geo['ring_bytes']} bytes")
     if hwm > v.geo["slot_count"]:
         rep.problems.append(f"control word SLOT_HWM = {hwm} exceeds the table's "
                             f"{v.geo['slot_count']} slots")

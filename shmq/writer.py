@@ -24,6 +24,7 @@ from ._format import (
     W_HIGH_BYTES, W_HIGH_FRAMES, W_LAST_PUT_NS, W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES, W_RATE,
 )
 from ._lock import holder_pid
+from ._mapping import no_space_to_grow
 from .errors import Full, SpoolFormatError, Timeout, TooLarge
 from .waiting import check_block_timeout, retry_stuck
 
@@ -37,6 +38,7 @@ _MASK64 = (1 << 64) - 1
 _ZEROS = (0,)
 _NO_PIN_MARK = (1 << 64) - 1
 _LOCK_STUCK, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.SLOW, _core.TOO_LARGE
+_NO_SPACE = _core.NO_SPACE
 
 #: What to do about a damaged ring (fsck --repair never rewrites frames, so it cannot fix one).
 RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', "
@@ -115,6 +117,9 @@ class Writer:
         self._crc_flag = FLAG_CRC if checksum else 0
         self.sync = sync
         self.max_payload = min(ring.size - FRAME_BYTES, F.MAX_FRAME_PAYLOAD)
+        #: shmq.Queue's rule: a ring full to its ceiling raises Full at once
+        #: (``multiprocessing.Queue(maxsize=0)`` never blocks a put)
+        self.full_is_ceiling = False
         self._full_marker = None  # room marker of the Python general path
         self._rate_until = 0  # end of the second self._rate_word counts (general path)
         self._rate_word = W_RATE + 1
@@ -160,9 +165,12 @@ class Writer:
             if st == _SLOW:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 return self.append_general(views, left, codec, max_backlog, before_commit)
+            if st == _NO_SPACE:
+                raise self.no_space()
             # _NO_ROOM
-            self._wait_for_room(self._core.full_marker(), deadline, timeout,  # taken under the lock
-                                error=max_backlog is None)
+            marker = self._core.full_marker()  # taken under the lock
+            self._check_ceiling(len(views), max_backlog)
+            self._wait_for_room(marker, deadline, timeout, error=max_backlog is None)
 
     def reserve(self, nbytes, codec, timeout):
         """An open :class:`shmq._core.Reservation` of ``nbytes`` (see :meth:`shmq.Spool.reserve`).
@@ -182,6 +190,8 @@ class Writer:
                               _is_lock_stuck, lambda: self._lock_timeout(timeout, holder=False))
             if type(got) is not int:
                 return got
+            if got == _NO_SPACE:
+                raise self.no_space()
             if got == _SLOW:  # a zero-copy pin is in the way: reclaim dead holders' pins
                 with self._lock:
                     self._pins.floor(1 << 62)
@@ -228,6 +238,27 @@ class Writer:
             raise Full(f"spool {self.path} is still full after {timeout} s")
         self._space_bell.wait(lambda: self.room_marker() != marker,
                               0.1 if poll and left is None else left)
+
+    def no_space(self) -> OSError:
+        """The error for a growable spool whose filesystem has no room for its next segment."""
+        return no_space_to_grow(self.path, self._ring.ctl[F.W_SEGMENT], self._owner.allocated,
+                                self._ring.size)
+
+    def _check_ceiling(self, count, max_backlog):
+        """Raise Full at once if a queue's ring is full to its ceiling (not merely at
+        ``maxsize`` items, which waits): the queue's rule, see :attr:`full_is_ceiling`."""
+        if not self.full_is_ceiling:
+            return
+        if max_backlog is not None:
+            floor_seq = self._slots.floor(F.S_SEQ)
+            if floor_seq is not None and self._ring.ctl[F.W_NEXT_SEQ] - floor_seq + count > max_backlog:
+                return  # maxsize items waiting: block as multiprocessing.Queue does
+        pins = self._pins.floor(None)
+        if pins is not None:
+            return  # a zero-copy view holds the room: it comes back when the view is released
+        raise Full(f"queue {self.path} is full to its ceiling of {self._ring.size} bytes "
+                   "(unconsumed items): consume faster, or create the queue with a larger "
+                   "max_capacity= (the default is half of /dev/shm, at most 4 GiB)")
 
     def _raise_too_large(self, views, max_backlog):
         sizes = [_payload_size(v) for v in views]
@@ -299,6 +330,7 @@ class Writer:
                 if self._data_bell.has_waiters():
                     self._data_bell.ring()
                 return seq
+            self._check_ceiling(len(views), max_backlog)
             self._wait_for_room(self._full_marker, deadline, timeout)
 
     def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None,
@@ -340,6 +372,8 @@ class Writer:
         if end - ctl[W_FIRST_POS] > ring:
             if not self._make_room(end - ring, seq0, placed[0]):
                 return None
+        if self._core.ensure_window(end, seq0, placed[0]) == _NO_SPACE:  # a growable ring's pages
+            raise self.no_space()
         if before_commit is not None:
             before_commit(seq0, placed)
         ts = _time_ns()

@@ -1,0 +1,318 @@
+"""Growable spools and queues: small at first, growing with the backlog, shrinking
+once it is consumed, with readers following exactly (docs/guide.md, "Growable spools").
+
+A growable ring is a sparse file: only the positions in the allocation window
+[W_ALLOC_LO, W_ALLOC_HI) have pages.  What the tests measure is the file's real
+size (``Spool.allocated``, from st_blocks), the frames every kind of reader
+gets, and the errors at the ceiling and on a full filesystem.  The small-tmpfs
+tests run in a private mount namespace with its own 64 MiB /dev/shm (root only).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shmq
+from shmq import _format as F
+from shmq.verify import verify
+
+from conftest import join_all
+
+MiB = 1 << 20
+SEG = 1 * MiB  # the segment of a 1 MiB start
+
+
+def _drain(reader, into):
+    while True:
+        try:
+            f = reader.get(block=False)
+        except shmq.Empty:
+            return
+        into.append(f)
+
+
+def _frame(seq):
+    return seq.to_bytes(8, "little") * 25  # 200 bytes naming their own seq
+
+
+def _check_exact(frames, first, last):
+    seqs = [f.seq for f in frames]
+    assert seqs == list(range(first, last)), (seqs[:3], seqs[-3:], first, last)
+    assert all(f.data == _frame(f.seq) for f in frames)
+
+
+def test_a_growable_spool_starts_with_its_capacity_allocated(make_spool):
+    sp = make_spool(capacity="1MiB", max_capacity="256MiB", on_full="block")
+    assert sp.growable and sp.capacity == 256 * MiB
+    head = sp.ring.base
+    assert sp.allocated <= head + SEG + 64 * 1024
+    assert os.fstat(sp.mapping.fd).st_size == head + 256 * MiB  # sparse: the ceiling's size
+    st = sp.stats()
+    assert st.growable and st.allocated == sp.allocated and st.growths == 0
+    fixed = make_spool(capacity="4MiB", on_full="block")
+    assert not fixed.growable and fixed.allocated >= fixed.ring.base + 4 * MiB
+    assert fixed.trim() == 0
+
+
+def test_max_capacity_below_capacity_is_refused(spool_dir):
+    with pytest.raises(ValueError, match="max_capacity"):
+        shmq.Spool.create(os.path.join(spool_dir, "s"), capacity="2MiB", max_capacity="1MiB")
+    assert os.listdir(spool_dir) == []
+
+
+def test_grows_and_shrinks_back_with_every_kind_of_reader_following(make_spool):
+    """Bursts grow the spool to several segments; once consumed it shrinks back.
+    A named reader, a group and an anonymous reader see every frame, in order."""
+    sp = make_spool(capacity="1MiB", max_capacity="64MiB", on_full="block")
+    named, group = sp.reader("named"), sp.reader("grp", group=True)
+    anon = sp.reader()
+    got = {"named": [], "group": [], "anon": []}
+    seq = 0
+    for burst in (20_000, 60_000, 5_000, 90_000):
+        for _ in range(burst):
+            sp.put(_frame(seq))
+            seq += 1
+        grown = sp.allocated
+        assert grown > (burst * 232) // 2  # the backlog is in the file ...
+        _drain(anon, got["anon"])  # the anonymous reader first: nothing is evicted under it
+        _drain(named, got["named"])
+        _drain(group, got["group"])
+        assert sp.trim(5.0) > 0 or burst * 232 < 4 * SEG
+        assert sp.allocated <= sp.ring.base + 4 * SEG  # ... and gone once consumed
+        assert sp.allocated < grown or burst * 232 < 4 * SEG
+    for frames in got.values():
+        _check_exact(frames, 0, seq)
+    assert named.lost == group.lost == anon.lost == 0
+    st = sp.stats()
+    assert st.growths >= 10 and st.evicted <= seq
+    report = verify(sp.path)
+    assert report.ok, report.problems
+    assert any("growable" in n for n in report.notes)
+
+
+def test_block_policy_never_evicts_what_a_named_reader_has_not_read(make_spool):
+    sp = make_spool(capacity="1MiB", max_capacity="8MiB", on_full="block")
+    slow, fast = sp.reader("slow"), sp.reader("fast")
+    frames = []
+    seq = 0
+    with pytest.raises(shmq.Full):
+        while True:
+            sp.put(_frame(seq), timeout=0)
+            seq += 1
+            if seq % 1000 == 0:
+                _drain(fast, [])
+    assert seq > 8 * MiB // 232 - 100  # it grew to the ceiling before refusing
+    _drain(slow, frames)
+    _check_exact(frames, 0, seq)
+
+
+def test_overwrite_policy_grows_to_the_ceiling_then_counts_loss_exactly(make_spool):
+    sp = make_spool(capacity="256KiB", max_capacity="4MiB", on_full="overwrite")
+    anon, named = sp.reader(), sp.reader("n")
+    n = 60_000  # ~14 MiB: the ring wraps several times
+    for seq in range(n):
+        sp.put(_frame(seq))
+    assert sp.allocated >= 4 * MiB  # overwrite keeps the whole ceiling: anonymous readers may read it
+    for r in (anon, named):
+        frames = []
+        _drain(r, frames)
+        first = frames[0].seq
+        _check_exact(frames, first, n)
+        assert r.lost == first > 0
+
+
+def test_a_pinned_view_survives_growth_and_release(make_spool):
+    """A zero-copy view pins its frame: the segment under it is never released."""
+    sp = make_spool(capacity="256KiB", max_capacity="16MiB", on_full="block")
+    r = sp.reader("r", group=True)
+    sp.put_array(np.full(12_500, 7, dtype=np.int64))  # 100,000 bytes
+    with r.get_array(copy=False) as view:
+        seqs = []
+        for seq in range(40_000):  # grows through many segments while the view is held
+            sp.put(_frame(seq))
+            if seq % 500 == 0:
+                _drain(r, seqs)
+        sp.trim(5.0)
+        arr = view.array
+        assert int(arr.min()) == int(arr.max()) == 7 and len(arr) == 12_500
+        del arr
+    _drain(r, seqs)
+    assert [f.seq for f in seqs] == list(range(1, 40_001))
+    sp.trim(5.0)
+    assert sp.allocated <= sp.ring.base + 8 * (256 << 10)  # released once the view is
+
+
+def test_a_reservation_grows_the_spool(make_spool):
+    sp = make_spool(capacity="256KiB", max_capacity="64MiB", on_full="block")
+    r = sp.reader("r")
+    with sp.reserve(20 * MiB) as buf:
+        buf[:4] = b"head"
+        buf[-4:] = b"tail"
+    assert sp.allocated > 20 * MiB
+    f = r.get()
+    assert f.data[:4] == b"head" and f.data[-4:] == b"tail" and len(f.data) == 20 * MiB
+
+
+def _grow_writer(path, n, ready):
+    sp = shmq.Spool.open(path)
+    ready.wait(30)
+    for seq in range(n):
+        sp.put(_frame(seq), timeout=30)
+    sp.close()
+
+
+def test_a_writer_in_another_process_grows_it_while_readers_follow(spool_path, ctx):
+    sp = shmq.Spool.create(spool_path, capacity="256KiB", max_capacity="32MiB", on_full="block")
+    group = sp.reader("g", group=True)
+    ready = ctx.Event()
+    n = 50_000
+    p = ctx.Process(target=_grow_writer, args=(spool_path, n, ready))
+    p.start()
+    frames = []
+    try:
+        ready.set()
+        while len(frames) < n:
+            if len(frames) < n // 2 and sp.next_seq < n // 2:
+                continue  # let the backlog build first: the spool must grow
+            frames.append(group.get(timeout=30))
+        join_all([p])
+        assert p.exitcode == 0
+        _check_exact(frames, 0, n)
+        assert sp.stats().growths > 0
+    finally:
+        if p.is_alive():
+            p.kill()
+        sp.close()
+
+
+def test_corrupt_window_words_are_a_clear_error(make_spool):
+    sp = make_spool(capacity="256KiB", max_capacity="4MiB", on_full="block")
+    r = sp.reader("r")
+    sp.put(b"ok")
+    ctl = sp.ring.ctl
+    ctl[F.W_ALLOC_HI] = ctl[F.W_ALLOC_HI] + 1  # not whole segments
+    report = verify(sp.path)
+    assert not report.ok and any("allocation window" in p for p in report.problems)
+    with pytest.raises(shmq.SpoolFormatError, match="allocation window"):
+        for _ in range(10_000):
+            sp.put(b"x" * 1000)
+    assert r.get().data == b"ok"  # what was committed stays readable
+
+
+def test_queue_defaults_start_at_one_mib_and_never_block_put(spool_dir):
+    q = shmq.Queue()
+    try:
+        sp = q._spool
+        assert sp.growable and sp.allocated <= sp.ring.base + 1 * MiB + 64 * 1024
+        for i in range(40_000):  # mp.Queue takes all of these before any consumer
+            q.put_nowait(b"k" * 1000)
+        assert sp.allocated > 40 * MiB
+        assert [len(q.get(timeout=5)) for _ in range(40_000)] == [1000] * 40_000
+    finally:
+        q.close()
+
+
+def test_a_queue_full_to_its_ceiling_raises_full_at_once():
+    q = shmq.Queue(max_capacity="2MiB")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(shmq.Full, match=r"ceiling of 2097152 bytes.*max_capacity"):
+            for _ in range(10_000):
+                q.put(b"c" * 1000)  # block=True, timeout=None: never blocks forever
+        assert time.monotonic() - t0 < 30
+        assert q.get(timeout=5) == b"c" * 1000  # nothing lost
+    finally:
+        q.close()
+
+
+def test_a_bounded_queue_still_blocks_at_maxsize():
+    q = shmq.Queue(3)
+    try:
+        for i in range(3):
+            q.put(i)
+        with pytest.raises(shmq.Full, match="still full"):
+            q.put(3, timeout=0.05)
+        assert q.get(timeout=5) == 0
+    finally:
+        q.close()
+
+
+# --- a 64 MiB /dev/shm of our own (Docker's default size) --------------------
+
+
+def _private_tmpfs_available():
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+needs_private_tmpfs = pytest.mark.skipif(not _private_tmpfs_available(),
+                                         reason="needs root and unshare -m for a private tmpfs")
+
+
+def _in_small_shm(script, timeout=240):
+    """Run ``script`` with a private 64 MiB tmpfs on /dev/shm; return its stdout lines."""
+    code = textwrap.dedent(script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, code],
+        capture_output=True, text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.split("\n")
+
+
+@needs_private_tmpfs
+def test_in_a_64_mib_dev_shm_twenty_queues_and_a_100k_backlog():
+    out = _in_small_shm("""
+        import shmq
+        queues = [shmq.Queue() for _ in range(20)]
+        q = queues[0]
+        for i in range(100_000):  # before any consumer starts
+            q.put({"i": i, "pad": b"p" * 150})
+        for i in range(100_000):
+            assert q.get(timeout=10)["i"] == i
+        print("ok", q._spool.allocated)
+        for x in queues:
+            x.close()
+    """)
+    assert out[0].startswith("ok")
+
+
+@needs_private_tmpfs
+def test_in_a_64_mib_dev_shm_the_ceiling_and_a_full_filesystem_are_clear_errors():
+    out = _in_small_shm("""
+        import errno, time, shmq
+        q = shmq.Queue()  # default ceiling: half of 64 MiB
+        assert q._spool.capacity == 32 << 20, q._spool.capacity
+        t0 = time.monotonic()
+        try:
+            while True:
+                q.put(b"c" * 10_000)
+        except shmq.Full as e:
+            assert "ceiling" in str(e) and "max_capacity" in str(e)
+            print("full", round(time.monotonic() - t0, 1))
+        other = shmq.Queue()
+        try:  # the first queue holds ~32 MiB: a second one hits the filesystem's end
+            while True:
+                other.put(b"d" * 10_000)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and "/dev/shm" in str(e) and "64.0 MiB" in str(e), e
+            print("enospc")
+        n = 0
+        while True:  # nothing was lost on either error
+            try:
+                other.get(timeout=0.5)
+            except shmq.Empty:
+                break
+            n += 1
+        print("kept", n)
+        q.close(); other.close()
+    """)
+    assert out[0].startswith("full") and out[1] == "enospc" and int(out[2].split()[1]) > 100
