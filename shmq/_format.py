@@ -25,7 +25,12 @@ import zlib
 from .errors import NotASpool, SpoolFormatError
 
 MAGIC = b"SHMQSPL\x00"
-FORMAT_VERSION = 1
+#: The newest format this shmq reads and writes.  Version 2 is version 1 plus a
+#: growable ring (W_SEGMENT, W_ALLOC_*): growable spools are written as 2 so that
+#: an older shmq, which would write into unallocated pages, refuses them; fixed
+#: spools are still written as 1.
+FORMAT_VERSION = 2
+FIXED_FORMAT_VERSION = 1
 
 # --- header page ----------------------------------------------------------
 
@@ -205,9 +210,10 @@ def ring_geometry(capacity: int, slots: int, leases: int):
 
 
 def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
-                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns,
+                  growable=False) -> bytes:
     body = GEOMETRY.pack(
-        MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
+        MAGIC, FORMAT_VERSION if growable else FIXED_FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
         slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
         POLICIES.index(policy), int(bool(checksum)), 0, 0,
         sem_prefix.encode("ascii"), created_ns, b"", 0,

@@ -255,6 +255,7 @@ def peek(path) -> dict:
     used = max(0, ctl[F.W_NEXT_POS] - ctl[F.W_FIRST_POS])
     return {
         "path": path, "capacity": geo["ring_bytes"], "file_bytes": geo["file_bytes"],
+        "allocated": st.st_blocks * 512, "growable": bool(ctl[F.W_SEGMENT]),
         "on_full": geo["policy"], "checksum": geo["checksum"], "slots": geo["slot_count"],
         "created_ns": geo["created_ns"], "first_seq": first, "next_seq": nxt,
         "frames": max(0, nxt - first), "used_bytes": used,

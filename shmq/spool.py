@@ -105,6 +105,11 @@ class Spool:
         m = self.mapping
         geo = m.geo
         self.path = m.path
+        seg = m.ctl[F.W_SEGMENT]
+        if (seg % F.PAGE or seg > geo["ring_bytes"]  # the core would refuse it less clearly
+                or seg and geo["version"] < F.FORMAT_VERSION):
+            raise SpoolFormatError(f"{m.path}: control word SEGMENT = {seg} is not a whole number "
+                                   f"of pages within the ring; {RING_ADVICE}")
         self._sync = bool(sync)
         self.recovery_timeout = recovery_timeout
         self._policy = geo["policy"]

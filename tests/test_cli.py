@@ -3,6 +3,7 @@
 import fcntl
 import io
 import json
+import re
 import os
 import pickle
 import select
@@ -75,15 +76,34 @@ def test_bad_option_is_a_usage_error(capsys, spool_path):
 # --- create / rm / ls ------------------------------------------------------------------
 
 
+def test_create_growable_and_ls_shows_use_and_ceiling(capsys, spool_dir):
+    path = os.path.join(spool_dir, "grows")
+    code, out, _ = run(capsys, "create", path, "--capacity", "256KiB", "--max-capacity", "64MiB",
+                       "--on-full", "block", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["growable"] and info["capacity"] == 64 << 20
+    assert info["allocated"] < 1 << 20 < info["file_bytes"]
+    with shmq.Spool.open(path) as sp:
+        sp.reader("g", group=True)
+        sp.put_many([b"x" * 1000] * 5000)
+    code, out, _ = run(capsys, "ls", spool_dir)
+    assert code == 0 and re.search(r"grows\s+block\s+[56]\.\d MiB of 64\.\d MiB", out), out
+    code, out, _ = run(capsys, "stat", path)
+    assert code == 0 and "growable:" in out and "segments grown" in out
+
+
 def test_create_with_options(capsys, spool_dir):
     path = os.path.join(spool_dir, "orders")
     code, out, _ = run(capsys, "create", path, "--capacity", "64KiB", "--on-full", "block",
                        "--mode", "0660", "--readers", "8", "--json")
     assert code == 0
     info = json.loads(out)
+    allocated = info.pop("allocated")
     assert info == {"path": path, "capacity": 65536, "on_full": "block", "mode": "0660",
                     "readers": 8, "leases": F.DEFAULT_LEASES, "checksum": False,
-                    "file_bytes": os.path.getsize(path)}
+                    "file_bytes": os.path.getsize(path), "growable": False}
+    assert allocated == os.stat(path).st_blocks * 512 >= os.path.getsize(path)
     assert os.stat(path).st_mode & 0o7777 == 0o660
     with shmq.Spool.open(path) as sp:
         assert sp.on_full == "block" and sp.capacity == 65536
@@ -191,7 +211,7 @@ STAT_FIELDS = {
     "fill", "puts", "put_bytes", "last_put_ns", "gets", "get_bytes", "last_get_ns",
     "avg_delay_ns", "max_delay_ns", "lost", "evicted", "high_water", "low_water",
     "high_water_frames", "high_water_bytes", "lock_pid", "lock_token", "lock_breaks",
-    "write_rate", "read_rate", "readers", "time_ns", "lock_alive", "last_put_age_s",
+    "allocated", "growable", "growths", "write_rate", "read_rate", "readers", "time_ns", "lock_alive", "last_put_age_s",
     "last_get_age_s", "write_rate_per_s", "read_rate_per_s"}
 READER_FIELDS = {"name", "kind", "position", "lag", "lag_bytes", "lost", "gets", "get_bytes",
                  "last_get_ns", "avg_delay_ns", "max_delay_ns", "high_water", "low_water",

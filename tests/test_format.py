@@ -94,26 +94,31 @@ def test_valid_frame_header_keeps_frames_inside_the_ring(length, offset, ring_by
 
 
 def _geometry(capacity=1 << 16, slots=F.DEFAULT_SLOTS, leases=0, policy="overwrite",
-              checksum=False, prefix=PREFIX, created_ns=1):
+              checksum=False, prefix=PREFIX, created_ns=1, growable=False):
     slot_off, lease_off, ring_off, ring_bytes, file_bytes = F.ring_geometry(capacity, slots, leases)
     raw = F.pack_geometry(file_bytes=file_bytes, ring_offset=ring_off, ring_bytes=ring_bytes,
                           slot_offset=slot_off, slot_count=slots, lease_offset=lease_off,
                           lease_count=leases, policy=policy, checksum=checksum,
-                          sem_prefix=prefix, created_ns=created_ns)
+                          sem_prefix=prefix, created_ns=created_ns, growable=growable)
     return raw, file_bytes
 
 
 @settings(max_examples=200)
 @given(st.integers(1, 1 << 34), st.integers(1, F.MAX_SLOTS), st.integers(0, 1 << 16),
-       st.sampled_from(F.POLICIES), st.booleans(), prefixes, st.integers(0, (1 << 64) - 1))
-def test_geometry_round_trip(capacity, slots, leases, policy, checksum, prefix, created_ns):
-    raw, file_bytes = _geometry(capacity, slots, leases, policy, checksum, prefix, created_ns)
+       st.sampled_from(F.POLICIES), st.booleans(), prefixes, st.integers(0, (1 << 64) - 1),
+       st.booleans())
+def test_geometry_round_trip(capacity, slots, leases, policy, checksum, prefix, created_ns,
+                             growable):
+    raw, file_bytes = _geometry(capacity, slots, leases, policy, checksum, prefix, created_ns,
+                                growable)
     assert len(raw) == F.GEOMETRY.size
     g = F.unpack_geometry(raw, file_bytes, "x")
     assert g["file_bytes"] == file_bytes and g["slot_count"] == slots
     assert g["lease_count"] == leases and g["policy"] == policy
     assert g["checksum"] is checksum and g["sem_prefix"] == prefix
-    assert g["created_ns"] == created_ns and g["version"] == F.FORMAT_VERSION
+    assert g["created_ns"] == created_ns
+    # growable rings are version 2 (older shmq refuses them), fixed ones still 1
+    assert g["version"] == (F.FORMAT_VERSION if growable else F.FIXED_FORMAT_VERSION)
     assert g["ring_bytes"] >= max(capacity, F.MIN_RING_BYTES) and g["ring_bytes"] % F.PAGE == 0
     assert g["ring_offset"] % F.PAGE == 0
     assert g["ring_offset"] >= g["lease_offset"] + leases * F.LEASE_BYTES

@@ -316,3 +316,38 @@ def test_in_a_64_mib_dev_shm_the_ceiling_and_a_full_filesystem_are_clear_errors(
         q.close(); other.close()
     """)
     assert out[0].startswith("full") and out[1] == "enospc" and int(out[2].split()[1]) > 100
+
+
+def test_a_growable_spool_on_a_disk_path_spills_and_survives_reopening(tmp_path):
+    """Spill to disk: the same growable ring on a disk filesystem, with sync."""
+    path = str(tmp_path / "spill")
+    sp = shmq.Spool.create(path, capacity="256KiB", max_capacity="256MiB", on_full="block",
+                           sync=True)
+    try:
+        r = sp.reader("c", group=True)
+        sp.put_many([_frame(s) for s in range(20_000)])  # ~4.6 MB: grows on disk
+        assert sp.allocated > 4 * MiB
+        sp.sync()
+        sp.close()
+        with shmq.Spool.open(path) as again:  # durable: everything is there after reopening
+            frames = again.reader("c", group=True).get_many(20_000)
+            _check_exact(frames, 0, 20_000)
+            again.trim(5.0)
+            assert again.allocated < 2 * MiB  # and the disk space came back
+    finally:
+        shmq.Spool.destroy(path)
+
+
+def test_fixed_spools_stay_version_1_and_growable_ones_are_version_2(make_spool):
+    fixed = make_spool(capacity="64KiB")
+    grows = make_spool(capacity="64KiB", max_capacity="1MiB")
+    assert fixed.geometry["version"] == F.FIXED_FORMAT_VERSION == 1
+    assert grows.geometry["version"] == F.FORMAT_VERSION == 2
+
+
+def test_a_version_1_file_with_a_segment_word_is_refused(make_spool):
+    sp = make_spool(capacity="64KiB")
+    path = sp.path
+    sp.ring.ctl[F.W_SEGMENT] = 1 << 16  # only a version-2 (growable) spool may have one
+    with pytest.raises(shmq.SpoolFormatError, match="SEGMENT"):
+        shmq.Spool.open(path)

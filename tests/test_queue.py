@@ -81,7 +81,7 @@ def test_maxsize_counts_items():
 
 
 def test_too_large_at_once():
-    q = shmq.Queue(capacity="64KiB")
+    q = shmq.Queue(capacity="64KiB", max_capacity="64KiB")  # larger than the ceiling
     try:
         t = time.monotonic()
         with pytest.raises(shmq.TooLarge):

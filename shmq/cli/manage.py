@@ -33,12 +33,14 @@ def cmd_create(a) -> int:
     if parent != _mapping.default_dir() and not os.path.isdir(parent):
         raise CliError(f"{parent}: no such directory (create it first)", EXIT_NOT_FOUND)
     sp = Spool.create(a.path, capacity=a.capacity, on_full=a.on_full, mode=a.mode,
-                      readers=a.readers, leases=a.leases, checksum=a.checksum)
+                      readers=a.readers, leases=a.leases, checksum=a.checksum,
+                      max_capacity=a.max_capacity)
     try:
         info = {"path": sp.path, "capacity": sp.capacity, "on_full": sp.on_full,
                 "mode": f"{a.mode:04o}", "readers": sp.geometry["slot_count"],
                 "leases": sp.geometry["lease_count"], "checksum": bool(sp.checksum),
-                "file_bytes": sp.geometry["file_bytes"]}
+                "file_bytes": sp.geometry["file_bytes"], "growable": sp.growable,
+                "allocated": sp.allocated}
     finally:
         sp.close()
     if a.json:
@@ -46,7 +48,9 @@ def cmd_create(a) -> int:
     else:
         print(f"created {info['path']}: {human_bytes(info['capacity'])} ring, "
               f"on_full={info['on_full']}, mode {info['mode']}, {info['readers']} reader slots, "
-              f"CRC {'on' if info['checksum'] else 'off'} (file {human_bytes(info['file_bytes'])})")
+              f"CRC {'on' if info['checksum'] else 'off'} (file {human_bytes(info['file_bytes'])}"
+              + (f", growable: {human_bytes(info['allocated'])} allocated now)"
+                 if info["growable"] else ")"))
     return EXIT_OK
 
 
@@ -187,8 +191,12 @@ def cmd_ls(a) -> int:
         print(f"no {'usable ' if damaged else ''}spools in {directory}", file=sys.stderr)
         return EXIT_OK
     now = time.time_ns()
+    # SIZE is what the file uses (a growable spool's sparse size is its ceiling)
     headers = ["SPOOL", "POLICY", "SIZE", "FILL", "FRAMES", "SEQ RANGE", "PUT/S", "GET/S", "LAST PUT"]
-    body = [[p["name"], p["on_full"], human_bytes(p["file_bytes"]), f"{100 * p['fill']:.1f}%",
+    body = [[p["name"], p["on_full"],
+             human_bytes(p["allocated"]) + (f" of {human_bytes(p['file_bytes'])}"
+                                            if p["growable"] else ""),
+             f"{100 * p['fill']:.1f}%",
              f"{p['frames']:,}",
              f"{p['first_seq']}..{p['next_seq'] - 1}" if p["frames"] else "-",
              human_rate(p["write_rate_per_s"]), human_rate(p["read_rate_per_s"]),
@@ -218,6 +226,9 @@ def register(add):
     p.add_argument("path", metavar="PATH")
     p.add_argument("--capacity", default="64MiB", help="ring size: bytes, or 64KiB/64MiB/1GiB "
                    "(default 64MiB; rounded up to 4 KiB)")
+    p.add_argument("--max-capacity", metavar="SIZE", default=None,
+                   help="make the spool growable: --capacity is allocated at first, and it grows "
+                   "a segment at a time up to SIZE and shrinks as readers consume")
     p.add_argument("--on-full", choices=F.POLICIES, default="overwrite",
                    help="what a put does when the ring is full (default overwrite)")
     p.add_argument("--mode", type=mode_arg, default=0o600, help="file mode, octal (default 0600)")

@@ -54,7 +54,9 @@ def stat_text(st, now_ns=None) -> str:
     lines = [
         f"spool       {st.path}",
         f"policy      {st.on_full}, CRC {'on' if st.checksum else 'off'}, capacity "
-        f"{human_bytes(st.capacity)}",
+        f"{human_bytes(st.capacity)}" + (
+            f" (growable: {human_bytes(st.allocated)} allocated, {st.growths:,} segments grown)"
+            if st.growable else ""),
         f"frames      {st.frames:,} resident: seq {st.first_seq:,} .. {max(st.first_seq, st.next_seq - 1):,}"
         f" (next {st.next_seq:,})",
         f"fill        {human_bytes(st.used_bytes)} ({100 * st.fill:.1f}%); ring high water "
