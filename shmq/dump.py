@@ -279,7 +279,10 @@ def export_spool(path, dest, *, progress=False, progress_stream=None,
             "source": sp.path, "host": socket.gethostname(), "exported_ns": time.time_ns(),
             "geometry": {"capacity": sp.capacity, "on_full": sp.on_full,
                          "checksum": bool(sp.checksum), "readers": sp.geometry["slot_count"],
-                         "leases": sp.geometry["lease_count"], "mode": st.st_mode & 0o7777},
+                         "leases": sp.geometry["lease_count"], "mode": st.st_mode & 0o7777,
+                         # a growable source: imported growable, starting at one segment
+                         **({"capacity": sp.ring.ctl[F.W_SEGMENT], "max_capacity": sp.capacity}
+                            if sp.growable else {})},
             "first_seq": first, "next_seq": stop,
             "readers": [{"name": r.name, "kind": r.kind, "position": r.position, "lost": r.lost}
                         for r in readers],
@@ -396,7 +399,8 @@ def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=Fal
     """Load a dump (file path or "-" for stdin) into spool ``path``.
 
     Without ``append`` a new spool is created with the source's geometry
-    (``capacity``/``on_full``/``mode`` override it; mode defaults to 0600);
+    (``capacity``/``on_full``/``mode`` override it; mode defaults to 0600; a
+    growable source gives a growable spool with the same ceiling);
     with ``append`` the frames go after the existing ones of ``path``.
     Frames get new seqs, in order; codec tags are kept and so are the
     timestamps unless ``keep_timestamps`` is false.  Named readers and
@@ -426,8 +430,11 @@ def import_dump(src, path, *, capacity=None, on_full=None, mode=None, append=Fal
         # (a damaged dump, no room, Ctrl-C) leaves nothing at ``path``.
         tmp = os.path.join(os.path.dirname(path),
                            f".{os.path.basename(path)}.{os.getpid()}.importing")
+        ceiling = geo.get("max_capacity")
+        if ceiling is not None and capacity is not None:
+            ceiling = max(F.parse_size(capacity), int(ceiling))
         sp = Spool.create(
-                tmp, capacity=capacity or geo.get("capacity", "64MiB"),
+                tmp, capacity=capacity or geo.get("capacity", "64MiB"), max_capacity=ceiling,
                 on_full=on_full or geo.get("on_full", "overwrite"),
                 mode=0o600 if mode is None else mode,
                 readers=max(int(geo.get("readers", F.DEFAULT_SLOTS)), len(wanted), 1),

@@ -317,3 +317,21 @@ def test_export_counts_frames_evicted_before_its_reader_exists(make_spool, spool
                 next(gen)
         except StopIteration as stop:
             assert stop.value[2] == summary["lost"]  # the trailer says the same
+
+
+def test_a_growable_spool_round_trips_as_growable(make_spool, spool_dir):
+    src = make_spool(capacity="64KiB", max_capacity="64MiB", on_full="block", name="grows")
+    g = src.reader("g", group=True)
+    src.put_many([bytes([i % 251]) * 3000 for i in range(3000)])  # ~9 MB: it grew
+    g.get_many(1000)
+    g.close()
+    dest = os.path.join(spool_dir, "grows.shmqdump")
+    D.export_spool(src.path, dest)
+    target = os.path.join(spool_dir, "copy")
+    D.import_dump(dest, target)
+    with shmq.Spool.open(target) as sp:
+        assert sp.growable and sp.capacity == src.capacity  # the same ceiling
+        assert _records(sp) == _records(src)
+        assert sp.allocated < src.capacity // 4  # not the ceiling's worth of /dev/shm
+        assert {r.name: r.position for r in sp.readers()} == {"g": 1000}
+    shmq.Spool.destroy(target)
