@@ -156,6 +156,9 @@ typedef struct {
     uint64_t ring_bytes;
     uint64_t ring_offset; /* file offset of the ring (for fallocate) */
     uint64_t segment;     /* growable spools: W_SEGMENT, read once at open (0: fixed) */
+    int fd_owned;         /* fd is our own duplicate of the mapping's descriptor */
+    int busy;             /* threads inside a GIL-released section of this handle */
+    int closing;          /* close() came while busy: the last one out releases */
     uint64_t slot_count;
     uint64_t max_payload;
     int policy; /* 0 overwrite, 1 block, 2 error */
@@ -172,6 +175,30 @@ typedef struct {
     int fast_put;    /* 0: put_api always takes the slow path (sync=True) */
     PyObject *path;
 } Ring;
+
+static void ring_release(Ring *r);
+static int *ring_busy(PyObject *ring) { return &((Ring *)ring)->busy; }
+
+/* A close() that came while another thread was inside a GIL-released section
+ * (busy) was deferred: the last one out finishes it. */
+static void ring_finish(Ring *r) {
+    if (r->closing && !r->busy) {
+        r->closing = 0;
+        ring_release(r);
+    }
+}
+
+/* After a GIL-released wait on `s`: if the handle was closed meanwhile, give
+ * back what we took (`held`: the semaphore was acquired), finish the deferred
+ * close and raise.  1: closed (exception set); 0: carry on. */
+static int ring_closed_meanwhile(PyObject *ring, int held, sem_t *s) {
+    Ring *r = (Ring *)ring;
+    if (!r->closing) return 0;
+    if (held) sem_post(s);
+    ring_finish(r);
+    PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+    return 1;
+}
 
 typedef struct Reservation_ {
     PyObject_HEAD
@@ -207,10 +234,20 @@ static inline int header_sane(const FrameHeader *h, uint64_t off, uint64_t ring)
            off + h->stored <= ring;
 }
 
+struct Ring_;
+static int ring_closed_meanwhile(PyObject *self_ring, int held, sem_t *s);
+
 /* Wait for a POSIX semaphore for at most wait_s seconds, GIL released while
  * waiting.  0: acquired; 1: not within wait_s; -1: exception set (a signal
- * handler raised: nothing is held at that point). */
-static int sem_lock(sem_t *s, double wait_s) {
+ * handler raised: nothing is held at that point).  `ring` (a Ring, or NULL)
+ * is marked busy while the GIL is released, so that another thread closing
+ * it meanwhile defers the release and this call fails cleanly instead of
+ * touching an unmapped file. */
+static int sem_lock_on(sem_t *s, double wait_s, PyObject *ring);
+static int sem_lock(sem_t *s, double wait_s) { return sem_lock_on(s, wait_s, NULL); }
+static int *ring_busy(PyObject *ring);
+
+static int sem_lock_on(sem_t *s, double wait_s, PyObject *ring) {
     if (sem_trywait(s) == 0) return 0;
     if (errno != EAGAIN && errno != EINTR) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -228,10 +265,13 @@ static int sem_lock(sem_t *s, double wait_s) {
     }
     for (;;) {
         int rc, err;
+        if (ring) ++*ring_busy(ring);
         Py_BEGIN_ALLOW_THREADS
         rc = sem_clockwait(s, CLOCK_MONOTONIC, &dl);
         err = errno;
         Py_END_ALLOW_THREADS
+        if (ring) --*ring_busy(ring);
+        if (ring && ring_closed_meanwhile(ring, rc == 0, s)) return -1;
         if (rc == 0) return 0;
         if (err == ETIMEDOUT) return 1;
         if (err == EINTR) {
@@ -413,10 +453,13 @@ static int span_alloc(Ring *r, uint64_t a, uint64_t b, int punch) {
         if (len > ring - off) len = ring - off;
         int rc, err = 0;
         int mode = punch ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE : 0;
+        r->busy++; /* a close() meanwhile is deferred: our fd and mapping stay valid */
         Py_BEGIN_ALLOW_THREADS
         rc = fallocate(r->fd, mode, (off_t)(r->ring_offset + off), (off_t)len);
         if (rc < 0) err = errno;
         Py_END_ALLOW_THREADS
+        r->busy--;
+        if (r->closing) return ECANCELED;
         if (rc < 0) return err;
         a += len;
     }
@@ -443,6 +486,10 @@ static int release_window(Ring *r, uint64_t next_seq, uint64_t batch_pos, uint64
     if (from < keep) {
         if (call_crash_hook("releasing") < 0) return -100;
         int err = span_alloc(r, from, keep, 1);
+        if (err == ECANCELED) {
+            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+            return -100;
+        }
         if (err && err != EOPNOTSUPP) {
             errno = err;
             PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
@@ -480,6 +527,10 @@ static int ensure_window(Ring *r, uint64_t end, uint64_t next_seq, uint64_t batc
         uint64_t to = want - lo > ring ? lo + ring : want;
         if (call_crash_hook("allocating") < 0) return -100;
         int err = span_alloc(r, hi, to, 0);
+        if (err == ECANCELED) {
+            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+            return -100;
+        }
         if (err == ENOSPC || err == EFBIG || err == EDQUOT) return ST_NO_SPACE;
         if (err && err != EOPNOTSUPP) { /* no fallocate here: pages come on first touch, as on a sparse file */
             errno = err;
@@ -700,7 +751,7 @@ static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int
         res = ST_TOO_LARGE;
         goto out;
     }
-    int lk = sem_lock(r->wsem, lock_wait);
+    int lk = sem_lock_on(r->wsem, lock_wait, (PyObject *)r);
     if (lk != 0) {
         res = lk > 0 ? ST_LOCK_STUCK : -100;
         goto out;
@@ -709,6 +760,7 @@ static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int
     res = write_locked(r, items, count, needs, total, codec, max_backlog, placed);
     wlock_release(r);
     if (res >= 0) ring_bell(r, r->rsem);
+    ring_finish(r);
 out:
     if (needs != stack_needs) PyMem_Free(needs);
     return res;
@@ -866,7 +918,7 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
     }
     if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);
     uint64_t need = FRAME_BYTES + ((nbytes + 7) & ~(uint64_t)7);
-    int lk = sem_lock(r->wsem, wait);
+    int lk = sem_lock_on(r->wsem, wait, (PyObject *)r);
     if (lk < 0) return NULL;
     if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
@@ -895,6 +947,7 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
         int st = ensure_window(r, end, seq, pos);
         if (st != 0) {
             wlock_release(r);
+            ring_finish(r);
             if (st == -100) return NULL;
             return PyLong_FromLong(st);
         }
@@ -1326,7 +1379,7 @@ static PyObject *Ring_latest(Ring *r, PyObject *args) {
     double wait = r->lock_wait;
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    int lk = sem_lock(r->wsem, wait);
+    int lk = sem_lock_on(r->wsem, wait, (PyObject *)r);
     if (lk < 0) return NULL;
     if (lk > 0) Py_RETURN_NONE;
     uint64_t s = ld_rlx(&r->ctl[W_NEXT_SEQ]), p = ld_rlx(&r->ctl[W_NEXT_POS]);
@@ -1348,7 +1401,13 @@ static PyObject *Ring_ring_data(Ring *r, PyObject *unused) {
 
 static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     unsigned long long holder;
-    if (!PyArg_ParseTuple(args, "iK", &r->fd, &holder)) return NULL;
+    int fd;
+    if (!PyArg_ParseTuple(args, "iK", &fd, &holder)) return NULL;
+    int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (mine < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    if (r->fd_owned) close(r->fd);
+    r->fd = mine;
+    r->fd_owned = 1;
     r->holder = holder;
     Py_RETURN_NONE;
 }
@@ -1360,6 +1419,7 @@ static PyObject *Ring_ensure_window(Ring *r, PyObject *args) {
     if (ring_check_open(r) < 0) return NULL;
     if (!r->segment || end <= ld_rlx(&r->ctl[W_ALLOC_HI])) return PyLong_FromLong(0);
     int st = ensure_window(r, end, next_seq, batch_pos);
+    ring_finish(r); /* the caller's lock is its own semaphore handle: nothing of ours is held */
     if (st == -100) return NULL;
     return PyLong_FromLong(st);
 }
@@ -1372,7 +1432,7 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
     if (!r->segment) return PyLong_FromLong(0);
-    int lk = sem_lock(r->wsem, wait);
+    int lk = sem_lock_on(r->wsem, wait, (PyObject *)r);
     if (lk < 0) return NULL;
     if (lk > 0) Py_RETURN_NONE;
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
@@ -1381,7 +1441,11 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
     if (hi >= lo && lo % r->segment == 0 && hi % r->segment == 0)
         rc = release_window(r, ld_rlx(&c[W_NEXT_SEQ]), ld_rlx(&c[W_NEXT_POS]), &lo, hi);
     wlock_release(r);
-    if (rc < 0) return NULL;
+    if (rc < 0) {
+        ring_finish(r);
+        return NULL;
+    }
+    if (!r->have_buf) return PyLong_FromLong(0);
     ring_bell(r, r->fsem);
     return PyLong_FromUnsignedLongLong(lo - before);
 }
@@ -1391,6 +1455,15 @@ static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
 }
 
 static void ring_release(Ring *r) {
+    if (r->busy) { /* another thread is in fallocate or a lock wait on this handle */
+        r->closing = 1;
+        return;
+    }
+    if (r->fd_owned) {
+        close(r->fd); /* our own duplicate: never reused under a concurrent fallocate */
+        r->fd_owned = 0;
+        r->fd = -1;
+    }
     if (r->reserved_by) { /* closing with a reservation open: abandon it (release the lock) */
         r->reserved_by->open = 0;
         if (r->have_buf && r->wsem) wlock_release(r);
@@ -1457,7 +1530,13 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
     if (r->max_payload > 0xFFFFFFFFull - FRAME_BYTES - ALIGN) r->max_payload = 0xFFFFFFFFull - FRAME_BYTES - ALIGN;
     r->policy = policy;
     r->checksum = checksum;
-    r->fd = fd;
+    r->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (r->fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        ring_release(r);
+        return -1;
+    }
+    r->fd_owned = 1;
     r->holder = holder;
     r->lock_wait = lock_wait;
     r->rate_until = 0;

@@ -351,3 +351,80 @@ def test_a_version_1_file_with_a_segment_word_is_refused(make_spool):
     sp.ring.ctl[F.W_SEGMENT] = 1 << 16  # only a version-2 (growable) spool may have one
     with pytest.raises(shmq.SpoolFormatError, match="SEGMENT"):
         shmq.Spool.open(path)
+
+
+def _wchan(tid):
+    try:
+        with open(f"/proc/self/task/{tid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_closing_a_handle_while_another_thread_waits_in_it_fails_that_thread_cleanly(make_spool):
+    """close() from one thread while another is inside the core with the GIL released
+    (waiting for the writer lock, or allocating a segment) is deferred: the waiter
+    gets ValueError, the lock is not left held, nothing touches an unmapped file."""
+    import threading
+
+    owner = make_spool(capacity="64KiB", max_capacity="64MiB", on_full="block", name="shared")
+    other = shmq.Spool.open(owner.path)
+    result = {}
+    rv = owner.reserve(16)  # holds the writer lock
+    rv.__enter__()[:] = b"r" * 16
+
+    def put():
+        try:
+            result["seq"] = other.put(b"x" * 100, timeout=10)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    t = threading.Thread(target=put)
+    t.start()
+    deadline = time.monotonic() + 10
+    while "futex" not in _wchan(t.native_id) and time.monotonic() < deadline:
+        time.sleep(0.001)  # poll until the thread sleeps in sem_clockwait (no fixed delay)
+    other.close()  # while it waits, GIL released, for the lock we hold
+    rv.__exit__(None, None, None)  # commit: the waiter wakes up on a closed handle
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(result.get("error"), ValueError), result
+    t0 = time.monotonic()
+    assert owner.put(b"after", timeout=5) == 1  # the lock was given back, not left held
+    assert time.monotonic() - t0 < 1
+    assert verify(owner.path).ok
+
+
+def test_closing_a_handle_during_segment_allocation_never_crashes(spool_dir):
+    """Many rounds of a thread writing 1 MiB frames into a growable spool (each
+    allocating a segment with the GIL released) while the main thread closes the
+    handle: every put either succeeds or raises ValueError; the process survives."""
+    script = textwrap.dedent(f"""
+        import os, threading, shmq
+        path = os.path.join({spool_dir!r}, "race")
+        outcomes = set()
+        for i in range(150):
+            sp = shmq.Spool.create(path, capacity="64KiB", max_capacity="64MiB",
+                                   on_full="overwrite")
+            started = threading.Event()
+            def writer():
+                started.set()
+                try:
+                    for _ in range(40):
+                        sp.put(b"w" * (1 << 20))
+                    outcomes.add("done")
+                except ValueError as e:
+                    outcomes.add("closed")
+            t = threading.Thread(target=writer)
+            t.start()
+            started.wait(10)
+            sp.close()
+            t.join(30)
+            assert not t.is_alive()
+            shmq.Spool.destroy(path)
+        print(sorted(outcomes))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert res.returncode == 0, res.stdout + res.stderr  # a crash would be a signal here
+    assert "closed" in res.stdout, res.stdout
