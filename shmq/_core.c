@@ -1612,7 +1612,42 @@ typedef struct {
     PyObject *owner;  /* weak reference to the reader whose _get_slow completes get_api */
     PyObject *qowner; /* weak reference to the shmq.Queue whose _get_slow completes get_obj_api */
     uint64_t released; /* ring position up to which this cursor has released its pages */
+    int busy;          /* threads waiting for the group lock with the GIL released */
 } Cursor;
+
+/* Close the group semaphore once no thread waits on it any more. */
+static void cursor_finish(Cursor *c) {
+    if (c->closed_msg && !c->busy && c->gsem) {
+        sem_close(c->gsem);
+        c->gsem = NULL;
+    }
+}
+
+/* Take the group lock like sem_lock; a close() of the reader or of its spool by
+ * another thread meanwhile is deferred until we are out, then we give the lock
+ * back and raise ValueError: nothing is touched after the handle is gone. */
+static int group_lock(Cursor *c, double wait) {
+    Ring *r = c->ring;
+    c->busy++;
+    r->busy++;
+    int lk = sem_lock(c->gsem, wait);
+    c->busy--;
+    r->busy--;
+    if (c->closed_msg || r->closing) {
+        if (lk == 0) sem_post(c->gsem);
+        int closed_reader = c->closed_msg != NULL;
+        cursor_finish(c);
+        ring_finish(r);
+        if (lk >= 0) {
+            if (closed_reader)
+                PyErr_SetObject(PyExc_ValueError, c->closed_msg);
+            else
+                PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+        }
+        return -1;
+    }
+    return lk;
+}
 
 /* ---- releasing pages behind a reader ----
  * Every tmpfs page a reader touched would stay mapped: reading 1 GiB through a
@@ -1760,7 +1795,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
 /* Take up to max frames from the group's shared cursor under its lock. */
 static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait) {
     Ring *r = c->ring;
-    int lk = sem_lock(c->gsem, lock_wait);
+    int lk = group_lock(c, lock_wait);
     if (lk < 0) return NULL;
     if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
     uint64_t *s = cur_slot(c);
@@ -1945,7 +1980,7 @@ static PyObject *Cursor_flush(Cursor *c, PyObject *args) {
     if (c->closed_msg || !c->ring->have_buf || c->slot < 0) Py_RETURN_TRUE;
     if (c->kind == K_GROUP) {
         if (!c->n) Py_RETURN_TRUE;
-        int lk = sem_lock(c->gsem, wait);
+        int lk = group_lock(c, wait);
         if (lk < 0) return NULL;
         if (lk > 0) Py_RETURN_FALSE;
         flush_locked(c);
@@ -1967,10 +2002,7 @@ static PyObject *Cursor_close(Cursor *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|U", &msg)) return NULL;
     if (!c->closed_msg) {
         c->closed_msg = msg ? Py_NewRef(msg) : PyUnicode_FromString("reader is closed");
-        if (c->gsem) {
-            sem_close(c->gsem);
-            c->gsem = NULL;
-        }
+        cursor_finish(c); /* now, or when the last thread waiting on the group lock is out */
     }
     Py_RETURN_NONE;
 }

@@ -428,3 +428,39 @@ def test_closing_a_handle_during_segment_allocation_never_crashes(spool_dir):
                          timeout=240, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert res.returncode == 0, res.stdout + res.stderr  # a crash would be a signal here
     assert "closed" in res.stdout, res.stdout
+
+
+def test_closing_the_spool_while_a_thread_waits_for_its_group_lock(make_spool):
+    import threading
+
+    import posix_ipc
+
+    from shmq._mapping import group_sem_name
+
+    sp = make_spool(capacity="64KiB", on_full="block", name="grouped")
+    r = sp.reader("g", group=True)
+    sp.put(b"one")
+    slot = next(x.slot for x in sp.readers() if x.name == "g")
+    held = posix_ipc.Semaphore(group_sem_name(sp.sem_prefix, slot))
+    held.acquire()  # as if another member were inside a take
+    result = {}
+
+    def take():
+        try:
+            result["frame"] = r.get(timeout=10)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = e
+
+    t = threading.Thread(target=take)
+    t.start()
+    deadline = time.monotonic() + 10
+    while "futex" not in _wchan(t.native_id) and time.monotonic() < deadline:
+        time.sleep(0.001)  # poll until it sleeps on the group lock (no fixed delay)
+    sp.close()  # closes the reader and the handle while the thread waits
+    held.release()
+    held.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(result.get("error"), ValueError), result
+    with shmq.Spool.open(sp.path) as again:  # the group lock was given back
+        assert again.reader("g", group=True).get(timeout=5).data == b"one"
