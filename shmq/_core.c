@@ -40,6 +40,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it (EINVAL): only a missed optimization */
+#endif
+
 /* ---- layout: mirrors shmq/_format.py (checked at import, see LAYOUT) ---- */
 #define HEADER_BYTES 4096
 #define FRAME_BYTES 32
@@ -457,6 +461,9 @@ static int span_alloc(Ring *r, uint64_t a, uint64_t b, int punch) {
         Py_BEGIN_ALLOW_THREADS
         rc = fallocate(r->fd, mode, (off_t)(r->ring_offset + off), (off_t)len);
         if (rc < 0) err = errno;
+        /* Map the new pages into our page table in one call (the writer is about to
+         * touch every one of them): one fault per page would cost more than the copy. */
+        else if (!punch) (void)madvise(r->ring + off, (size_t)len, MADV_POPULATE_WRITE);
         Py_END_ALLOW_THREADS
         r->busy--;
         if (r->closing) return ECANCELED;
