@@ -52,8 +52,8 @@
 #define W_NEXT_POS 17
 #define W_FIRST_SEQ 18
 #define W_FIRST_POS 19
-#define W_ALLOC_LO 20 /* growable spools: positions whose pages are allocated, [LO, HI) */
-#define W_ALLOC_HI 21
+#define W_ALLOC_MIN 20 /* growable rings: the writer wraps early only past this offset */
+#define W_ALLOC 21     /* growable rings: offsets at or above it have no pages */
 #define W_LOCK_HOLDER 22
 #define W_PUT_BYTES 26
 #define W_LAST_PUT_NS 27
@@ -63,6 +63,8 @@
 #define W_SLOT_HWM 31
 #define W_SEGMENT 34  /* growable spools: bytes allocated / released at a time (0: fixed) */
 #define W_GROWTHS 35  /* segments allocated since creation */
+#define W_HOLE_LO 36  /* growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may have no pages (trim) */
+#define W_HOLE_HI 37
 #define W_RATE 64
 #define RATE_SECONDS 60
 #define RATE_WORDS 3
@@ -446,108 +448,160 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
     return 0;
 }
 
-/* fallocate the pages of ring positions [a, b) (b - a <= ring), or punch
- * them out; the GIL is released for the syscall (zeroing a segment's pages
- * takes a while) but the writer lock stays ours: no Python code runs in
- * this thread meanwhile, so a signal handler still cannot see it held. */
-static int span_alloc(Ring *r, uint64_t a, uint64_t b, int punch) {
-    uint64_t ring = r->ring_bytes;
-    while (a < b) {
-        uint64_t off = a % ring, len = b - a;
-        if (len > ring - off) len = ring - off;
-        int rc, err = 0;
-        int mode = punch ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE : 0;
-        r->busy++; /* a close() meanwhile is deferred: our fd and mapping stay valid */
-        Py_BEGIN_ALLOW_THREADS
-        rc = fallocate(r->fd, mode, (off_t)(r->ring_offset + off), (off_t)len);
-        if (rc < 0) err = errno;
-        /* Map the new pages into our page table in one call (the writer is about to
-         * touch every one of them): one fault per page would cost more than the copy. */
-        else if (!punch) (void)madvise(r->ring + off, (size_t)len, MADV_POPULATE_WRITE);
-        Py_END_ALLOW_THREADS
-        r->busy--;
-        if (r->closing) return ECANCELED;
-        if (rc < 0) return err;
-        a += len;
-    }
-    return 0;
+/* ---- growable rings: the hot zone ----
+ *
+ * A growable ring (W_SEGMENT != 0) is a sparse file.  The writer allocates
+ * (fallocate) each segment of ring offsets before it writes in it, and pages
+ * go back (PUNCH_HOLE) only where nothing resident lives:
+ *  - the writer wraps early, back to offset 0, once it is past W_ALLOC_MIN and
+ *    every named reader and group has consumed everything: no older frame can
+ *    then be in its way on the next lap (so it never blocks before the
+ *    ceiling), the pages above the wrap point go, and the next laps reuse the
+ *    same pages, already mapped everywhere: the hot zone;
+ *  - while consumers lag, it keeps climbing into fresh segments, up to the
+ *    ring's end (the ceiling);
+ *  - Spool.trim() (and a reader about to wait) punches all but the writer's
+ *    current segment once nothing is resident.
+ * Offsets below W_ALLOC and outside [W_HOLE_LO, W_HOLE_HI) have pages: W_ALLOC
+ * is raised after allocating and lowered (or the hole widened) before
+ * punching.  A full filesystem gives ST_NO_SPACE before anything is evicted
+ * or written, and records nothing: never SIGBUS. */
+
+static int zone_syscall(Ring *r, uint64_t a, uint64_t b, int punch) {
+    int rc, err = 0;
+    int mode = punch ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE : 0;
+    r->busy++; /* a close() meanwhile is deferred: our fd and mapping stay valid */
+    Py_BEGIN_ALLOW_THREADS
+    rc = fallocate(r->fd, mode, (off_t)(r->ring_offset + a), (off_t)(b - a));
+    if (rc < 0) err = errno;
+    /* Map the pages into our page table in one call (the writer is about to
+     * touch them): one fault per page would cost more than the copy. */
+    else if (!punch) (void)madvise(r->ring + a, (size_t)(b - a), MADV_POPULATE_WRITE);
+    Py_END_ALLOW_THREADS
+    r->busy--;
+    if (r->closing) return ECANCELED;
+    return rc < 0 ? err : 0;
 }
 
-/* Evict what every named reader and group has consumed (block/error policy)
- * and punch out the segments behind the oldest frame, keeping one segment
- * of slack for a lock-free reader still copying an evicted frame (writer
- * lock held).  Updates *lo; 0, or -100 with an exception set. */
-static int release_window(Ring *r, uint64_t next_seq, uint64_t batch_pos, uint64_t *lo, uint64_t hi) {
-    uint64_t *c = r->ctl, seg = r->segment, ring = r->ring_bytes;
-    if (r->policy != 0) { /* consumed frames first: their segments can go */
-        int st = make_room(r, ld_rlx(&c[W_FIRST_POS]), next_seq, batch_pos);
-        if (st == -100) return -100; /* else: a pin or a lagging cursor keeps them, fine */
-    }
-    uint64_t first = ld_rlx(&c[W_FIRST_POS]);
-    uint64_t keep = first / seg * seg;
-    keep = keep >= seg ? keep - seg : 0;
-    if (keep <= *lo) return 0;
-    if (keep > hi) keep = hi;
-    /* Positions at or past hi - ring share pages with the window's head: keep those. */
-    uint64_t from = hi > ring && hi - ring > *lo ? hi - ring : *lo;
-    if (from < keep) {
-        if (call_crash_hook("releasing") < 0) return -100;
-        int err = span_alloc(r, from, keep, 1);
-        if (err == ECANCELED) {
-            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
-            return -100;
-        }
-        if (err && err != EOPNOTSUPP) {
-            errno = err;
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
-            return -100;
-        }
-    }
-    *lo = keep;
-    st_rlx(&c[W_ALLOC_LO], keep);
-    return 0;
-}
-
-/* Growable spools (W_SEGMENT != 0): the ring is a sparse file whose pages
- * exist only for positions [W_ALLOC_LO, W_ALLOC_HI).  Before the writer puts
- * bytes up to `end` (writer lock held), make sure they are allocated: first
- * evict what every named reader and group has consumed (block/error
- * policy) and punch out the segments behind the oldest frame, keeping one
- * segment of slack for a lock-free reader still copying an evicted frame;
- * then allocate whole segments up to one segment past `end`.  A full
- * filesystem gives ST_NO_SPACE before any byte is written: never SIGBUS.
- * Both steps are crash-safe: only pages nobody may read are punched, the
- * window words are stored after the syscall that makes them true.  Returns 0,
- * ST_NO_SPACE, or -100 with an exception set. */
-static int ensure_window(Ring *r, uint64_t end, uint64_t next_seq, uint64_t batch_pos) {
-    uint64_t *c = r->ctl, seg = r->segment, ring = r->ring_bytes;
-    uint64_t lo = ld_rlx(&c[W_ALLOC_LO]), hi = ld_rlx(&c[W_ALLOC_HI]);
-    if (end <= hi) return 0;
-    if (hi < lo || hi > MAX_COUNTER || lo % seg || hi % seg) {
-        corrupt(r, "allocation window [%llu, %llu) is not whole segments of %llu bytes; " RING_ADVICE,
-                (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)seg);
+static int zone_status(Ring *r, int err) {
+    if (!err || err == EOPNOTSUPP) return 0; /* no fallocate here: pages come on first touch */
+    if (err == ECANCELED) {
+        PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
         return -100;
     }
-    if (release_window(r, next_seq, batch_pos, &lo, hi) < 0) return -100;
-    uint64_t want = (end + seg - 1) / seg * seg + seg;
-    if (hi - lo < ring) { /* else every page is already allocated */
-        uint64_t to = want - lo > ring ? lo + ring : want;
-        if (call_crash_hook("allocating") < 0) return -100;
-        int err = span_alloc(r, hi, to, 0);
-        if (err == ECANCELED) {
-            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
-            return -100;
-        }
-        if (err == ENOSPC || err == EFBIG || err == EDQUOT) return ST_NO_SPACE;
-        if (err && err != EOPNOTSUPP) { /* no fallocate here: pages come on first touch, as on a sparse file */
-            errno = err;
-            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
-            return -100;
+    if (err == ENOSPC || err == EFBIG || err == EDQUOT) return ST_NO_SPACE;
+    errno = err;
+    PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, r->path);
+    return -100;
+}
+
+/* Allocate the segments holding ring offsets [a, b) (writer lock held). */
+static int zone_alloc(Ring *r, uint64_t a, uint64_t b) {
+    uint64_t seg = r->segment, ring = r->ring_bytes, *c = r->ctl;
+    a = a / seg * seg;
+    b = (b + seg - 1) / seg * seg;
+    if (b > ring) b = ring;
+    if (a >= b) return 0;
+    uint64_t z = ld_rlx(&c[W_ALLOC]);
+    if (call_crash_hook("allocating") < 0) return -100;
+    int st = zone_status(r, zone_syscall(r, a, b, 0));
+    if (st) return st; /* (nothing recorded: a retry allocates again) */
+    /* Recorded once the pages exist: a writer killed in between leaves pages above
+     * W_ALLOC, which the next trim (it punches to the ring's end) gives back. */
+    if (b > z) {
+        st_rlx(&c[W_ALLOC], b);
+        st_rlx(&c[W_GROWTHS], ld_rlx(&c[W_GROWTHS]) + (b - z + seg - 1) / seg);
+    }
+    uint64_t hl = ld_rlx(&c[W_HOLE_LO]), hh = ld_rlx(&c[W_HOLE_HI]); /* the hole shrinks: after */
+    if (a <= hl && b > hl) st_rlx(&c[W_HOLE_LO], b < hh ? b : hh);
+    else if (a < hh && b >= hh) st_rlx(&c[W_HOLE_HI], a > hl ? a : hl);
+    return 0;
+}
+
+/* Punch out the whole segments within ring offsets [a, b), where nothing is
+ * resident (writer lock held).  A lock-free reader still copying a frame
+ * evicted there reads zeros (and fails its seqlock check) or faults one page
+ * back in, released by the next punch. */
+static int zone_punch(Ring *r, uint64_t a, uint64_t b) {
+    uint64_t seg = r->segment, ring = r->ring_bytes, *c = r->ctl;
+    a = (a + seg - 1) / seg * seg;
+    b = b >= ring ? ring : b / seg * seg;
+    if (a >= b) return 0;
+    uint64_t z = ld_rlx(&c[W_ALLOC]);
+    if (b >= z) {
+        if (a < z) st_rlx(&c[W_ALLOC], a);
+    } else { /* a hole below the zone's top (trim): the hole words cover it first */
+        uint64_t hl = ld_rlx(&c[W_HOLE_LO]), hh = ld_rlx(&c[W_HOLE_HI]);
+        if (hl >= hh) hl = a, hh = b;
+        st_rlx(&c[W_HOLE_LO], a < hl ? a : hl);
+        st_rlx(&c[W_HOLE_HI], b > hh ? b : hh);
+    }
+    if (call_crash_hook("releasing") < 0) return -100;
+    int st = zone_status(r, zone_syscall(r, a, b, 1));
+    return st == ST_NO_SPACE ? 0 : st;
+}
+
+/* A growable ring, after the normal placement of a batch starting at `start`
+ * (writer lock held): wrap early if everything is consumed, then allocate the
+ * segments the batch enters.  May rewrite the placement.  0, ST_NO_SPACE or
+ * -100 (exception set); nothing is evicted unless it returns 0. */
+static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t *needs, uint64_t total,
+                      uint64_t *placed, int *npads, uint64_t *pads_off, uint64_t *pads_gap, Py_ssize_t *pads_k,
+                      uint64_t *end, uint64_t next_seq) {
+    uint64_t ring = r->ring_bytes, seg = r->segment, n_off = start % ring, lap = start - n_off;
+    uint64_t top = n_off, low = 0; /* offsets touched: [n_off, top) this lap, [0, low) the next */
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (placed[k] < lap + ring) {
+            if (placed[k] - lap + needs[k] > top) top = placed[k] - lap + needs[k];
+        } else if (placed[k] - lap - ring + needs[k] > low) {
+            low = placed[k] - lap - ring + needs[k];
         }
     }
-    st_rlx(&c[W_ALLOC_HI], want);
-    st_rlx(&c[W_GROWTHS], ld_rlx(&c[W_GROWTHS]) + (want - hi) / seg);
-    return 0;
+    for (int p = 0; p < *npads; p++) {
+        if (p == 0 && pads_off[p] >= n_off) {
+            if (pads_off[p] + FRAME_BYTES > top) top = pads_off[p] + FRAME_BYTES;
+        } else if (pads_off[p] + FRAME_BYTES > low) {
+            low = pads_off[p] + FRAME_BYTES;
+        }
+    }
+    uint64_t *c = r->ctl, z = ld_rlx(&c[W_ALLOC]), hl = ld_rlx(&c[W_HOLE_LO]), hh = ld_rlx(&c[W_HOLE_HI]);
+    /* Offsets below W_ALLOC and outside the hole have pages. */
+    int need = top > z || low > z || (hl < hh && ((n_off < hh && top > hl) || (low && low > hl)));
+    /* The early wrap is tried when the writer enters a new segment (a few loads per segment). */
+    int entering = n_off % seg == 0 || (top - 1) / seg != n_off / seg || low;
+    if (!need && !entering) return 0;
+    uint64_t gap = ring - n_off;
+    if (entering && r->policy != 0 && n_off && n_off >= ld_rlx(&c[W_ALLOC_MIN]) && total <= n_off &&
+        gap >= FRAME_BYTES && gap <= 0xFFFFFFF8ull) {
+        uint64_t floor;
+        if (slot_floor(r, S_POS, &floor) && floor >= start) { /* every consumer is caught up */
+            if (total > z || (hl < hh && total > hl)) { /* first: a full filesystem evicts nothing */
+                int st = zone_alloc(r, 0, total);
+                if (st) return st;
+            }
+            int st = make_room(r, lap + total, next_seq, lap + ring); /* evicts all: FIRST_POS = lap + ring */
+            if (st == -100) return -100;
+            if (st == 0) {
+                *npads = 1;
+                pads_off[0] = n_off;
+                pads_gap[0] = gap;
+                pads_k[0] = 0;
+                uint64_t p = lap + ring;
+                for (Py_ssize_t k = 0; k < count; k++) {
+                    placed[k] = p;
+                    p += needs[k];
+                }
+                *end = p;
+                /* All above the pad is dead: give back what the zone holds there (a
+                 * punch up to the ring's end would walk gigabytes of holes each time). */
+                return zone_punch(r, n_off + FRAME_BYTES, ld_rlx(&r->ctl[W_ALLOC]));
+            } /* a pin holds a frame: no early wrap this time */
+        }
+    }
+    if (!need) return 0;
+    int st = top > n_off ? zone_alloc(r, n_off, top) : 0;
+    if (st == 0 && low) st = zone_alloc(r, 0, low);
+    return st;
 }
 
 static void roll_rate(Ring *r, uint64_t ts) {
@@ -686,12 +740,12 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
     }
     (void)pad_off; (void)pad_gap; (void)pad_k;
     uint64_t end = pos;
-    if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
-        int st = make_room(r, end - ring, seq0, placed[0]);
+    if (r->segment) { /* a growable ring: its pages first (may wrap early) */
+        int st = zone_place(r, start, count, needs, total, placed, &npads, pads_off, pads_gap, pads_k, &end, seq0);
         if (st != 0) return st;
     }
-    if (r->segment && end > ld_rlx(&c[W_ALLOC_HI])) { /* a growable spool's next segment */
-        int st = ensure_window(r, end, seq0, placed[0]);
+    if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
+        int st = make_room(r, end - ring, seq0, placed[0]);
         if (st != 0) return st;
     }
     uint64_t ts = now_ns();
@@ -942,19 +996,26 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
         pos += ring - off;
     }
     uint64_t end = pos + need;
+    if (r->segment) { /* a growable ring: its pages first (may wrap early) */
+        uint64_t placed1 = pos, poff[1] = {pad_off}, pgap[1] = {pad_gap};
+        Py_ssize_t pk[1] = {0};
+        int npads = has_pad;
+        int st = zone_place(r, ld_rlx(&c[W_NEXT_POS]), 1, &need, need, &placed1, &npads, poff, pgap, pk, &end, seq);
+        if (st != 0) {
+            wlock_release(r);
+            ring_finish(r);
+            if (st == -100) return NULL;
+            return PyLong_FromLong(st);
+        }
+        pos = placed1;
+        has_pad = npads;
+        pad_off = poff[0];
+        pad_gap = pgap[0];
+    }
     if (end - ld_rlx(&c[W_FIRST_POS]) > ring) {
         int st = make_room(r, end - ring, seq, pos);
         if (st != 0) {
             wlock_release(r);
-            if (st == -100) return NULL;
-            return PyLong_FromLong(st);
-        }
-    }
-    if (r->segment && end > ld_rlx(&c[W_ALLOC_HI])) {
-        int st = ensure_window(r, end, seq, pos);
-        if (st != 0) {
-            wlock_release(r);
-            ring_finish(r);
             if (st == -100) return NULL;
             return PyLong_FromLong(st);
         }
@@ -1419,42 +1480,45 @@ static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Ring_ensure_window(Ring *r, PyObject *args) {
-    /* ensure_window(end, next_seq, batch_pos) -> 0 or NO_SPACE; the caller holds the writer lock */
-    unsigned long long end, next_seq, batch_pos;
-    if (!PyArg_ParseTuple(args, "KKK", &end, &next_seq, &batch_pos)) return NULL;
+static PyObject *Ring_zone_alloc(Ring *r, PyObject *args) {
+    /* zone_alloc(lo, hi) -> 0 or NO_SPACE: allocate a growable ring's offsets [lo, hi);
+     * the caller (Python's general write path) holds the writer lock */
+    unsigned long long lo, hi;
+    if (!PyArg_ParseTuple(args, "KK", &lo, &hi)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    if (!r->segment || end <= ld_rlx(&r->ctl[W_ALLOC_HI])) return PyLong_FromLong(0);
-    int st = ensure_window(r, end, next_seq, batch_pos);
+    if (!r->segment) return PyLong_FromLong(0);
+    int st = zone_alloc(r, lo, hi > r->ring_bytes ? r->ring_bytes : hi);
     ring_finish(r); /* the caller's lock is its own semaphore handle: nothing of ours is held */
     if (st == -100) return NULL;
     return PyLong_FromLong(st);
 }
 
 static PyObject *Ring_trim(Ring *r, PyObject *args) {
-    /* trim(lock_wait) -> bytes of segments released, or None if the writer lock was
-     * not free within lock_wait: a growable spool gives back what is consumed now
-     * instead of at the writer's next segment (a drained, idle queue). */
+    /* trim(lock_wait) -> True, or None if the writer lock was not free within
+     * lock_wait: a growable ring with nothing resident (after evicting what every
+     * named reader and group consumed) keeps only the writer's current segment. */
     double wait = 0;
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    if (!r->segment) return PyLong_FromLong(0);
+    if (!r->segment) Py_RETURN_TRUE;
     int lk = sem_lock_on(r->wsem, wait, (PyObject *)r);
     if (lk < 0) return NULL;
     if (lk > 0) Py_RETURN_NONE;
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
-    uint64_t *c = r->ctl, lo = ld_rlx(&c[W_ALLOC_LO]), before = lo, hi = ld_rlx(&c[W_ALLOC_HI]);
+    uint64_t *c = r->ctl, seg = r->segment, ring = r->ring_bytes;
+    uint64_t nseq = ld_rlx(&c[W_NEXT_SEQ]), npos = ld_rlx(&c[W_NEXT_POS]);
     int rc = 0;
-    if (hi >= lo && lo % r->segment == 0 && hi % r->segment == 0)
-        rc = release_window(r, ld_rlx(&c[W_NEXT_SEQ]), ld_rlx(&c[W_NEXT_POS]), &lo, hi);
-    wlock_release(r);
-    if (rc < 0) {
-        ring_finish(r);
-        return NULL;
+    if (r->policy != 0) rc = make_room(r, ld_rlx(&c[W_FIRST_POS]), nseq, npos);
+    if (rc != -100 && ld_rlx(&c[W_FIRST_SEQ]) >= nseq) { /* nothing resident */
+        uint64_t cur = npos % ring / seg * seg;
+        rc = zone_punch(r, cur + seg, ring);
+        if (rc == 0) rc = zone_punch(r, 0, cur);
     }
-    if (!r->have_buf) return PyLong_FromLong(0);
+    wlock_release(r);
+    ring_finish(r);
+    if (rc == -100) return NULL;
     ring_bell(r, r->fsem);
-    return PyLong_FromUnsignedLongLong(lo - before);
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
@@ -1566,9 +1630,9 @@ static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsi
 
 static PyMethodDef Ring_methods[] = {
     {"trim", (PyCFunction)Ring_trim, METH_VARARGS,
-     "trim(lock_wait=0) -> bytes released, or None if the lock was busy: a growable spool's consumed segments"},
-    {"ensure_window", (PyCFunction)Ring_ensure_window, METH_VARARGS,
-     "ensure_window(end, next_seq, batch_pos) -> 0 or NO_SPACE (writer lock held): a growable spool's pages"},
+     "trim(lock_wait=0) -> True, or None if the lock was busy: a drained growable ring keeps one segment"},
+    {"zone_alloc", (PyCFunction)Ring_zone_alloc, METH_VARARGS,
+     "zone_alloc(lo, hi) -> 0 or NO_SPACE (writer lock held): allocate a growable ring's offsets"},
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_FASTCALL,
      "put(data, codec=0, max_backlog=-1, lock_wait=None) -> seq, or a negative status"},
     {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL,
@@ -1675,6 +1739,7 @@ static int group_lock(Cursor *c, double wait) {
 static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
     uint64_t ring = r->ring_bytes;
     if (!r->ring || ring <= KEEP_BEHIND) return; /* closed: the mapping is gone, never advise */
+    if (r->segment && ld_rlx(&r->ctl[W_ALLOC]) <= KEEP_BEHIND) return; /* a small hot zone: all of it stays */
     if (pos < *released) { /* moved back (a seek): nothing behind it is ours to count yet */
         *released = pos;
         return;
@@ -2451,7 +2516,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
     PyModule_AddObjectRef(m, "Waiting", (PyObject *)&WaitingType);
     PyObject *layout = Py_BuildValue(
-        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
+        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
         "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,
         "W_NEXT_POS", W_NEXT_POS, "W_FIRST_SEQ", W_FIRST_SEQ, "W_FIRST_POS", W_FIRST_POS, "W_LOCK_HOLDER",
         W_LOCK_HOLDER, "W_PUT_BYTES", W_PUT_BYTES, "W_LAST_PUT_NS", W_LAST_PUT_NS, "W_EVICTED", W_EVICTED,
@@ -2460,7 +2525,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         SLOT_BYTES, "SLOT_WORDS", SLOT_WORDS, "S_STATE", S_STATE, "S_SEQ", S_SEQ, "S_POS", S_POS, "S_LOST", S_LOST,
         "S_GETS", S_GETS, "S_GET_BYTES", S_GET_BYTES, "S_LAST_GET_NS", S_LAST_GET_NS, "S_DELAY_SUM_NS",
         S_DELAY_SUM_NS, "S_DELAY_MAX_NS", S_DELAY_MAX_NS, "S_LAG_HIGH", S_LAG_HIGH, "S_LAG_LOW", S_LAG_LOW,
-        "S_LOCK_HOLDER", S_LOCK_HOLDER, "W_ALLOC_LO", W_ALLOC_LO, "W_ALLOC_HI", W_ALLOC_HI, "W_SEGMENT", W_SEGMENT,
+        "S_LOCK_HOLDER", S_LOCK_HOLDER, "W_ALLOC_MIN", W_ALLOC_MIN, "W_ALLOC", W_ALLOC, "W_HOLE_LO", W_HOLE_LO, "W_HOLE_HI", W_HOLE_HI, "W_SEGMENT", W_SEGMENT,
         "W_GROWTHS", W_GROWTHS);
     if (!layout) return NULL;
     PyModule_AddObject(m, "LAYOUT", layout);

@@ -45,8 +45,8 @@ W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
 W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
 W_FIRST_SEQ = 18  # oldest frame still in the ring
 W_FIRST_POS = 19  # its byte position (stored before FIRST_SEQ)
-W_ALLOC_LO = 20  # growable spools: ring positions [LO, HI) have their pages allocated
-W_ALLOC_HI = 21  # (the rest of the ring is a hole in the sparse file; 0, 0 on fixed spools)
+W_ALLOC_MIN = 20  # growable rings: the writer wraps early (reuses its pages) only past this offset
+W_ALLOC = 21  # growable rings: ring offsets at or above it have no pages (0 on fixed spools)
 W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
 W_LOCK_TOKEN = 24  # fencing token, bumped whenever a dead holder's lock is broken
 W_PUT_BYTES = 26  # (puts need no counter: every put takes the next seq)
@@ -59,7 +59,9 @@ W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
 W_QUEUE_MAXSIZE = 33  # shmq.Queue's maxsize in items (0: unbounded), set at creation
 W_SEGMENT = 34  # growable spools: bytes allocated / released at a time (0: fixed, all allocated)
 W_GROWTHS = 35  # segments allocated since creation (a growable spool's statistics)
-# 36..47 reserved
+W_HOLE_LO = 36  # growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may lack pages (Spool.trim)
+W_HOLE_HI = 37
+# 38..47 reserved
 # 48..63: shmq.WorkQueue (see the work queue section below)
 W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
 W_WQ_KEY_SLOTS = 49  # key-index entries after them
@@ -322,21 +324,21 @@ def growth_plan(start: int, ceiling: int):
 
 
 def check_window(ctl, ring_bytes: int) -> list:
-    """Problems with a growable spool's allocation words (empty if fine or fixed)."""
-    seg, lo, hi = ctl[W_SEGMENT], ctl[W_ALLOC_LO], ctl[W_ALLOC_HI]
+    """Problems with a growable ring's allocation words (empty if fine or fixed)."""
+    seg, low, top = ctl[W_SEGMENT], ctl[W_ALLOC_MIN], ctl[W_ALLOC]
     if not seg:
-        return [] if not lo and not hi else [f"allocation window [{lo}, {hi}) on a fixed spool"]
-    problems = []
+        return [] if not low and not top else [f"allocation words {low}, {top} on a fixed spool"]
     if seg % PAGE or seg > ring_bytes:
-        problems.append(f"segment size {seg} (ring {ring_bytes})")
-    elif lo % seg or hi % seg or hi < lo:
-        problems.append(f"allocation window [{lo}, {hi}) is not whole segments of {seg} bytes")
-    elif lo > ctl[W_FIRST_POS] and ctl[W_FIRST_SEQ] < ctl[W_NEXT_SEQ]:
-        problems.append(f"allocation window [{lo}, {hi}) starts after the oldest frame at "
-                        f"position {ctl[W_FIRST_POS]}: its pages were released")
-    elif hi < ctl[W_NEXT_POS]:
-        problems.append(f"allocation window [{lo}, {hi}) ends before the write position "
-                        f"{ctl[W_NEXT_POS]}")
+        return [f"segment size {seg} (ring {ring_bytes})"]
+    problems = []
+    if top > ring_bytes or top % seg and top != ring_bytes:
+        problems.append(f"allocated zone top {top} is not whole segments of {seg} bytes within "
+                        f"the ring")
+    elif low > ring_bytes:
+        problems.append(f"early-wrap threshold {low} is past the ring's end")
+    elif ctl[W_NEXT_SEQ] > ctl[W_FIRST_SEQ] and ctl[W_NEXT_POS] % ring_bytes > top:
+        problems.append(f"the write position (ring offset {ctl[W_NEXT_POS] % ring_bytes}) is "
+                        f"past the allocated zone's top {top}")
     return problems
 
 

@@ -387,7 +387,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     ``start_bytes`` (less than ``ring_bytes``) makes it growable: the file is
     sparse, only the header, tables and the ring's first ``start_bytes``
     (whole segments) are allocated, and the writer allocates the rest a
-    segment at a time (see ``_core.ensure_window``).
+    segment at a time (see ``_core.zone_place``).
 
     :raises FileExistsError: something already exists at ``path``.
     """
@@ -436,7 +436,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             _check_semaphore(sem_name(prefix, which), os.geteuid(), sem_mode)  # applies the mode
         os.pwrite(fd, geometry, 0)  # control words are all zero: seq 0, empty ring
         if window:  # ... but a growable ring's segment size and allocated window
-            os.pwrite(fd, struct.pack("<QQ", 0, window[1]), F.W_ALLOC_LO * 8)
+            os.pwrite(fd, struct.pack("<QQ", window[1], window[1]), F.W_ALLOC_MIN * 8)
             os.pwrite(fd, struct.pack("<Q", window[0]), F.W_SEGMENT * 8)
         try:
             os.link(tmp, path)  # atomic publish; never replaces an existing file

@@ -542,6 +542,8 @@ class Spool:
         readers = self.readers()
         first, nxt = ctl[W_FIRST_SEQ], ctl[W_NEXT_SEQ]
         used = max(0, ctl[W_NEXT_POS] - ctl[W_FIRST_POS])
+        if ctl[F.W_SEGMENT]:  # an early wrap's padding spans the rest of the ring: not data
+            used = min(used, ctl[F.W_ALLOC])
         gets = sum(r.gets for r in readers)
         delay_sum = sum(r.avg_delay_ns * r.gets for r in readers)
         now = time.time() // 1
@@ -571,25 +573,28 @@ class Spool:
             read_rate=tuple((s, g) for s, _p, g in series), readers=tuple(readers))
 
     def trim(self, lock_wait=0.0) -> int | None:
-        """Give back a growable spool's consumed segments now; return the bytes released.
+        """Give back a drained growable spool's memory now; return the bytes released.
 
-        Frames every named reader and group has consumed are evicted and the
-        segments behind them punched out of the file (one segment of slack
-        stays).  The writer does this itself whenever it allocates, and a
-        reader that finds nothing to read does it too; call this after
-        draining a large backlog to return the memory at once.  A fixed spool
-        releases nothing (0).  None: the writer lock stayed busy for
-        ``lock_wait`` seconds.
+        Frames every named reader and group has consumed are evicted; if
+        nothing is left, every segment but the writer's current one is
+        punched out of the file.  The writer gives memory back by itself
+        when it wraps early (every consumer caught up), and a reader that
+        finds nothing to read calls this; call it after draining a large
+        backlog while no one writes.  A fixed spool releases nothing (0).
+        None: the writer lock stayed busy for ``lock_wait`` seconds.
         """
         self.check_open()
-        return self.core.trim(lock_wait)
+        before = self.allocated
+        if self.core.trim(lock_wait) is None:
+            return None
+        return max(0, before - self.allocated)
 
     def trim_idle(self) -> None:
-        """:meth:`trim` without waiting, if a growable spool holds more than four segments
-        (called by readers about to wait: cheap when there is nothing to give back)."""
+        """:meth:`trim` without waiting, if a growable spool's zone spans more than four
+        segments (called by readers about to wait: cheap when there is nothing to give back)."""
         ctl = self.mapping.ctl
         seg = ctl[F.W_SEGMENT]
-        if seg and ctl[F.W_ALLOC_HI] - ctl[F.W_ALLOC_LO] > 4 * seg:
+        if seg and ctl[F.W_ALLOC] > 4 * seg:
             self.core.trim(0.0)
 
     def sync(self) -> None:

@@ -201,9 +201,9 @@ def _check_control(v, rep) -> bool:
     window = F.check_window(ctl, v.geo["ring_bytes"])
     rep.problems.extend(f"control words: {w}" for w in window)
     if ctl[F.W_SEGMENT] and not window:
-        lo, hi = ctl[F.W_ALLOC_LO], ctl[F.W_ALLOC_HI]
-        rep.notes.append(f"growable: ring positions [{lo}, {hi}) allocated in segments of "
-                         f"{ctl[F.W_SEGMENT]} bytes, ceiling {v.geo['ring_bytes']} bytes")
+        rep.notes.append(f"growable: ring offsets below {ctl[F.W_ALLOC]} may have pages, "
+                         f"allocated in segments of {ctl[F.W_SEGMENT]} bytes; ceiling "
+                         f"{v.geo['ring_bytes']} bytes")
     if hwm > v.geo["slot_count"]:
         rep.problems.append(f"control word SLOT_HWM = {hwm} exceeds the table's "
                             f"{v.geo['slot_count']} slots")

@@ -369,11 +369,11 @@ class Writer:
                 placed.append(pos)
                 pos += need
             end = pos
+        if ctl[F.W_SEGMENT]:  # a growable ring: the pages first, before anything is evicted
+            self._allocate(ctl[W_NEXT_POS], placed, needs, pads)
         if end - ctl[W_FIRST_POS] > ring:
             if not self._make_room(end - ring, seq0, placed[0]):
                 return None
-        if self._core.ensure_window(end, seq0, placed[0]) == _NO_SPACE:  # a growable ring's pages
-            raise self.no_space()
         if before_commit is not None:
             before_commit(seq0, placed)
         ts = _time_ns()
@@ -415,6 +415,24 @@ class Writer:
             mm.flush(0, F.HEADER_BYTES)  # ... and the commit itself
         self._account_put(ctl, seq - seq0, nbytes, ts)
         return seq0
+
+    def _allocate(self, start, placed, needs, pads):
+        """Allocate the ring offsets a placed batch touches (growable rings; the core's
+        own write path also wraps early, this reference path only grows)."""
+        ring = self._ring.size
+        n_off = start % ring
+        lap = start - n_off
+        top, low = n_off, 0
+        for p, (_n, need) in zip(placed, needs):
+            if p < lap + ring:
+                top = max(top, p - lap + need)
+            else:
+                low = max(low, p - lap - ring + need)
+        for off, _gap, _k in pads:
+            top = max(top, off + FRAME_BYTES)
+        for lo, hi in ((n_off, top), (0, low)):
+            if hi > lo and self._core.zone_alloc(lo, hi) == _NO_SPACE:
+                raise self.no_space()
 
     def _account_put(self, ctl, count, nbytes, ts):
         """Writer statistics (exact: called under the writer lock).
