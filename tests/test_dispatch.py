@@ -520,6 +520,19 @@ def serve_dispatcher(path, out):
     d.close()
 
 
+def wait_catching(pid, sig, timeout=30):
+    """Block until process ``pid`` has a handler installed for ``sig`` (SigCgt in
+    /proc/<pid>/status), so a signal sent next reaches the handler."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        if caught >> (sig - 1) & 1:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} never installed a handler for {sig!r}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_run_shuts_down_cleanly_on_signal(spool_dir, rec, sig):
     """SIGTERM/SIGINT: a clean stop.  SIGKILL of the dispatcher: its workers see
@@ -538,6 +551,9 @@ def test_run_shuts_down_cleanly_on_signal(spool_dir, rec, sig):
             for i in range(2):
                 wq.put(body(rec, sleep=0.5, n=i), headers={"type": "slow"})
         rec.until(lambda rs: rec.count(ev="start")(rs) == 2, what="both handlers running")
+        # "serving" is reported before run() installs its handlers: a SIGTERM sent in
+        # between would meet the default action.  Wait until the kernel shows it caught.
+        wait_catching(proc.pid, signal.SIGTERM)
         os.kill(proc.pid, sig)
         proc.join(30)
         assert proc.exitcode == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
