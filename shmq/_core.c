@@ -102,6 +102,7 @@
 #define ST_SLOW (-3)       /* a zero-copy pin is in the way: Python's general path */
 #define ST_TOO_LARGE (-4)  /* the frame or batch can never fit */
 #define ST_NO_SPACE (-5)   /* a growable spool could not allocate its next segment (ENOSPC) */
+#define ST_BACKLOG (-6)    /* max_backlog (a queue's maxsize) items wait: no room for items, not bytes */
 
 typedef struct {
     uint64_t seq;
@@ -695,7 +696,7 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
         uint64_t floor;
         if (slot_floor(r, S_SEQ, &floor) && seq0 - floor + (uint64_t)count > (uint64_t)max_backlog) {
             take_full_marker(r);
-            return ST_NO_ROOM;
+            return ST_BACKLOG;
         }
     }
     /* Placement: a frame that does not fit before the ring's end is preceded
@@ -2541,5 +2542,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddIntConstant(m, "SLOW", ST_SLOW);
     PyModule_AddIntConstant(m, "TOO_LARGE", ST_TOO_LARGE);
     PyModule_AddIntConstant(m, "NO_SPACE", ST_NO_SPACE);
+    PyModule_AddIntConstant(m, "BACKLOG", ST_BACKLOG);
     return m;
 }

@@ -38,7 +38,7 @@ _MASK64 = (1 << 64) - 1
 _ZEROS = (0,)
 _NO_PIN_MARK = (1 << 64) - 1
 _LOCK_STUCK, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.SLOW, _core.TOO_LARGE
-_NO_SPACE = _core.NO_SPACE
+_NO_SPACE, _BACKLOG = _core.NO_SPACE, _core.BACKLOG
 
 #: What to do about a damaged ring (fsck --repair never rewrites frames, so it cannot fix one).
 RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', "
@@ -121,6 +121,7 @@ class Writer:
         #: (``multiprocessing.Queue(maxsize=0)`` never blocks a put)
         self.full_is_ceiling = False
         self._full_marker = None  # room marker of the Python general path
+        self._full_reason = None  # and why it found no room: "bytes", "backlog" or "pin"
         self._rate_until = 0  # end of the second self._rate_word counts (general path)
         self._rate_word = W_RATE + 1
 
@@ -167,9 +168,10 @@ class Writer:
                 return self.append_general(views, left, codec, max_backlog, before_commit)
             if st == _NO_SPACE:
                 raise self.no_space()
-            # _NO_ROOM
+            # _NO_ROOM (bytes: consumers' cursors in the way) or _BACKLOG (maxsize items)
             marker = self._core.full_marker()  # taken under the lock
-            self._check_ceiling(len(views), max_backlog)
+            if st != _BACKLOG:
+                self._check_ceiling()
             self._wait_for_room(marker, deadline, timeout, error=max_backlog is None)
 
     def reserve(self, nbytes, codec, timeout):
@@ -244,21 +246,14 @@ class Writer:
         return no_space_to_grow(self.path, self._ring.ctl[F.W_SEGMENT], self._owner.allocated,
                                 self._ring.size)
 
-    def _check_ceiling(self, count, max_backlog):
-        """Raise Full at once if a queue's ring is full to its ceiling (not merely at
-        ``maxsize`` items, which waits): the queue's rule, see :attr:`full_is_ceiling`."""
-        if not self.full_is_ceiling:
-            return
-        if max_backlog is not None:
-            floor_seq = self._slots.floor(F.S_SEQ)
-            if floor_seq is not None and self._ring.ctl[F.W_NEXT_SEQ] - floor_seq + count > max_backlog:
-                return  # maxsize items waiting: block as multiprocessing.Queue does
-        pins = self._pins.floor(None)
-        if pins is not None:
-            return  # a zero-copy view holds the room: it comes back when the view is released
-        raise Full(f"queue {self.path} is full to its ceiling of {self._ring.size} bytes "
-                   "(unconsumed items): consume faster, or create the queue with a larger "
-                   "max_capacity= (the default is half of /dev/shm, at most 4 GiB)")
+    def _check_ceiling(self):
+        """After the writer found the ring full in bytes (decided under the lock: the
+        slowest consumer's cursor is in the way; never merely ``maxsize`` items, which
+        waits): raise Full at once if that is a queue's rule (:attr:`full_is_ceiling`)."""
+        if self.full_is_ceiling:
+            raise Full(f"queue {self.path} is full to its ceiling of {self._ring.size} bytes "
+                       "(unconsumed items): consume faster, or create the queue with a larger "
+                       "max_capacity= (the default is half of /dev/shm, at most 4 GiB)")
 
     def _raise_too_large(self, views, max_backlog):
         sizes = [_payload_size(v) for v in views]
@@ -330,7 +325,8 @@ class Writer:
                 if self._data_bell.has_waiters():
                     self._data_bell.ring()
                 return seq
-            self._check_ceiling(len(views), max_backlog)
+            if self._full_reason == "bytes":
+                self._check_ceiling()
             self._wait_for_room(self._full_marker, deadline, timeout)
 
     def _write_locked(self, views, needs, total, crcs, flags, codec, max_backlog=None,
@@ -344,6 +340,7 @@ class Writer:
             floor_seq = self._slots.floor(F.S_SEQ)
             if floor_seq is not None and seq0 - floor_seq + len(views) > max_backlog:
                 self._full_marker = self.room_marker()
+                self._full_reason = "backlog"
                 return None
         # Placement: a frame that does not fit before the ring's end is
         # preceded by padding to the end (a PAD header if 32+ bytes remain).
@@ -486,6 +483,7 @@ class Writer:
         ctl = r.ctl
         if self._pins.floor(limit) is not None:  # a zero-copy view still reads that frame
             self._full_marker = self.room_marker()
+            self._full_reason = "pin"
             return False
         if not self._overwrite:
             floor = self._slots.floor(F.S_POS)
@@ -493,6 +491,7 @@ class Writer:
                 floor = ctl[W_FIRST_POS]  # no consumers registered: keep everything
             if floor < limit and floor < ctl[W_NEXT_POS]:
                 self._full_marker = self.room_marker()
+                self._full_reason = "bytes"
                 return False  # unconsumed frames in the way (all consumed: evict all)
         mm, ring, base = r.mm, r.size, r.base
         seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]

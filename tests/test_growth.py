@@ -470,3 +470,33 @@ def test_closing_the_spool_while_a_thread_waits_for_its_group_lock(make_spool):
     assert isinstance(result.get("error"), ValueError), result
     with shmq.Spool.open(sp.path) as again:  # the group lock was given back
         assert again.reader("g", group=True).get(timeout=5).data == b"one"
+
+
+def _bounded_producer(q, tag, n, errors):
+    try:
+        for i in range(n):
+            q.put((tag, i), timeout=30)
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        errors.put(repr(e))
+
+
+def test_a_bounded_queue_at_maxsize_waits_and_never_mistakes_it_for_the_ceiling(ctx):
+    """maxsize items waiting is decided under the writer lock and waits; only a ring
+    full in bytes is the ceiling.  (A consumer taking items between the core's answer
+    and a re-check in Python once made a blocking put raise Full.)"""
+    q = shmq.Queue(20)
+    errors = ctx.Queue()
+    n = 20_000
+    procs = [ctx.Process(target=_bounded_producer, args=(q, t, n, errors)) for t in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = [q.get(timeout=30) for _ in range(2 * n)]
+        join_all(procs)
+        assert errors.empty(), errors.get()
+        assert sorted(got) == sorted((t, i) for t in range(2) for i in range(n))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        q.close()
