@@ -67,6 +67,9 @@ def retry_stuck(call, lock, limit, is_stuck, on_timeout):
         out = call(wait)
         if not is_stuck(out):
             return out
+        # Recover before giving up: a caller whose timeout is shorter than the
+        # recovery timeout would otherwise never break a dead holder's lock.
+        if lock.recover_if_dead():
+            continue
         if limit is not None and time.monotonic() >= limit:
             on_timeout()
-        lock.recover_if_dead()

@@ -164,6 +164,35 @@ def test_killed_group_lock_holder_is_recovered(ctx, spool_path):
     sp.close()
 
 
+@pytest.mark.parametrize("how", ["get_many timeout<recovery", "get non-blocking",
+                                 "put timeout<recovery"])
+def test_a_dead_holders_lock_is_recovered_even_by_a_short_timeout(ctx, spool_path, how):
+    """A wait shorter than the recovery timeout still ends in recovery, not in Empty
+    or Timeout forever (a group member polling with get_many(timeout=0.2) never
+    recovered a killed member's lock; the kill -9 'segments' scenario found it)."""
+    sp = shmq.Spool.create(spool_path, capacity="64KiB", recovery_timeout=RECOVERY_S)
+    for i in range(3):
+        sp.put(bytes([i]))
+    ready = ctx.Event()
+    target, args = ((hold_writer_lock_forever, (spool_path, ready)) if how.startswith("put")
+                    else (hold_group_lock_forever, (spool_path, "g", ready)))
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    assert ready.wait(30)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    short = RECOVERY_S / 4
+    if how.startswith("put"):
+        assert sp.put(b"after", timeout=short) == 3
+    else:
+        g = sp.reader("g", group=True)
+        if how.startswith("get_many"):
+            assert [f.seq for f in g.get_many(10, timeout=short)] == [0, 1, 2]
+        else:
+            assert g.get(block=False).seq == 0
+    sp.close()
+
+
 def test_group_each_frame_exactly_once_across_processes(ctx, spool_path):
     n = 3000
     sp = shmq.Spool.create(spool_path, capacity="1MiB", on_full="block")
