@@ -13,7 +13,8 @@ import pytest
 STRESS = os.path.join(os.path.dirname(__file__), "..", "stress")
 
 
-@pytest.mark.parametrize("scenario", ["fanout", "queue", "lock", "restart", "workqueue", "soak"])
+@pytest.mark.parametrize("scenario", ["fanout", "queue", "lock", "restart", "workqueue", "soak",
+                                      "segments"])
 def test_kill9_quick(scenario, tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "kill9.py"), "--quick", "--seed", "3",
