@@ -484,6 +484,49 @@ static int zone_syscall(Ring *r, uint64_t a, uint64_t b, int punch) {
     return rc < 0 ? err : 0;
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO: no syscall */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The writer is about to allocate a fresh segment while every consumer is
+ * within `lag` bytes (at most a segment) of `start`: usually one still copying
+ * the batch just committed.  Fresh pages cost far more than that copy (the
+ * kernel zeroes them; a VM may trap on first touch), and a writer that always
+ * checked at that moment would never wrap early: a fast consumer would let
+ * the zone climb to the ceiling.  So wait for it, briefly (50 us plus its copy
+ * at 4 GB/s), with the GIL released (the consumer may be a thread of this
+ * process).  1 if every consumer caught up; 0 if not in time; ECANCELED if the
+ * handle was closed meanwhile. */
+static int wait_caught_up(Ring *r, uint64_t start, uint64_t lag) {
+    uint64_t floor = 0, budget = 50000 + lag / 4;
+    int ok = 0, found = 1;
+    r->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t t0 = mono_ns();
+    for (unsigned spin = 0;; spin++) {
+        found = slot_floor(r, S_POS, &floor);
+        if (!found || floor >= start) {
+            ok = found;
+            break;
+        }
+        if ((spin & 63) == 63 && mono_ns() - t0 > budget) break;
+        cpu_relax();
+    }
+    Py_END_ALLOW_THREADS
+    r->busy--;
+    return r->closing ? ECANCELED : ok;
+}
+
 static int zone_status(Ring *r, int err) {
     if (!err || err == EOPNOTSUPP) return 0; /* no fallocate here: pages come on first touch */
     if (err == ECANCELED) {
@@ -574,8 +617,15 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
     uint64_t gap = ring - n_off;
     if (entering && r->policy != 0 && n_off && n_off >= ld_rlx(&c[W_ALLOC_MIN]) && total <= n_off &&
         gap >= FRAME_BYTES && gap <= 0xFFFFFFF8ull) {
-        uint64_t floor;
-        if (slot_floor(r, S_POS, &floor) && floor >= start) { /* every consumer is caught up */
+        uint64_t floor = 0;
+        int found = slot_floor(r, S_POS, &floor), caught = found && floor >= start;
+        if (found && !caught && need && start - floor <= 2 * seg) {
+            if (call_crash_hook("catching-up") < 0) return -100;
+            int w = wait_caught_up(r, start, start - floor); /* cheaper than fresh pages */
+            if (w == ECANCELED) return zone_status(r, ECANCELED);
+            caught = w;
+        }
+        if (caught) { /* every consumer is caught up */
             if (total > z || (hl < hh && total > hl)) { /* first: a full filesystem evicts nothing */
                 int st = zone_alloc(r, 0, total);
                 if (st) return st;

@@ -48,8 +48,10 @@ RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-c
 #: :func:`set_crash_hook`: called as hook(point, spool) inside the writer's
 #: critical section, on batch writes, at points "evicting" (between the
 #: FIRST_POS and FIRST_SEQ stores), "frame-written" (after each frame of a
-#: batch) and "committed" (between the NEXT_SEQ and NEXT_POS stores).  Never
-#: set in production.
+#: batch) and "committed" (between the NEXT_SEQ and NEXT_POS stores); the core
+#: also calls it at "allocating" and "releasing" (a growable ring's segment
+#: switches) and "catching-up" (before waiting for consumers to finish a batch
+#: instead of growing).  Never set in production.
 crash_hook = None
 
 

@@ -96,6 +96,44 @@ def test_grows_and_shrinks_back_with_every_kind_of_reader_following(make_spool):
     assert any("growable" in n for n in report.notes)
 
 
+BIG = 512 * 1024  # half a segment: a new segment every other put
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["consumer-catches-up", "consumer-stalls"])
+def test_a_consumer_finishing_the_last_batch_is_waited_for_instead_of_growing(make_spool, reads):
+    """When a consumer is still copying the batch just committed as the writer
+    enters a fresh segment, the writer waits (briefly) for it and wraps early
+    instead of allocating.  The hook runs right before that wait: a consumer
+    that finishes there keeps the zone at its first segments; one that never
+    does costs a bounded wait, then growth as before."""
+    sp = make_spool(capacity="1MiB", max_capacity="64MiB", on_full="block")
+    r = sp.reader("r")
+    waits = []
+
+    def hook(where, _sp):
+        if where == "catching-up":
+            waits.append(sp.next_seq)
+            if reads:
+                r.get(timeout=0)  # the in-flight batch: now everything is consumed
+
+    shmq.spool.set_crash_hook(hook)
+    try:
+        for i in range(200):  # 100 MiB through a spool that starts at 1 MiB
+            sp.put(bytes([i % 256]) * BIG, timeout=5)
+            while r.position < i:  # the consumer keeps up, but for the frame just put
+                assert r.get(timeout=0).data[0] == r.position - 1 & 255
+    finally:
+        shmq.spool.set_crash_hook(None)
+    assert len(waits) >= 50  # one per segment entered while the consumer was one frame behind
+    if reads:
+        assert sp.allocated <= sp.ring.base + 4 * SEG and sp.stats().growths <= 4
+    else:  # never caught up at the moment the writer looked: it climbed to the ceiling
+        assert sp.allocated == sp.ring.base + 64 * SEG and sp.stats().growths >= 60
+    r.get_many(10, timeout=0)
+    assert r.position == sp.next_seq == 200 and r.lost == 0
+    assert verify(sp.path).ok
+
+
 def test_block_policy_never_evicts_what_a_named_reader_has_not_read(make_spool):
     sp = make_spool(capacity="1MiB", max_capacity="8MiB", on_full="block")
     slow, fast = sp.reader("slow"), sp.reader("fast")
