@@ -37,6 +37,7 @@ except ImportError:  # optional peer
 
 CTX = mp.get_context("fork")  # closures as process targets; no pickling of channels
 BIG_CAPACITY = "64MiB"  # never wraps in one run: the unwrapped fast path
+GROW_START = "1MiB"  # a growable spool's first allocation (shmq.Queue()'s default)
 WRAP_CAPACITY = "1MiB"  # the wrapped rows: small enough that every run wraps it many times
 WRAPS_BEFORE_TIMING = 4  # pre-fill: bytes written before timing, in ring capacities
 THREADS = 8  # per process, in the threads row
@@ -199,6 +200,24 @@ class SpoolWrapped(Spool):
         if not wrapped:
             shmq.Spool.destroy(path)
             raise RuntimeError("pre-fill did not wrap the ring: the row would not measure the steady state")
+        return path
+
+
+class SpoolGrowable(Spool):
+    """A growable spool: 1 MiB of pages at first, growing on demand up to
+    BIG_CAPACITY (the fixed ``spool`` row's size), the way ``shmq.Queue()``'s
+    rings grow: the ratio of the two rows is what growth costs."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "spool-growable"
+
+    def setup(self, tmp, sc):
+        path = os.path.join(tmp, f"growable-{time.monotonic_ns()}")
+        sp = shmq.Spool.create(path, capacity=GROW_START, max_capacity=BIG_CAPACITY,
+                               on_full="block", checksum=False)
+        self._add_readers(sp, sc)
+        sp.close()
         return path
 
 

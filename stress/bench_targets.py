@@ -1,7 +1,7 @@
 """The targets stress/bench.py checks, computed from one run's own figures.
 
-Issue 14 (the ring core in C) first, then the earlier targets still tracked
-(issue 4).  Each row: ``{"issue", "target", "value", "goal", "met", "shown"}``
+Issue 14 (the ring core in C) first, issue 15 (growable queues), then the
+earlier targets still tracked (issue 4).  Each row: ``{"issue", "target", "value", "goal", "met", "shown"}``
 with ``met`` True, False, or None when the run could not measure it (a peer
 not installed, an API not there yet); ``shown`` says what was measured or why not.
 """
@@ -124,6 +124,14 @@ def targets(results, lat, sys_, misc):
     else:
         add(14, "wake-up p50 <= 1.5x a pipe's", None, 1.5, why="not measured (--skip-extras)")
 
+    # issue 15: growth costs nothing measurable on the steady-state fast path
+    grow = [(ratio(results, s, "spool-growable", "spool"), s) for s in ("1->1 100 B", "1->1 1 MiB")]
+    grow = [g for g in grow if g[0] is not None]
+    w = min(grow) if grow else None
+    add(15, "growable spool >= 90% of a fixed one (100 B, 1 MiB; 1 MiB growing to 64 MiB)",
+        w and w[0], 0.9, "{:.0%}", why=why_not(results, "1->1 100 B", "spool-growable", "spool"),
+        extra=w and f" (worst: {w[1]}; " + ", ".join(f"{s}: {v:.0%}" for v, s in grow) + ")" or "")
+
     # earlier targets (issue 4), still tracked
     def add4(label, value, goal, fmt="{:.2f}x"):
         add(4, label, value, goal, fmt)
@@ -147,7 +155,8 @@ def targets(results, lat, sys_, misc):
 
 
 def print_targets(rows, out):
-    for issue, title in ((14, "targets of issue 14 (the ring core in C)"), (4, "earlier targets (issue 4)")):
+    for issue, title in ((14, "targets of issue 14 (the ring core in C)"), (15, "targets of issue 15 (growable queues)"),
+                         (4, "earlier targets (issue 4)")):
         print(f"\n{title}", file=out)
         for r in rows:
             if r["issue"] == issue:
