@@ -462,7 +462,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
  *  - while consumers lag, it keeps climbing into fresh segments, up to the
  *    ring's end (the ceiling);
  *  - Spool.trim() (and a reader about to wait) punches all but the writer's
- *    current segment once nothing is resident.
+ *    current segment and the start allocation once nothing is resident.
  * Offsets below W_ALLOC and outside [W_HOLE_LO, W_HOLE_HI) have pages: W_ALLOC
  * is raised after allocating and lowered (or the hole widened) before
  * punching.  A full filesystem gives ST_NO_SPACE before anything is evicted
@@ -545,8 +545,12 @@ static int zone_alloc(Ring *r, uint64_t a, uint64_t b) {
     a = a / seg * seg;
     b = (b + seg - 1) / seg * seg;
     if (b > ring) b = ring;
+    uint64_t z = ld_rlx(&c[W_ALLOC]), hl0 = ld_rlx(&c[W_HOLE_LO]), hh0 = ld_rlx(&c[W_HOLE_HI]);
+    /* [a, ALLOC) has pages unless the hole cuts into it: start at ALLOC then (a
+     * batch entering the next segment would otherwise fallocate and populate its
+     * current one again, doubling what each growth costs). */
+    if (a < z && !(hl0 < hh0 && a < hh0 && b > hl0)) a = z;
     if (a >= b) return 0;
-    uint64_t z = ld_rlx(&c[W_ALLOC]);
     if (call_crash_hook("allocating") < 0) return -100;
     int st = zone_status(r, zone_syscall(r, a, b, 0));
     if (st) return st; /* (nothing recorded: a retry allocates again) */
@@ -1547,7 +1551,8 @@ static PyObject *Ring_zone_alloc(Ring *r, PyObject *args) {
 static PyObject *Ring_trim(Ring *r, PyObject *args) {
     /* trim(lock_wait) -> True, or None if the writer lock was not free within
      * lock_wait: a growable ring with nothing resident (after evicting what every
-     * named reader and group consumed) keeps only the writer's current segment. */
+     * named reader and group consumed) keeps only the writer's current segment
+     * and the start allocation (below ALLOC_MIN). */
     double wait = 0;
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
@@ -1561,9 +1566,12 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
     int rc = 0;
     if (r->policy != 0) rc = make_room(r, ld_rlx(&c[W_FIRST_POS]), nseq, npos);
     if (rc != -100 && ld_rlx(&c[W_FIRST_SEQ]) >= nseq) { /* nothing resident */
-        uint64_t cur = npos % ring / seg * seg;
-        rc = zone_punch(r, cur + seg, ring);
-        if (rc == 0) rc = zone_punch(r, 0, cur);
+        /* Keep the writer's current segment and the start allocation below
+         * ALLOC_MIN: the writer wraps early into it next, and freeing it would
+         * make every lap after a trim pay for fresh pages again. */
+        uint64_t cur = npos % ring / seg * seg, keep = (ld_rlx(&c[W_ALLOC_MIN]) + seg - 1) / seg * seg;
+        rc = zone_punch(r, cur + seg > keep ? cur + seg : keep, ring);
+        if (rc == 0 && cur > keep) rc = zone_punch(r, keep, cur);
     }
     wlock_release(r);
     ring_finish(r);
@@ -1790,12 +1798,15 @@ static int group_lock(Cursor *c, double wait) {
 static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
     uint64_t ring = r->ring_bytes;
     if (!r->ring || ring <= KEEP_BEHIND) return; /* closed: the mapping is gone, never advise */
-    if (r->segment && ld_rlx(&r->ctl[W_ALLOC]) <= KEEP_BEHIND) return; /* a small hot zone: all of it stays */
     if (pos < *released) { /* moved back (a seek): nothing behind it is ours to count yet */
         *released = pos;
         return;
     }
     if (pos - *released < KEEP_BEHIND + RELEASE_CHUNK) return;
+    /* Only now the shared ALLOC word: it sits on the control line the writer
+     * stores to on every put, and a load per get would bounce that line
+     * between the two cores (a fifth of a growable ring's 100 B throughput). */
+    if (r->segment && ld_rlx(&r->ctl[W_ALLOC]) <= KEEP_BEHIND) return; /* a small hot zone: all of it stays */
     static uint64_t page = 0;
     if (!page) page = (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t start = *released, end = (pos - KEEP_BEHIND) & ~(page - 1);

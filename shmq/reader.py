@@ -35,6 +35,9 @@ __all__ = ["Reader", "NamedReader", "GroupReader"]
 #: A named reader publishes its counters to the reader table this often
 #: (frames, in the core), and whenever it blocks, commits explicitly or closes.
 STATS_FLUSH_FRAMES = 64
+#: A reader that has found nothing to read for this long trims a growable spool
+#: (gives back the segments every consumer is done with; Spool.trim_idle).
+TRIM_IDLE_S = 0.01
 _K_ANON, _K_NAMED, _K_GROUP = 0, 1, 2
 
 
@@ -173,10 +176,18 @@ class Reader:
         if deadline is None and timeout is not None:
             deadline = now + timeout
         self._before_wait()
-        if first:
-            self._spool.trim_idle()  # caught up: a growable spool gives back consumed segments
+        bell, ready = self._spool.data_bell, self._cur.available
         left = None if deadline is None else deadline - now
-        if left is not None and left <= 0 or not self._spool.data_bell.wait(self._cur.available, left):
+        if first and (left is None or left > TRIM_IDLE_S) and self._spool.trim_due():
+            # Idle for TRIM_IDLE_S: a growable spool gives back the segments its
+            # consumers are done with.  Not at once: a consumer faster than its
+            # producer is "caught up" between most frames, and each trim takes
+            # the writer lock and frees pages the writer would allocate again.
+            if bell.wait(ready, TRIM_IDLE_S):
+                return deadline
+            self._spool.trim_idle()
+            left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 or not bell.wait(ready, left):
             raise Empty(f"no frame within {timeout} s")
         return deadline
 

@@ -579,7 +579,7 @@ class Spool:
         nothing is left, every segment but the writer's current one is
         punched out of the file.  The writer gives memory back by itself
         when it wraps early (every consumer caught up), and a reader that
-        finds nothing to read calls this; call it after draining a large
+        finds nothing to read for 10 ms calls this; call it after draining a large
         backlog while no one writes.  A fixed spool releases nothing (0).
         None: the writer lock stayed busy for ``lock_wait`` seconds.
         """
@@ -589,12 +589,17 @@ class Spool:
             return None
         return max(0, before - self.allocated)
 
-    def trim_idle(self) -> None:
-        """:meth:`trim` without waiting, if a growable spool's zone spans more than four
-        segments (called by readers about to wait: cheap when there is nothing to give back)."""
+    def trim_due(self) -> bool:
+        """True if this is a growable spool whose zone spans more than four segments
+        (a reader that stays idle then calls :meth:`trim_idle`)."""
         ctl = self.mapping.ctl
         seg = ctl[F.W_SEGMENT]
-        if seg and ctl[F.W_ALLOC] > 4 * seg:
+        return bool(seg) and ctl[F.W_ALLOC] > 4 * seg
+
+    def trim_idle(self) -> None:
+        """:meth:`trim` without waiting, if :meth:`trim_due` (called by a reader that
+        found nothing to read for ``reader.TRIM_IDLE_S``)."""
+        if self.trim_due():
             self.core.trim(0.0)
 
     def sync(self) -> None:

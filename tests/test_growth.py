@@ -96,6 +96,34 @@ def test_grows_and_shrinks_back_with_every_kind_of_reader_following(make_spool):
     assert any("growable" in n for n in report.notes)
 
 
+def test_a_reader_left_idle_gives_back_what_was_consumed_but_not_between_frames(make_spool):
+    """A reader that finds nothing to read for TRIM_IDLE_S trims the spool down to
+    its start allocation and the writer's segment; one whose wait is shorter (a
+    consumer faster than its producer, caught up between frames) never does:
+    each trim takes the writer lock and frees pages the writer needs again."""
+    from shmq.reader import TRIM_IDLE_S
+
+    sp = make_spool(capacity="1MiB", max_capacity="64MiB", on_full="block")
+    r = sp.reader("r")
+    got = []
+    for seq in range(40_000):  # 8 MiB of backlog: eight segments and more
+        sp.put(_frame(seq))
+    grown = sp.allocated
+    assert grown > sp.ring.base + 6 * SEG
+    _drain(r, got)
+    with pytest.raises(shmq.Empty):
+        r.get(timeout=TRIM_IDLE_S / 2)  # a short wait: nothing given back
+    assert sp.allocated == grown
+    with pytest.raises(shmq.Empty):
+        r.get(timeout=TRIM_IDLE_S * 5)  # idle long enough: trimmed
+    assert sp.allocated <= sp.ring.base + 2 * SEG + 64 * 1024  # start allocation + writer's segment
+    for seq in range(40_000, 45_000):  # the writer goes on where it was, then wraps into kept pages
+        sp.put(_frame(seq))
+    _drain(r, got)
+    _check_exact(got, 0, 45_000)
+    assert r.lost == 0 and verify(sp.path).ok
+
+
 BIG = 512 * 1024  # half a segment: a new segment every other put
 
 
