@@ -144,8 +144,9 @@ def update(path, secs):
     with open(path) as f:
         text = f.read()
     for name, body in secs.items():
-        text = re.sub(rf"(<!-- bench:{name} -->\n).*?(\n<!-- /bench:{name} -->)",
-                      lambda m: m.group(1) + body + m.group(2), text, flags=re.S)
+        # (an empty section, the two markers on consecutive lines, matches too)
+        text = re.sub(rf"(<!-- bench:{name} -->\n)(?:.*?\n)??(<!-- /bench:{name} -->)",
+                      lambda m: m.group(1) + body + "\n" + m.group(2), text, flags=re.S)
     with open(path, "w") as f:
         f.write(text)
 
