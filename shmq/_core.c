@@ -175,6 +175,7 @@ typedef struct {
     sem_t *wsem, *rsem, *fsem;
     uint64_t rate_until;
     int rate_word;
+    uint64_t lap_ns; /* growable: when this handle last wrapped early (0: not yet) */
     uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
     double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
     struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
@@ -499,27 +500,44 @@ static uint64_t mono_ns(void) {
 }
 
 /* The writer is about to allocate a fresh segment while every consumer is
- * within `lag` bytes (at most a segment) of `start`: usually one still copying
- * the batch just committed.  Fresh pages cost far more than that copy (the
- * kernel zeroes them; a VM may trap on first touch), and a writer that always
- * checked at that moment would never wrap early: a fast consumer would let
- * the zone climb to the ceiling.  So wait for it, briefly (50 us plus its copy
- * at 4 GB/s), with the GIL released (the consumer may be a thread of this
- * process).  1 if every consumer caught up; 0 if not in time; ECANCELED if the
- * handle was closed meanwhile. */
-static int wait_caught_up(Ring *r, uint64_t start, uint64_t lag) {
-    uint64_t floor = 0, budget = 50000 + lag / 4;
+ * within `lag` bytes (at most two segments) of `start`: usually one still
+ * copying the batch just committed, or catching up the frames that piled up
+ * while it woke.  Fresh pages cost far more than that copy (the kernel zeroes
+ * them; a VM may trap on first touch), and a writer that always checked at
+ * that moment would never wrap early: a fast consumer would let the zone
+ * climb to the ceiling.  So wait for it, with the GIL released (the consumer
+ * may be a thread of this process), for the larger of 50 us plus its copy at
+ * 4 GB/s and `lap_share` (a sixteenth of the lap just written: small frames
+ * drain far slower than 4 GB/s, and a zone whose laps are too short for its
+ * drains grows until the wait costs at most that share), at most 2 ms, and
+ * not past 50 us without progress (a stalled consumer: grow at once).
+ * 1 if every consumer caught up; 0 if not in time; ECANCELED if the handle
+ * was closed meanwhile. */
+#define CATCH_UP_MAX_NS 2000000ull
+#define WRAP_SLACK_SEGS 4 /* segments kept above an early wrap's point (see zone_place) */
+#define CATCH_UP_STALL_NS 50000ull
+static int wait_caught_up(Ring *r, uint64_t start, uint64_t lag, uint64_t lap_share) {
+    uint64_t floor = 0, last = 0, budget = 50000 + lag / 4;
+    if (lap_share > budget) budget = lap_share;
+    if (budget > CATCH_UP_MAX_NS) budget = CATCH_UP_MAX_NS;
     int ok = 0, found = 1;
     r->busy++;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = mono_ns(), moved = t0;
     for (unsigned spin = 0;; spin++) {
         found = slot_floor(r, S_POS, &floor);
         if (!found || floor >= start) {
             ok = found;
             break;
         }
-        if ((spin & 63) == 63 && mono_ns() - t0 > budget) break;
+        if ((spin & 63) == 63) {
+            uint64_t now = mono_ns();
+            if (floor != last) {
+                last = floor;
+                moved = now;
+            }
+            if (now - t0 > budget || now - moved > CATCH_UP_STALL_NS) break;
+        }
         cpu_relax();
     }
     Py_END_ALLOW_THREADS
@@ -625,7 +643,9 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
         int found = slot_floor(r, S_POS, &floor), caught = found && floor >= start;
         if (found && !caught && need && start - floor <= 2 * seg) {
             if (call_crash_hook("catching-up") < 0) return -100;
-            int w = wait_caught_up(r, start, start - floor); /* cheaper than fresh pages */
+            uint64_t now = mono_ns();
+            if (!r->lap_ns || r->lap_ns > now) r->lap_ns = now;
+            int w = wait_caught_up(r, start, start - floor, (now - r->lap_ns) / 16); /* cheaper than fresh pages */
             if (w == ECANCELED) return zone_status(r, ECANCELED);
             caught = w;
         }
@@ -637,6 +657,7 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
             int st = make_room(r, lap + total, next_seq, lap + ring); /* evicts all: FIRST_POS = lap + ring */
             if (st == -100) return -100;
             if (st == 0) {
+                r->lap_ns = mono_ns(); /* a new lap of the hot zone */
                 *npads = 1;
                 pads_off[0] = n_off;
                 pads_gap[0] = gap;
@@ -647,9 +668,13 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
                     p += needs[k];
                 }
                 *end = p;
-                /* All above the pad is dead: give back what the zone holds there (a
-                 * punch up to the ring's end would walk gigabytes of holes each time). */
-                return zone_punch(r, n_off + FRAME_BYTES, ld_rlx(&r->ctl[W_ALLOC]));
+                /* All above the pad is dead: give back what the zone holds there,
+                 * but for WRAP_SLACK_SEGS segments above the wrap point: laps end at
+                 * varying segments (wherever the consumers happened to be caught
+                 * up), and punching right above each would make the next longer lap
+                 * allocate fresh pages again.  Only up to ALLOC: a punch to the
+                 * ring's end would walk gigabytes of holes each time. */
+                return zone_punch(r, n_off + FRAME_BYTES + WRAP_SLACK_SEGS * seg, ld_rlx(&r->ctl[W_ALLOC]));
             } /* a pin holds a frame: no early wrap this time */
         }
     }
@@ -1806,7 +1831,10 @@ static void release_behind(Ring *r, uint64_t *released, uint64_t pos) {
     /* Only now the shared ALLOC word: it sits on the control line the writer
      * stores to on every put, and a load per get would bounce that line
      * between the two cores (a fifth of a growable ring's 100 B throughput). */
-    if (r->segment && ld_rlx(&r->ctl[W_ALLOC]) <= KEEP_BEHIND) return; /* a small hot zone: all of it stays */
+    if (r->segment && ld_rlx(&r->ctl[W_ALLOC]) <= KEEP_BEHIND) { /* a small hot zone: all of it stays */
+        *released = pos; /* ... and the next look is RELEASE_CHUNK on, not at every get */
+        return;
+    }
     static uint64_t page = 0;
     if (!page) page = (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t start = *released, end = (pos - KEEP_BEHIND) & ~(page - 1);
@@ -2028,6 +2056,29 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     return Py_NewRef(UNDECODED);
 }
 
+/* A blocking get that found nothing: spin a moment (GIL held, no syscall) for
+ * the writer's next commit.  A consumer as fast as its producer is caught up
+ * between most frames of a stream; the Python wait path it would enter
+ * instead costs several microseconds and registers it as a waiter, which
+ * makes every put ring the doorbell (a pwrite) until it is out again.
+ * 1 if a frame is there now. */
+#define CAUGHT_UP_SPIN_NS 2000ull
+static int spin_for_frame(Cursor *c) {
+    Ring *r = c->ring;
+    if (c->closed_msg || !r->have_buf) return 0;
+    uint64_t t0 = 0;
+    for (unsigned spin = 0;; spin++) {
+        uint64_t seq = c->kind == K_GROUP ? ld_acq(&cur_slot(c)[S_SEQ]) : c->seq;
+        if (seq < ld_acq(&r->ctl[W_NEXT_SEQ])) return 1;
+        if ((spin & 7) == 7) {
+            uint64_t now = mono_ns();
+            if (!t0) t0 = now;
+            else if (now - t0 > CAUGHT_UP_SPIN_NS) return 0;
+        }
+        cpu_relax();
+    }
+}
+
 static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Reader.get(block=True, timeout=None): a frame in one C call when one is
      * there; otherwise owner._get_slow(block, timeout, first_result). */
@@ -2038,6 +2089,13 @@ static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nar
     PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
     if (!f) return NULL;
     if (Py_IS_TYPE(f, FrameType)) return f;
+    if (f == Py_None && (!a[0] || a[0] == Py_True) && (!a[1] || a[1] == Py_None || PyObject_IsTrue(a[1]) == 1) &&
+        spin_for_frame(c)) {
+        Py_DECREF(f);
+        f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+        if (!f) return NULL;
+        if (Py_IS_TYPE(f, FrameType)) return f;
+    }
     PyObject *cargs[3] = {a[0] ? a[0] : Py_True, a[1] ? a[1] : Py_None, f};
     PyObject *res = call_owner(c->owner, "_get_slow", cargs, 3);
     Py_DECREF(f);
@@ -2055,6 +2113,11 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
         PyObject *o = Cursor_get_obj(c, NULL);
         if (!o) return NULL;
         if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
+        if (o == EMPTY && block == Py_True && spin_for_frame(c)) {
+            Py_DECREF(o);
+            if (!(o = Cursor_get_obj(c, NULL))) return NULL;
+            if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
+        }
         Py_DECREF(o);
         if (c->last) { /* UNDECODED: the Python decoder takes it from .last */
             PyObject *cargs[3] = {block, timeout, UNDECODED};
