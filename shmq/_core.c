@@ -635,6 +635,7 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
     int need = top > z || low > z || (hl < hh && ((n_off < hh && top > hl) || (low && low > hl)));
     /* The early wrap is tried when the writer enters a new segment (a few loads per segment). */
     int entering = n_off % seg == 0 || (top - 1) / seg != n_off / seg || low;
+    if (!r->lap_ns) r->lap_ns = mono_ns(); /* this handle's first lap starts with its first write */
     if (!need && !entering) return 0;
     uint64_t gap = ring - n_off;
     if (entering && r->policy != 0 && n_off && n_off >= ld_rlx(&c[W_ALLOC_MIN]) && total <= n_off &&
@@ -643,9 +644,8 @@ static int zone_place(Ring *r, uint64_t start, Py_ssize_t count, const uint64_t 
         int found = slot_floor(r, S_POS, &floor), caught = found && floor >= start;
         if (found && !caught && need && start - floor <= 2 * seg) {
             if (call_crash_hook("catching-up") < 0) return -100;
-            uint64_t now = mono_ns();
-            if (!r->lap_ns || r->lap_ns > now) r->lap_ns = now;
-            int w = wait_caught_up(r, start, start - floor, (now - r->lap_ns) / 16); /* cheaper than fresh pages */
+            uint64_t now = mono_ns(), lap = now > r->lap_ns ? now - r->lap_ns : 0;
+            int w = wait_caught_up(r, start, start - floor, lap / 16); /* cheaper than fresh pages */
             if (w == ECANCELED) return zone_status(r, ECANCELED);
             caught = w;
         }

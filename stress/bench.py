@@ -15,7 +15,8 @@ Contenders (bench_contenders.py, bench_peers.py): ``spool`` (shmq.Spool
 put/get: a named reader, or a group when there are several consumers),
 ``spool-batch`` (put_many/get_many), ``spool-wrapped`` (a 1 MiB ring in
 steady state), ``spool-growable`` (1 MiB of pages growing up to the fixed
-spool's 64 MiB, as ``shmq.Queue()``'s rings do), ``spool-reserve`` (zero-copy writes with ``Spool.reserve``,
+spool's 64 MiB, as ``shmq.Queue()``'s rings do; ``spool-grown``: the same
+after one untimed pass of the row's workload), ``spool-reserve`` (zero-copy writes with ``Spool.reserve``,
 once it exists), ``shmq.Queue`` / ``shmq.Queue-batch``, ``mp.Queue``
 (multiprocessing.Queue), and when installed (``pip install 'shmq[bench]'``)
 ``faster-fifo``, ``pyzmq`` (PUSH/PULL over ipc://), ``iceoryx2`` (loaned
@@ -45,7 +46,7 @@ import psutil
 import shmq
 from bench_contenders import (
     CTX, FasterFifo, FasterFifoRecords, Memcpy, MpQueue, NumpyRing, Ring, ShmqQueue, Spool, SpoolArrow,
-    SpoolGrowable, SpoolRecords, SpoolReserve, SpoolView, SpoolWrapped, Threaded, faster_fifo, nbytes_of, payload,
+    SpoolGrowable, SpoolGrown, SpoolRecords, SpoolReserve, SpoolView, SpoolWrapped, Threaded, faster_fifo, nbytes_of, payload,
 )
 from bench_extras import run_idle_and_memory, run_latency, run_syscalls
 from bench_peers import Iceoryx2, PosixMQ, PyZmq, versions
@@ -82,7 +83,7 @@ PEERS = ("pyzmq", "posix-mq")
 S = Scenario
 SCENARIOS = {
     "1->1 100 B": S("bytes", 100, 300_000, 1, 1, 1, False,
-                    contenders(*ALL, "ring", *PEERS) + [SpoolGrowable()]),
+                    contenders(*ALL, "ring", *PEERS) + [SpoolGrowable(), SpoolGrown()]),
     "1->1 100 B wrapped 1 MiB": S("bytes", 100, 300_000, 1, 1, 1, False,
                                   [SpoolWrapped()] + contenders("spool", "mp.Queue", "faster-fifo")),
     "1->1 small dict": S("dict", 0, 200_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
@@ -100,7 +101,7 @@ SCENARIOS = {
                                   [SpoolWrapped()] + contenders("spool", "mp.Queue", "faster-fifo")),
     "1->1 4 KiB": S("bytes", 4096, 100_000, 1, 1, 1, False, contenders(*ALL)),
     "1->1 64 KiB": S("bytes", 65536, 20_000, 1, 1, 1, False, contenders(*ALL)),
-    "1->1 1 MiB": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, contenders(*ALL, *PEERS) + [SpoolGrowable()]),
+    "1->1 1 MiB": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, contenders(*ALL, *PEERS) + [SpoolGrowable(), SpoolGrown()]),
     "1->1 1 MiB reserve": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, [SpoolReserve(), Iceoryx2(), Spool()]),
     "1->1 1 MiB numpy": S("numpy", 1 << 20, 2_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
     "1->4 fan-out 100 B": S("bytes", 100, 100_000, 1, 4, 1, True, contenders("spool")),

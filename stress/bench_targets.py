@@ -53,7 +53,8 @@ def worst_against(results, peer_prefix):
     for scen, row in results.items():
         peers = [r["items_per_s"] for c, r in row.items() if c.startswith(peer_prefix) and measured(r)]
         ours = [r["items_per_s"] for c, r in row.items() if c.startswith(SHMQ_PREFIXES) and measured(r)
-                and ("wrapped" in c or "wrapped" not in scen)]  # a wrapped row races the wrapped spool
+                and ("wrapped" in c or "wrapped" not in scen)  # a wrapped row races the wrapped spool
+                and c != "spool-grown"]  # it had an untimed pass: not a peer's equal
         if peers and ours:
             v = max(ours) / max(peers)
             if worst is None or v < worst[0]:
@@ -131,6 +132,13 @@ def targets(results, lat, sys_, misc):
     add(15, "growable spool >= 90% of a fixed one (100 B, 1 MiB; 1 MiB growing to 64 MiB)",
         w and w[0], 0.9, "{:.0%}", why=why_not(results, "1->1 100 B", "spool-growable", "spool"),
         extra=w and f" (worst: {w[1]}; " + ", ".join(f"{s}: {v:.0%}" for v, s in grow) + ")" or "")
+    # ... and once grown (one untimed pass of the same workload first): the steady state
+    grown = [(ratio(results, s, "spool-grown", "spool"), s) for s in ("1->1 100 B", "1->1 1 MiB")]
+    grown = [g for g in grown if g[0] is not None]
+    w = min(grown) if grown else None
+    add(15, "grown spool >= 90% of a fixed one (100 B, 1 MiB; after one untimed pass)",
+        w and w[0], 0.9, "{:.0%}", why=why_not(results, "1->1 100 B", "spool-grown", "spool"),
+        extra=w and f" (worst: {w[1]}; " + ", ".join(f"{s}: {v:.0%}" for v, s in grown) + ")" or "")
 
     # earlier targets (issue 4), still tracked
     def add4(label, value, goal, fmt="{:.2f}x"):

@@ -133,7 +133,7 @@ def sections(data):
                                                 if any(c.startswith("shmq.Queue") for c in row)],
                                   contenders=("shmq.Queue", "mp.Queue", "faster-fifo")),
         "growable": throughput_table(t, scenarios=[k for k, row in t.items() if "spool-growable" in row],
-                                     contenders=("spool", "spool-growable")).replace(
+                                     contenders=("spool", "spool-growable", "spool-grown")).replace(
             "| spool |", "| spool (fixed 64 MiB) |"),
         "columnar": throughput_table(t, scenarios=("records 100 B x1000", "1->1 1 MiB numpy array",
                                                    "arrow 64k rows x 10 cols")),
