@@ -143,6 +143,32 @@ def encode(obj):
     data = _dumps(obj, PROTOCOL, buffer_callback=buffers.append)
     if not buffers:
         return data, F.CODEC_PICKLE
+    return _with_buffers(data, buffers)
+
+
+def encode_many(objs) -> list:
+    """:func:`encode` of each object, with one buffer list for the whole batch
+    (a batch of small objects spends a fifth of its time on per-item set-up)."""
+    out = []
+    append = out.append
+    buffers = []
+    collect = buffers.append
+    raw, pickled = F.CODEC_RAW, F.CODEC_PICKLE
+    for obj in objs:
+        if type(obj) is bytes:
+            append((obj, raw))
+            continue
+        data = _dumps(obj, PROTOCOL, buffer_callback=collect)
+        if buffers:
+            append(_with_buffers(data, list(buffers)))
+            buffers.clear()
+        else:
+            append((data, pickled))
+    return out
+
+
+def _with_buffers(data, buffers):
+    """A pickle with out-of-band buffers as one frame item: header, pickle, buffers."""
     raws = [b.raw() for b in buffers]
     lens = [r.nbytes for r in raws]
     parts = [F.pack_oob_header(len(data), lens), data, F.oob_padding(len(data))]

@@ -267,7 +267,7 @@ class Queue:
         with out-of-band buffers); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        encoded = [_encode(o) for o in items]
+        encoded = _codec.encode_many(items)
         if not encoded:
             return
         if self._unfinished is not None:
@@ -276,10 +276,10 @@ class Queue:
         try:
             # A frame header has one codec: a batch of one kind (all pickles, all
             # bytes, all out-of-band) is one atomic append; a mixed one goes item by item.
-            codecs = {c for _i, c in encoded}
-            if len(codecs) == 1:
-                self._spool.writer.append(tuple(i for i, _c in encoded),
-                                    check_block_timeout(block, timeout), codecs.pop(), self._backlog)
+            codec = encoded[0][1]
+            if all(c == codec for _i, c in encoded):
+                self._spool.writer.append(tuple([i for i, _c in encoded]),
+                                    check_block_timeout(block, timeout), codec, self._backlog)
             else:
                 for item, codec in encoded:
                     self._spool.writer.append((item,), check_block_timeout(block, timeout), codec,
@@ -295,7 +295,8 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         frames = self._reader.get_many(max_items, block, timeout)
-        return [_decode(f[2], f.codec) for f in frames]
+        out = _core.decode_items(frames)  # raw and in-band pickles in one call
+        return out if out is not None else [_decode(f[2], f.codec) for f in frames]
 
     async def get_async(self, timeout=None):
         """``await`` the next item; the event loop parks on the spool's inotify fd."""

@@ -48,6 +48,36 @@ def test_put_many_get_many(q):
         q.get_many(0)
 
 
+def test_batches_of_every_kind_of_item_round_trip(q):
+    """put_many encodes a batch with one buffer list (an array's out-of-band
+    buffers must not leak into the next item); get_many decodes raw and pickled
+    frames in one core call and falls back to Python for the rest."""
+    a, b = np.arange(1000, dtype=np.int64), np.full(7, 2.5)
+    batches = [
+        [{"k": i} for i in range(50)],                     # all pickles: one atomic frame run
+        [b"raw-%d" % i for i in range(20)],                # all bytes
+        [{"x": 1}, a, "s", b, b"r", (a, b), None],         # mixed: item by item
+        [a, b],                                           # all out-of-band
+    ]
+    for batch in batches:
+        q.put_many(batch)
+    want = [x for batch in batches for x in batch]
+    got = []
+    while len(got) < len(want):
+        got += q.get_many(64, timeout=5)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, np.ndarray):
+            assert isinstance(g, np.ndarray) and g.dtype == w.dtype and np.array_equal(g, w)
+        elif isinstance(w, tuple) and w and isinstance(w[0], np.ndarray):
+            assert all(np.array_equal(x, y) for x, y in zip(g, w))
+        else:
+            assert g == w and type(g) is type(w)
+    assert shmq._core.decode_items([]) == []
+    with pytest.raises(TypeError):
+        shmq._core.decode_items([b"not a frame"])
+
+
 def test_numpy_out_of_band_roundtrip(q):
     arrays = [np.arange(1 << 17, dtype=np.float64), np.zeros((3, 5), dtype=np.int16),
               np.array([(1, 2.5)], dtype=[("a", "i4"), ("b", "f8")])]
