@@ -67,6 +67,8 @@ def targets(results, lat, sys_, misc):
 
     def add(issue, label, value, goal, fmt="{:.2f}x", why="not measured", at_most=False, extra=""):
         met = None if value is None else (value <= goal if at_most else value >= goal)
+        if value is not None and met is False and fmt.format(value) == fmt.format(goal):
+            fmt = "{:.1%}" if fmt.endswith("%}") else "{:.3f}x"  # 39.8% must not print as "40%"
         shown = why if value is None else fmt.format(value) + extra
         rows.append({"issue": issue, "target": label, "value": value, "goal": goal, "met": met, "shown": shown})
 
