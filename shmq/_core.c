@@ -367,6 +367,28 @@ static int call_crash_hook(const char *point) {
     return 0;
 }
 
+/* Store the new oldest frame (writer lock held), both words before any byte
+ * below `pos` is overwritten.  While frames stay resident, the position goes
+ * first: a writer killed in between leaves FIRST_POS at a real frame, whose
+ * header recovery re-reads the seq from.  When everything is evicted, `pos` is
+ * where the next batch goes and holds no header of this lap yet (an older
+ * lap's frame may sit there and look valid): the seq goes first, so a writer
+ * killed in between leaves FIRST_SEQ = NEXT_SEQ, which recovery reads as an
+ * empty ring.  0, or -100 if the fault-injection hook raised. */
+static int publish_first(uint64_t *c, uint64_t seq, uint64_t pos, uint64_t next_seq) {
+    if (seq >= next_seq) {
+        st_rel(&c[W_FIRST_SEQ], seq);
+        if (call_crash_hook("evicting") < 0) return -100;
+        st_rel(&c[W_FIRST_POS], pos);
+        return 0;
+    }
+    st_rlx(&c[W_FIRST_POS], pos); /* position first: readers re-derive seq from its header */
+    atomic_thread_fence(memory_order_release); /* ... and see it before any overwritten byte */
+    if (call_crash_hook("evicting") < 0) return -100;
+    st_rel(&c[W_FIRST_SEQ], seq);
+    return 0;
+}
+
 /* Move FIRST_* past everything below byte position `limit` (writer lock
  * held).  Returns 0 on success, ST_NO_ROOM / ST_SLOW, or -100 with an
  * exception set.  Overwrite policy walks the evicted headers (a few loads
@@ -412,10 +434,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
             (void)p;
         }
         if (seq >= next_seq) pos = batch_pos;
-        st_rlx(&c[W_FIRST_POS], pos);
-        atomic_thread_fence(memory_order_release);
-        if (call_crash_hook("evicting") < 0) return -100;
-        st_rel(&c[W_FIRST_SEQ], seq);
+        if (publish_first(c, seq, pos, next_seq) < 0) return -100;
         st_rlx(&c[W_EVICTED], ld_rlx(&c[W_EVICTED]) + (seq - start_seq));
         return 0;
     }
@@ -442,10 +461,7 @@ static int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_
         if (!(h.flags & FLAG_PAD)) seq++;
     }
     if (seq >= next_seq) pos = batch_pos; /* everything evicted: the ring restarts at this batch */
-    st_rlx(&c[W_FIRST_POS], pos);         /* position first: readers re-derive seq from its header */
-    atomic_thread_fence(memory_order_release); /* ... and see it before any overwritten byte */
-    if (call_crash_hook("evicting") < 0) return -100;
-    st_rel(&c[W_FIRST_SEQ], seq);
+    if (publish_first(c, seq, pos, next_seq) < 0) return -100;
     st_rlx(&c[W_EVICTED], ld_rlx(&c[W_EVICTED]) + (seq - start_seq));
     return 0;
 }

@@ -518,11 +518,18 @@ class Writer:
             if not flags & FLAG_PAD:
                 seq += 1
         if seq >= next_seq:
-            pos = batch_pos  # everything evicted: the ring restarts at this batch
-        ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
-        if crash_hook is not None:
-            crash_hook("evicting", self._owner)
-        ctl[W_FIRST_SEQ] = seq
+            # Everything evicted: the ring restarts at this batch, where an older
+            # lap's header may still look valid, so the seq goes first (a writer
+            # killed in between leaves an empty ring for recovery; as in the core).
+            ctl[W_FIRST_SEQ] = seq
+            if crash_hook is not None:
+                crash_hook("evicting", self._owner)
+            ctl[W_FIRST_POS] = batch_pos
+        else:
+            ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
+            if crash_hook is not None:
+                crash_hook("evicting", self._owner)
+            ctl[W_FIRST_SEQ] = seq
         ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & _MASK64
         return True
 

@@ -662,7 +662,7 @@ def _seg_writer(path, wid, seed, conn_fd):
     rng = random.Random(seed)
 
     def hook(where, sp):  # killed exactly at segment switches, now and then
-        if where in ("allocating", "releasing") and rng.random() < 0.02:
+        if where in ("allocating", "releasing", "evicting", "catching-up") and rng.random() < 0.02:
             os.kill(os.getpid(), signal.SIGKILL)
 
     _spool_mod.set_crash_hook(hook)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import shmq
+from shmq.verify import verify
 from helpers import (
     REC, attach_named, die_holding_reader, group_drain, hold_group_lock_forever,
     hold_writer_lock_forever, put_after_event, put_and_report, read_records, write_records,
@@ -353,3 +354,44 @@ def test_killed_writer_never_exposes_partial_frames(spool_path):
         count += 1
     assert kills == 6 and count > 0
     sp.close()
+
+
+def _die_while_evicting(path, policy_growable):
+    """Put a frame that must evict everything already consumed, and SIGKILL this
+    process between the two words that record the new oldest frame."""
+    def hook(where, _sp):
+        if where == "evicting":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    shmq.spool.set_crash_hook(hook)
+    sp = shmq.Spool.open(path, recovery_timeout=0.2)
+    sp.put(b"w" * 3000, timeout=10)
+    os._exit(3)  # not reached: the hook kills it
+
+
+@pytest.mark.parametrize("growable", [False, True], ids=["fixed", "growable"])
+def test_a_writer_killed_while_evicting_everything_leaves_a_readable_ring(spool_path, ctx, growable):
+    """The next batch goes where an older lap's frame may still look valid: a writer
+    killed after recording the new oldest position but before its seq made lock
+    recovery trust that stale header, and every reader then failed with "cursor
+    ahead of the oldest frame yet unreadable".  The seq is now recorded first."""
+    kw = dict(capacity="64KiB", max_capacity="8MiB") if growable else dict(capacity="64KiB")
+    sp = shmq.Spool.create(spool_path, on_full="block", recovery_timeout=0.2, **kw)
+    r = sp.reader("r")
+    n = 0
+    # Up to the point where the next 3000-byte frame wraps: the ring's end, or for a
+    # growable ring its second segment's end (it wraps early on entering the third).
+    end = 128 * 1024 if growable else sp.capacity
+    while sp.ring.next_pos + 3032 <= end:
+        sp.put(b"%06d" % n + b"x" * 2994)
+        n += 1
+    assert [f.seq for f in r.get_many(10_000, timeout=1)] == list(range(n))  # all consumed
+    p = ctx.Process(target=_die_while_evicting, args=(spool_path, growable))
+    p.start()
+    join_all([p])
+    assert p.exitcode == -signal.SIGKILL  # it died at the hook, holding the writer lock
+    sp.put(b"after", timeout=10)  # recovers the lock, then writes
+    got = r.get_many(100, timeout=5)
+    assert got[-1].data == b"after" and got[0].seq == n and r.lost == 0
+    report = verify(sp.path)
+    assert report.ok, report.problems
