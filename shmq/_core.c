@@ -379,7 +379,8 @@ static int publish_first(uint64_t *c, uint64_t seq, uint64_t pos, uint64_t next_
     if (seq >= next_seq) {
         st_rel(&c[W_FIRST_SEQ], seq);
         if (call_crash_hook("evicting") < 0) return -100;
-        st_rel(&c[W_FIRST_POS], pos);
+        st_rlx(&c[W_FIRST_POS], pos);
+        atomic_thread_fence(memory_order_release); /* before any overwritten byte, as below */
         return 0;
     }
     st_rlx(&c[W_FIRST_POS], pos); /* position first: readers re-derive seq from its header */
