@@ -2041,13 +2041,33 @@ static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) 
     return private_take(c, 1, 0);
 }
 
+/* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
+ * group whose lock was not free within the handle's lock wait). */
+static PyObject *take_one(Cursor *c) {
+    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+}
+
+/* The C decoder of shmq.Queue items: a raw frame's bytes as they are, an
+ * in-band pickle unpickled; NULL with no exception set for any other codec
+ * (the Python decoder's).  Only for queues whose trust was checked at attach. */
+static int decodable(PyObject *f) {
+    long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
+    return codec == 0 || (codec == 1 && pickle_loads);
+}
+
+static PyObject *decode_frame(PyObject *f) {
+    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
+    return PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3)) == 0 ? Py_NewRef(data)
+                                                               : PyObject_CallOneArg(pickle_loads, data);
+}
+
 static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     /* The shmq.Queue get path in one call: take one frame (group lock held
      * for the copy only), then decode raw and pickle frames after releasing
      * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
-    PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    PyObject *f = take_one(c);
     if (!f) return NULL;
     if (f == Py_None) {
         Py_DECREF(f);
@@ -2057,15 +2077,8 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
         Py_DECREF(f);
         return Py_NewRef(STUCK);
     }
-    long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
-    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
-    if (codec == 0) { /* raw bytes travel as they are */
-        PyObject *out = Py_NewRef(data);
-        Py_DECREF(f);
-        return out;
-    }
-    if (codec == 1 && pickle_loads) { /* unpickled after the lock was released */
-        PyObject *out = PyObject_CallOneArg(pickle_loads, data);
+    if (decodable(f)) { /* after the group lock was released */
+        PyObject *out = decode_frame(f);
         Py_DECREF(f);
         return out;
     }
@@ -2103,13 +2116,13 @@ static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nar
     PyObject *a[2];
     if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
     if (cursor_check(c) < 0) return NULL;
-    PyObject *f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    PyObject *f = take_one(c);
     if (!f) return NULL;
     if (Py_IS_TYPE(f, FrameType)) return f;
     if (f == Py_None && (!a[0] || a[0] == Py_True) && (!a[1] || a[1] == Py_None || PyObject_IsTrue(a[1]) == 1) &&
         spin_for_frame(c)) {
         Py_DECREF(f);
-        f = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+        f = take_one(c);
         if (!f) return NULL;
         if (Py_IS_TYPE(f, FrameType)) return f;
     }
@@ -2593,9 +2606,8 @@ static PyObject *core_setup(PyObject *m, PyObject *args) {
 
 static PyObject *core_decode_items(PyObject *m, PyObject *frames) {
     /* decode_items(frames) -> [objects] for shmq.Queue.get_many when every frame
-     * is raw bytes or an in-band pickle (else None: the Python decoder takes
-     * them); one call instead of a Python decode call per item.  Only for
-     * queues whose trust was checked when they attached, as Cursor.get_obj. */
+     * is decodable() here (else None: the Python decoder takes them all); one
+     * call instead of a Python decode call per item, as Cursor.get_obj. */
     if (!PyList_CheckExact(frames)) {
         PyErr_SetString(PyExc_TypeError, "decode_items(list of Frame)");
         return NULL;
@@ -2607,16 +2619,12 @@ static PyObject *core_decode_items(PyObject *m, PyObject *frames) {
             PyErr_SetString(PyExc_TypeError, "decode_items(list of Frame)");
             return NULL;
         }
-        long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
-        if (codec == -1 && PyErr_Occurred()) return NULL;
-        if (codec != 0 && !(codec == 1 && pickle_loads)) Py_RETURN_NONE;
+        if (!decodable(f)) Py_RETURN_NONE;
     }
     PyObject *out = PyList_New(n);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *f = PyList_GET_ITEM(frames, i), *data = PyStructSequence_GET_ITEM(f, 2);
-        PyObject *o = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3)) == 0 ? Py_NewRef(data)
-                                                                          : PyObject_CallOneArg(pickle_loads, data);
+        PyObject *o = decode_frame(PyList_GET_ITEM(frames, i));
         if (!o) {
             Py_DECREF(out);
             return NULL;
