@@ -1731,7 +1731,7 @@ static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsi
 
 static PyMethodDef Ring_methods[] = {
     {"trim", (PyCFunction)Ring_trim, METH_VARARGS,
-     "trim(lock_wait=0) -> True, or None if the lock was busy: a drained growable ring keeps one segment"},
+     "trim(lock_wait=0) -> True, or None if the lock was busy: a drained growable ring keeps its current segment and the start allocation"},
     {"zone_alloc", (PyCFunction)Ring_zone_alloc, METH_VARARGS,
      "zone_alloc(lo, hi) -> 0 or NO_SPACE (writer lock held): allocate a growable ring's offsets"},
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_FASTCALL,

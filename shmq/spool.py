@@ -576,8 +576,9 @@ class Spool:
         """Give back a drained growable spool's memory now; return the bytes released.
 
         Frames every named reader and group has consumed are evicted; if
-        nothing is left, every segment but the writer's current one is
-        punched out of the file.  The writer gives memory back by itself
+        nothing is left, every segment but the writer's current one and the
+        start allocation (where the writer wraps early next) is punched out
+        of the file.  The writer gives memory back by itself
         when it wraps early (every consumer caught up), and a reader that
         finds nothing to read for 10 ms calls this; call it after draining a large
         backlog while no one writes.  A fixed spool releases nothing (0).
