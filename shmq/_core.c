@@ -36,7 +36,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -65,6 +68,8 @@
 #define W_GROWTHS 35  /* segments allocated since creation */
 #define W_HOLE_LO 36  /* growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may have no pages (trim) */
 #define W_HOLE_HI 37
+#define W_DATA_BELL 38  /* futex words: bumped by every doorbell ring (see ring_bell) */
+#define W_SPACE_BELL 39
 #define W_RATE 64
 #define RATE_SECONDS 60
 #define RATE_WORDS 3
@@ -297,15 +302,27 @@ static inline void wlock_release(Ring *r) {
     sem_post(r->wsem); /* a release operation: the holder word and all writes are visible first */
 }
 
+/* The 32-bit futex word of a doorbell: the low half of control word `word`
+ * (little-endian: x86-64 and aarch64 Linux, the supported platforms). */
+static inline _Atomic uint32_t *bell_word(Ring *r, int word) { return (_Atomic uint32_t *)&r->ctl[word]; }
+
 /* Wake the other side if it has registered waiters.  The seq_cst fence
  * orders our publication before reading the waiter count (the Dekker pair
- * with the waiter's "register, then re-check"). */
+ * with the waiter's "register, then re-check").  Two wake-ups: the futex
+ * word, which blocking calls sleep on (a futex wake is as quick as a
+ * pipe's), then the doorbell byte, whose inotify event wakes asyncio
+ * loops.  The word is bumped (release: after the publication) before the
+ * wake, so a waiter that read it before re-checking either sees the bump
+ * and does not sleep, or is asleep and woken. */
 static void ring_bell(Ring *r, sem_t *waiters) {
     int v = 0;
     atomic_thread_fence(memory_order_seq_cst);
     if (sem_getvalue(waiters, &v) == 0 && v > 0) {
+        _Atomic uint32_t *w = bell_word(r, waiters == r->rsem ? W_DATA_BELL : W_SPACE_BELL);
+        atomic_fetch_add_explicit(w, 1, memory_order_release);
+        syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
         ssize_t rc = pwrite(r->fd, "", 1, DOORBELL_BYTE);
-        (void)rc; /* a failed doorbell costs a waiter its safety-net timeout, nothing more */
+        (void)rc; /* a failed doorbell costs an asyncio waiter its safety-net timeout, nothing more */
     }
 }
 
@@ -1564,6 +1581,39 @@ static PyObject *Ring_ring_data(Ring *r, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* bell_seen(space) -> the doorbell word's value; read it after registering
+ * as a waiter and before re-checking, then pass it to bell_wait. */
+static PyObject *Ring_bell_seen(Ring *r, PyObject *space) {
+    if (ring_check_open(r) < 0) return NULL;
+    int word = PyObject_IsTrue(space) ? W_SPACE_BELL : W_DATA_BELL;
+    return PyLong_FromUnsignedLong(atomic_load_explicit(bell_word(r, word), memory_order_acquire));
+}
+
+/* bell_wait(space, seen, timeout): sleep, GIL released, until the doorbell
+ * word is no longer `seen` (someone rang), a signal arrives or `timeout`
+ * seconds pass.  Any return means "re-check"; a signal handler's exception
+ * propagates (nothing is held here).  The futex is a shared one (keyed by
+ * the file's page), so rings from any process wake it. */
+static PyObject *Ring_bell_wait(Ring *r, PyObject *args) {
+    int space;
+    unsigned long seen;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "pkd", &space, &seen, &timeout)) return NULL;
+    if (ring_check_open(r) < 0) return NULL;
+    if (timeout <= 0) Py_RETURN_NONE;
+    if (timeout > 3600) timeout = 3600;
+    struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
+    _Atomic uint32_t *w = bell_word(r, space ? W_SPACE_BELL : W_DATA_BELL);
+    r->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    syscall(SYS_futex, w, FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0); /* any return means re-check */
+    Py_END_ALLOW_THREADS
+    r->busy--;
+    if (ring_closed_meanwhile((PyObject *)r, 0, NULL)) return NULL;
+    if (PyErr_CheckSignals() < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     unsigned long long holder;
     int fd;
@@ -1748,6 +1798,9 @@ static PyMethodDef Ring_methods[] = {
     {"latest", (PyCFunction)Ring_latest, METH_VARARGS, "latest(lock_wait) -> (next_seq, next_pos) or None"},
     {"ring_space", (PyCFunction)Ring_ring_space, METH_NOARGS, "wake writers waiting for room, if any"},
     {"ring_data", (PyCFunction)Ring_ring_data, METH_NOARGS, "wake readers waiting for frames, if any"},
+    {"bell_seen", (PyCFunction)Ring_bell_seen, METH_O, "bell_seen(space) -> the doorbell word (read before re-checking)"},
+    {"bell_wait", (PyCFunction)Ring_bell_wait, METH_VARARGS,
+     "bell_wait(space, seen, timeout): sleep until the doorbell word moves from seen"},
     {"set_fd", (PyCFunction)Ring_set_fd, METH_VARARGS, "set_fd(fd, holder): after fork"},
     {"full_marker", (PyCFunction)Ring_full_marker, METH_NOARGS, "room marker taken under the lock when full"},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},
@@ -2086,6 +2139,8 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     return Py_NewRef(UNDECODED);
 }
 
+static PyObject *get_obj_take(Cursor *c) { return Cursor_get_obj(c, NULL); }
+
 /* A blocking get that found nothing: spin a moment (GIL held, no syscall) for
  * the writer's next commit.  A consumer as fast as its producer is caught up
  * between most frames of a stream; the Python wait path it would enter
@@ -2109,6 +2164,64 @@ static int spin_for_frame(Cursor *c) {
     }
 }
 
+/* A blocking get with no timeout that found nothing, even after the spin:
+ * wait for a frame here, in C, so that a wake-up costs no Python between
+ * the futex returning and the frame being taken.  The protocol is the one
+ * of shmq/_notify.py's Doorbell.wait: register as a data waiter (sem_post,
+ * a full fence), read the doorbell word, re-check by taking, sleep on the
+ * word (GIL released, at most SAFETY_NET_NS) while it still holds what was
+ * read.  `take` returns a new reference; anything but `nothing` (a frame, a
+ * status, NULL with an exception) ends the wait.  Signals run their Python
+ * handlers here; one that raises (Ctrl-C) ends the wait with nothing held.
+ * Returns NULL with no exception set when this case is the Python slow
+ * path's: a group with statistics to flush (that takes the group lock) or a
+ * growable spool due for an idle trim (the reader trims after a while). */
+#define SAFETY_NET_NS 100000000L
+static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing) {
+    Ring *r = c->ring;
+    uint64_t seg = ld_rlx(&r->ctl[W_SEGMENT]);
+    if ((c->kind == K_GROUP && (c->n || c->lost_pending)) || (seg && ld_rlx(&r->ctl[W_ALLOC]) > 4 * seg))
+        return NULL;
+    if (c->kind == K_NAMED) flush_locked(c); /* what a waiting reader shows the world */
+    _Atomic uint32_t *w = bell_word(r, W_DATA_BELL);
+    sem_t *reg = r->rsem;
+    sem_post(reg);
+    PyObject *got;
+    for (;;) {
+        uint32_t seen = atomic_load_explicit(w, memory_order_acquire);
+        got = take(c);
+        if (got != nothing) break;
+        Py_DECREF(got);
+        struct timespec ts = {0, SAFETY_NET_NS};
+        c->busy++;
+        r->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, NULL, 0); /* any return means re-check */
+        Py_END_ALLOW_THREADS
+        c->busy--;
+        r->busy--;
+        if (r->closing) { /* closed by another thread: unregister before the semaphore goes */
+            sem_trywait(reg);
+            cursor_finish(c);
+            ring_finish(r);
+            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+            return NULL;
+        }
+        cursor_finish(c);
+        /* On every wake, not only EINTR: a signal delivered to another
+         * thread of the process sets Python's flag without interrupting us,
+         * and its handler must still run (in the main thread) within the
+         * safety net. */
+        if (PyErr_CheckSignals() < 0) {
+            got = NULL;
+            break;
+        }
+    }
+    sem_trywait(reg); /* EAGAIN: the count was reset meanwhile (fsck --repair) */
+    if (!got && !PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "park_take: no result");
+    return got;
+}
+
 static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Reader.get(block=True, timeout=None): a frame in one C call when one is
      * there; otherwise owner._get_slow(block, timeout, first_result). */
@@ -2119,12 +2232,21 @@ static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nar
     PyObject *f = take_one(c);
     if (!f) return NULL;
     if (Py_IS_TYPE(f, FrameType)) return f;
-    if (f == Py_None && (!a[0] || a[0] == Py_True) && (!a[1] || a[1] == Py_None || PyObject_IsTrue(a[1]) == 1) &&
+    int forever = (!a[0] || a[0] == Py_True) && (!a[1] || a[1] == Py_None);
+    if (f == Py_None && (forever || ((!a[0] || a[0] == Py_True) && PyObject_IsTrue(a[1]) == 1)) &&
         spin_for_frame(c)) {
         Py_DECREF(f);
         f = take_one(c);
         if (!f) return NULL;
         if (Py_IS_TYPE(f, FrameType)) return f;
+    }
+    if (f == Py_None && forever) {
+        PyObject *g = park_take(c, take_one, Py_None);
+        if (g || PyErr_Occurred()) {
+            Py_DECREF(f);
+            if (!g || Py_IS_TYPE(g, FrameType)) return g;
+            f = g; /* a status (the group lock is busy): the slow path's */
+        }
     }
     PyObject *cargs[3] = {a[0] ? a[0] : Py_True, a[1] ? a[1] : Py_None, f};
     PyObject *res = call_owner(c->owner, "_get_slow", cargs, 3);
@@ -2147,6 +2269,14 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
             Py_DECREF(o);
             if (!(o = Cursor_get_obj(c, NULL))) return NULL;
             if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
+        }
+        if (o == EMPTY && block == Py_True) {
+            PyObject *g = park_take(c, get_obj_take, EMPTY);
+            if (g || PyErr_Occurred()) {
+                Py_DECREF(o);
+                if (!g || (g != STUCK && g != UNDECODED)) return g;
+                o = g;
+            }
         }
         Py_DECREF(o);
         if (c->last) { /* UNDECODED: the Python decoder takes it from .last */
@@ -2703,7 +2833,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyModule_AddObjectRef(m, "Lock", (PyObject *)&LockType);
     PyModule_AddObjectRef(m, "Waiting", (PyObject *)&WaitingType);
     PyObject *layout = Py_BuildValue(
-        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
+        "{si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si si}",
         "HEADER_BYTES", HEADER_BYTES, "FRAME_BYTES", FRAME_BYTES, "ALIGN", ALIGN, "W_NEXT_SEQ", W_NEXT_SEQ,
         "W_NEXT_POS", W_NEXT_POS, "W_FIRST_SEQ", W_FIRST_SEQ, "W_FIRST_POS", W_FIRST_POS, "W_LOCK_HOLDER",
         W_LOCK_HOLDER, "W_PUT_BYTES", W_PUT_BYTES, "W_LAST_PUT_NS", W_LAST_PUT_NS, "W_EVICTED", W_EVICTED,
@@ -2713,7 +2843,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         "S_GETS", S_GETS, "S_GET_BYTES", S_GET_BYTES, "S_LAST_GET_NS", S_LAST_GET_NS, "S_DELAY_SUM_NS",
         S_DELAY_SUM_NS, "S_DELAY_MAX_NS", S_DELAY_MAX_NS, "S_LAG_HIGH", S_LAG_HIGH, "S_LAG_LOW", S_LAG_LOW,
         "S_LOCK_HOLDER", S_LOCK_HOLDER, "W_ALLOC_MIN", W_ALLOC_MIN, "W_ALLOC", W_ALLOC, "W_HOLE_LO", W_HOLE_LO, "W_HOLE_HI", W_HOLE_HI, "W_SEGMENT", W_SEGMENT,
-        "W_GROWTHS", W_GROWTHS);
+        "W_GROWTHS", W_GROWTHS, "W_DATA_BELL", W_DATA_BELL, "W_SPACE_BELL", W_SPACE_BELL);
     if (!layout) return NULL;
     PyModule_AddObject(m, "LAYOUT", layout);
     EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);

@@ -61,7 +61,9 @@ W_SEGMENT = 34  # growable spools: bytes allocated / released at a time (0: fixe
 W_GROWTHS = 35  # segments allocated since creation (a growable spool's statistics)
 W_HOLE_LO = 36  # growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may lack pages (Spool.trim)
 W_HOLE_HI = 37
-# 38..47 reserved
+W_DATA_BELL = 38  # doorbell futex words (low 32 bits), bumped on every ring: blocked
+W_SPACE_BELL = 39  # readers / writers sleep on them (shmq/_notify.py)
+# 40..47 reserved
 # 48..63: shmq.WorkQueue (see the work queue section below)
 W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
 W_WQ_KEY_SLOTS = 49  # key-index entries after them

@@ -1,28 +1,31 @@
-"""Wake-ups between processes: a waiter count, a doorbell byte, one inotify instance per process.
+"""Wake-ups between processes: a waiter count, a futex word, a doorbell byte.
 
 A process that must wait (a reader with nothing to read, a writer with no
-room) registers in a *waiter semaphore* used as an atomic counter, re-checks
-its condition, then sleeps until the spool file is modified.  The other side,
-after publishing, reads the counter (after a full fence, in the compiled
-core) and rings the doorbell (a 1-byte ``pwrite``) only when it is non-zero:
-stores through the mapping raise no inotify event, ``pwrite`` raises
-``IN_MODIFY``.
+room) registers in a *waiter semaphore* used as an atomic counter, reads the
+doorbell's *futex word* (a control word), re-checks its condition, then
+sleeps until the word moves.  The other side, after publishing, reads the
+counter (after a full fence, in the compiled core) and, only when it is
+non-zero, bumps the word, wakes the futex and rings the doorbell byte (a
+1-byte ``pwrite``): stores through the mapping raise no inotify event,
+``pwrite`` raises ``IN_MODIFY``, which is what asyncio waiters need.
 
-One inotify instance serves every handle and thread of a process
-(:class:`Watcher`): instances are a per-user limited resource
-(``fs.inotify.max_user_instances``, 128 by default, shared by all of that
-user's processes), watches are cheap.  One waiting thread at a time polls the
-descriptor ("the pump"); when it wakes it drains the events and bumps a
-generation counter that wakes every other waiting thread through a
-condition variable, so any number of threads can wait on one handle.  A wake
-means "re-check", never a count: unread identical inotify events merge.
+Blocking calls sleep on the futex (``Ring.bell_wait``, GIL released): a
+futex wake is as quick as a pipe's, about a microsecond less than an
+inotify event's, and needs no per-process resource, so any number of
+threads and handles can block at once.  Event loops cannot wait on a
+futex: they wait on the process's one inotify instance (:class:`Watcher`;
+instances are a per-user limited resource, ``fs.inotify.max_user_instances``,
+128 by default, shared by all of that user's processes), whose reader
+callback wakes every coroutine waiting in that loop.  A wake means
+"re-check", never a count.
 
 No lost wake-ups: registration is ``sem_post`` (a full fence) before the
-re-check; an event that arrives after the re-check stays queued on the
-descriptor until the pump reads it.  A bounded safety-net timeout
-(``SAFETY_NET_S``) still caps any sleep, covering a waiter killed while
-registered (it only costs a spurious doorbell).  If the kernel refuses even
-one inotify instance, waits fall back to short sleeps (logged once).
+word is read and the condition re-checked; a ring after the re-check has
+moved the word, so the futex wait returns at once.  For asyncio, an event
+that arrives after the re-check stays queued on the descriptor.  A bounded
+safety-net timeout (``SAFETY_NET_S``) still caps any sleep, covering a
+publisher killed between publishing and ringing.  If the kernel refuses an
+inotify instance, asyncio waits fall back to short sleeps (logged once).
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ import asyncio
 import errno
 import logging
 import os
-import select
-import _thread
 import threading
 import time
 
@@ -47,23 +48,20 @@ SAFETY_NET_S = 0.1
 #: Spin this long re-checking before parking: with 2 vCPUs a parked waiter
 #: costs a scheduler hop, a short spin catches the next frame of a stream.
 SPIN_S = 30e-6
-#: Sleep between re-checks when no inotify instance could be had.
+#: Sleep between re-checks of an asyncio wait when no inotify instance could be had.
 FALLBACK_SLEEP_S = 0.002
 
 _READ_BYTES = 64 * 1024
 
 
 class Watcher:
-    """This process's one inotify instance, shared by all handles and threads."""
+    """This process's one inotify instance, shared by all handles and event loops."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._ino = None
         self._failed = None  # the OSError that refused an instance, if any
         self._watches = {}  # (st_dev, st_ino) -> [wd, refcount]
-        self._gen = 0
-        self._pumping = False
-        self._waiters = []  # locks of parked non-pump threads, released by _bump
         self._async = {}  # event loop -> set of futures waiting on it
 
     # -- watches ----------------------------------------------------------
@@ -74,7 +72,7 @@ class Watcher:
                 ino = inotify_simple.INotify()
             except OSError as exc:
                 self._failed = exc
-                log.warning("shmq: no inotify instance (%s); blocking waits poll every %.0f ms "
+                log.warning("shmq: no inotify instance (%s); asyncio waits poll every %.0f ms "
                             "instead: raise fs.inotify.max_user_instances", exc,
                             FALLBACK_SLEEP_S * 1000)
                 return None
@@ -121,7 +119,7 @@ class Watcher:
                 except OSError:
                     pass  # the inode is gone (IN_IGNORED already removed it)
 
-    # -- waiting ----------------------------------------------------------
+    # -- waking ---------------------------------------------------------
 
     def _drain(self):
         try:
@@ -130,56 +128,12 @@ class Watcher:
             pass
 
     def _bump(self):
-        """Wake every waiting thread and coroutine: "something changed, re-check"."""
+        """Wake every coroutine waiting on a watched file: "something changed, re-check"."""
         with self._lock:
-            self._gen += 1
-            waiters, self._waiters = self._waiters, []
             loops = list(self._async.items())
-        for w in waiters:
-            w.release()
         for loop, futs in loops:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_resolve, futs)
-
-    def sleep(self, seconds: float) -> None:
-        """Sleep until any watched file is modified or ``seconds`` pass (thread-safe).
-
-        One thread at a time is the pump (polls the inotify fd); the others
-        park on a private lock the pump releases when it wakes.  No
-        ``threading.Condition``: a KeyboardInterrupt inside ``Condition.wait``
-        can leave its lock released and turn into ``RuntimeError``.
-        """
-        pump = False
-        waiter = None
-        try:  # covers taking a role: a KeyboardInterrupt never leaves one taken
-            with self._lock:
-                if self._ino is not None and not self._pumping:
-                    self._pumping = pump = True  # one statement: no signal lands in between
-                elif self._ino is not None:
-                    waiter = _thread.allocate_lock()
-                    waiter.acquire()
-                    self._waiters.append(waiter)
-            if waiter is not None:
-                waiter.acquire(True, seconds)  # released by the pump's _bump
-                return
-            if not pump:  # no inotify: the fallback polls
-                time.sleep(min(seconds, FALLBACK_SLEEP_S))
-                return
-            fd = self._ino.fileno()
-            # select(), not a shared poll object: several threads may be here
-            # over time, and poll objects refuse concurrent use.
-            ready, _, _ = select.select([fd], [], [], seconds)
-            if ready:
-                self._drain()
-        finally:
-            if waiter is not None:
-                with self._lock:
-                    if waiter in self._waiters:
-                        self._waiters.remove(waiter)
-            if pump:
-                with self._lock:
-                    self._pumping = False
-                self._bump()
 
     # -- asyncio ----------------------------------------------------------
 
@@ -247,13 +201,17 @@ class Doorbell:
     """One side's wake-up channel: waiters on ``sem`` sleep until ``ring()``.
 
     ``file.fd`` is the spool's descriptor (it changes after a fork); ``byte``
-    is the doorbell byte.  Thread-safe: any number of threads may wait.
+    is the doorbell byte; ``core`` the spool's compiled ring, which owns the
+    futex word (``space``: the space bell's, else the data bell's).
+    Thread-safe: any number of threads may wait.
     """
 
-    def __init__(self, file, byte: int, sem):
+    def __init__(self, file, byte: int, sem, core, space: bool):
         self.file = file
         self.byte = byte
         self.sem = sem
+        self._core = core
+        self._space = bool(space)
         # Registration as a C context manager: a signal can neither leak it
         # (publishers would ring forever) nor undo someone else's.
         self._waiting = _core.Waiting(sem.name)
@@ -267,8 +225,11 @@ class Doorbell:
         return self.sem.value > 0
 
     def ring(self) -> None:
-        """Wake every waiter (call after publishing, only if has_waiters())."""
-        os.pwrite(self.file.fd, b"\x00", self.byte)
+        """Wake every waiter, blocking or asyncio (a no-op when none is registered)."""
+        if self._space:
+            self._core.ring_space()
+        else:
+            self._core.ring_data()
 
     # -- waiter side ------------------------------------------------------
 
@@ -282,7 +243,9 @@ class Doorbell:
     def wait(self, ready, timeout: float | None) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
-        ``timeout=None`` waits forever; 0 checks once.
+        ``timeout=None`` waits forever; 0 checks once.  Sleeps on the futex
+        word with the GIL released; a signal handler's exception (Ctrl-C)
+        propagates with the registration undone.
         """
         if ready():
             return True
@@ -294,15 +257,16 @@ class Doorbell:
         while time.monotonic() < spin_until:
             if ready():
                 return True
-        self._watch()
-        with self._waiting:  # register (a full fence), then re-check
+        core, space = self._core, self._space
+        with self._waiting:  # register (a full fence), read the word, then re-check
             while True:
+                seen = core.bell_seen(space)
                 if ready():
                     return True
                 wait = _next_sleep(deadline, time.monotonic())
                 if wait is None:
                     return False
-                watcher().sleep(wait)
+                core.bell_wait(space, seen, wait)
 
     async def wait_async(self, ready, timeout: float | None) -> bool:
         """Like :meth:`wait`, for asyncio: parks on the inotify fd via the loop."""
@@ -319,6 +283,8 @@ class Doorbell:
                 wait = _next_sleep(deadline, loop.time())
                 if wait is None:
                     return False
+                if self._key is None:  # no inotify watch: poll
+                    wait = min(wait, FALLBACK_SLEEP_S)
                 fut = loop.create_future()
                 futs.add(fut)
                 try:

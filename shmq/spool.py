@@ -120,10 +120,8 @@ class Spool:
         self.writer_lock = RecoverableLock(
             self._writer_sem, m.ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
             F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout)
-        self.data_bell = Doorbell(m, F.DOORBELL_BYTE, self.open_semaphore(
-            sem_name(prefix, SEM_READ_WAITERS), 0))
-        self.space_bell = Doorbell(m, F.DOORBELL_BYTE, self.open_semaphore(
-            sem_name(prefix, SEM_SPACE_WAITERS), 0))
+        read_waiters = self.open_semaphore(sem_name(prefix, SEM_READ_WAITERS), 0)
+        space_waiters = self.open_semaphore(sem_name(prefix, SEM_SPACE_WAITERS), 0)
         # the core opens the same three names, which open_semaphore has just checked
         self.core = _core.Ring(
             m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
@@ -131,6 +129,8 @@ class Spool:
             sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
             sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
         self.core.bind(self, not self._sync)
+        self.data_bell = Doorbell(m, F.DOORBELL_BYTE, read_waiters, self.core, space=False)
+        self.space_bell = Doorbell(m, F.DOORBELL_BYTE, space_waiters, self.core, space=True)
         # The uncontended put in one C call; it hands anything else to _put_slow.
         self.put = self.core.put_api
         if os.fstat(m.fd).st_nlink == 0:

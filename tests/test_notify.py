@@ -1,11 +1,16 @@
-"""The wake-up layer (shmq/_notify.py): one inotify instance per process, many waiters.
+"""The wake-up layer (shmq/_notify.py): futex doorbells for blocking calls, one inotify
+instance per process for asyncio.
 
 The per-user inotify instance limit (fs.inotify.max_user_instances, 128 by
-default) once made the 129th blocking handle fail with EMFILE; these tests
-hold hundreds of blocked handles in one process and check they share one
-instance, all wake, and that waits still work when no instance can be had.
+default) once made the 129th blocking handle fail with EMFILE.  Blocking
+calls now sleep on the doorbell's futex word and take no instance at all;
+coroutines share the process's one instance.  These tests hold hundreds of
+blocked handles in one process and check they all wake, that blocking
+waits open no instance and coroutines one, and that asyncio waits still
+work when no instance can be had.
 """
 
+import asyncio
 import errno
 import logging
 import os
@@ -48,7 +53,10 @@ def _wait_until(cond, timeout=60.0):
 
 
 def _block_then_put(make_spool, ctx, per_spool):
-    """300 threads, each with its own reader handle, blocked in get; then one frame per spool."""
+    """300 threads, each with its own reader handle, blocked in get; then one frame per spool.
+
+    Every other thread blocks with no timeout (the wait in C) and the rest
+    with one (the wait in Python): both sleep on the futex word."""
     spools = [make_spool(capacity="256KiB") for _ in range(SPOOLS)]
     readers = [sp.reader() for sp in spools for _ in range(per_spool)]  # anonymous: from the end
     got = [None] * len(readers)
@@ -56,11 +64,11 @@ def _block_then_put(make_spool, ctx, per_spool):
 
     def take(i, r):
         try:
-            got[i] = r.get(timeout=120).data
+            got[i] = (r.get() if i % 2 else r.get(timeout=120)).data
         except BaseException as exc:  # reported below, never lost in a thread
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=take, args=(i, r)) for i, r in enumerate(readers)]
+    threads = [threading.Thread(target=take, args=(i, r), daemon=True) for i, r in enumerate(readers)]
     for t in threads:
         t.start()
     try:
@@ -73,9 +81,13 @@ def _block_then_put(make_spool, ctx, per_spool):
     finally:
         for t in threads:
             t.join(120)
-    assert not any(t.is_alive() for t in threads), "a blocked reader never woke"
+        stuck = [r for r, t in zip(readers, threads) if t.is_alive()]
+        for r in stuck:
+            r.close()  # a thread blocked forever by a bug raises ValueError within 0.1 s
+    assert not stuck, f"{len(stuck)} blocked readers never woke"
     assert errors == []
     assert got == [f"frame for {sp.path}".encode() for sp in spools for _ in range(per_spool)]
+    assert _waiters(spools) == 0
     for r in readers:
         r.close()
     return spools
@@ -87,33 +99,56 @@ def _put_one_each(paths):
             sp.put(f"frame for {path}".encode())
 
 
-def test_300_blocked_handles_share_one_instance_and_all_wake(make_spool, ctx):
+def test_300_blocked_handles_all_wake_without_an_inotify_instance(make_spool, ctx):
     before = _inotify_fds()
-    assert before <= 1
-    seen = []
-    real_sleep = _notify.Watcher.sleep
-
-    def counting_sleep(self, seconds):  # samples the instance count while all are parked
-        seen.append(_inotify_fds())
-        return real_sleep(self, seconds)
-
-    _notify.Watcher.sleep = counting_sleep
-    try:
-        _block_then_put(make_spool, ctx, PER_SPOOL)
-    finally:
-        _notify.Watcher.sleep = real_sleep
-    assert seen and max(seen) == 1  # one instance for 300 waiting handles, never more
-    assert _inotify_fds() == 1
+    _block_then_put(make_spool, ctx, PER_SPOOL)
+    assert _inotify_fds() == before  # blocking waits sleep on futexes
 
 
-def test_waits_fall_back_to_polling_when_inotify_is_refused(make_spool, ctx, monkeypatch, caplog):
+async def _get_all(readers, timeout):
+    return [f.data for f in await asyncio.gather(*(r.get_async(timeout=timeout) for r in readers))]
+
+
+def _async_block_then_put(make_spool, ctx, per_spool):
+    """SPOOLS x per_spool coroutines of one event loop blocked in get_async; then one frame
+    per spool from another process."""
+    spools = [make_spool(capacity="256KiB") for _ in range(SPOOLS)]
+    readers = [sp.reader() for sp in spools for _ in range(per_spool)]
+    p = ctx.Process(target=_put_one_each, args=([sp.path for sp in spools],))
+
+    async def main():
+        task = asyncio.ensure_future(_get_all(readers, 60))
+        deadline = time.monotonic() + 60
+        while _waiters(spools) < len(readers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert _waiters(spools) == len(readers)
+        p.start()
+        return await task, _inotify_fds()
+
+    got, fds_while_waiting = asyncio.run(main())
+    assert join_all([p], 60) == [0]
+    assert got == [f"frame for {sp.path}".encode() for sp in spools for _ in range(per_spool)]
+    assert _waiters(spools) == 0
+    for r in readers:
+        r.close()
+    return fds_while_waiting
+
+
+def test_300_coroutines_share_one_inotify_instance_and_all_wake(make_spool, ctx, monkeypatch):
+    monkeypatch.setattr(_notify, "_watcher", _notify.Watcher())  # a fresh one, that has to ask
+    before = _inotify_fds()
+    assert _async_block_then_put(make_spool, ctx, PER_SPOOL) == before + 1
+    _notify.watcher()._ino.close()
+
+
+def test_async_waits_fall_back_to_polling_when_inotify_is_refused(make_spool, ctx, monkeypatch, caplog):
     def refuse(*a, **k):
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(inotify_simple, "INotify", refuse)
     monkeypatch.setattr(_notify, "_watcher", _notify.Watcher())  # a fresh one, that has to ask
     caplog.set_level(logging.WARNING, logger="shmq")
-    _block_then_put(make_spool, ctx, 3)
+    _async_block_then_put(make_spool, ctx, 3)
     refused = [r for r in caplog.records if "no inotify instance" in r.getMessage()]
     assert len(refused) == 1  # said once, with the sysctl to raise
     assert "max_user_instances" in refused[0].getMessage()
