@@ -125,6 +125,11 @@ _Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
 static PyObject *SpoolFormatError = NULL; /* set by _core.setup() */
 static PyObject *crash_hook = NULL;       /* fault-injection harness only */
 static PyObject *pickle_loads = NULL;     /* for Cursor.get_obj */
+static PyObject *pickle_dumps = NULL;     /* for Ring.put_obj_api, with: */
+static PyObject *dumps_protocol = NULL;   /*   shmq.codec.PROTOCOL */
+static PyObject *dumps_kwnames = NULL;    /*   ("buffer_callback",) */
+static PyObject *inband_callback = NULL;  /*   core_inband, as a callable */
+static unsigned long buffers_seen = 0;    /* bumped by core_inband */
 static PyObject *EMPTY = NULL, *STUCK = NULL, *UNDECODED = NULL; /* get_obj's sentinels */
 static PyTypeObject *FrameType = NULL;
 
@@ -185,6 +190,8 @@ typedef struct {
     double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
     struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
     PyObject *owner; /* weak reference to the Python object whose slow path completes put_api */
+    PyObject *qowner; /* weak reference to the shmq.Queue whose _put_slow completes put_obj_api */
+    long long q_backlog; /* that queue's maxsize (-1: unbounded) */
     int fast_put;    /* 0: put_api always takes the slow path (sync=True) */
     PyObject *path;
 } Ring;
@@ -1242,6 +1249,63 @@ static PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, 
     return res;
 }
 
+/* Queue.put(obj, block=True, timeout=None): bytes as they are, anything else
+ * pickled, written in one C call when there is room and no timeout to
+ * check; anything else (and any object with out-of-band buffers, which the
+ * Python encoder keeps uncopied) goes to the queue's _put_slow. */
+static PyObject *Ring_put_obj_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"obj", "block", "timeout"};
+    PyObject *a[3];
+    if (parse_api(args, nargs, kwnames, names, 3, a) < 0) return NULL;
+    if (!a[0]) {
+        PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'obj'");
+        return NULL;
+    }
+    if ((!a[2] || a[2] == Py_None) && r->fast_put && r->have_buf && r->qowner && pickle_dumps) {
+        PyObject *data;
+        int codec = 0;
+        if (PyBytes_CheckExact(a[0])) {
+            data = Py_NewRef(a[0]);
+        } else {
+            /* The callback keeps every buffer in-band and counts it: a
+             * count that moved (ours, or another thread's: harmless) sends
+             * the object to the Python encoder, which keeps them out of band. */
+            unsigned long before = buffers_seen;
+            PyObject *dargs[3] = {a[0], dumps_protocol, inband_callback};
+            data = PyObject_Vectorcall(pickle_dumps, dargs, 2, dumps_kwnames);
+            if (!data) return NULL; /* unpicklable: at once, as the Python put */
+            codec = 1;
+            if (buffers_seen != before) Py_CLEAR(data);
+        }
+        if (data && r->have_buf) { /* (__reduce__ code may have closed the handle) */
+            Item item;
+            int rc = load_item(&item, data, r->checksum);
+            Py_DECREF(data);
+            if (rc < 0) return NULL;
+            int64_t res = ring_write(r, &item, 1, codec, r->q_backlog, r->lock_wait);
+            release_items(&item, 1);
+            if (res == -100) return NULL;
+            if (res >= 0) Py_RETURN_NONE;
+        } else {
+            Py_XDECREF(data);
+        }
+    }
+    PyObject *cargs[3] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None};
+    return call_owner(r->qowner, "_put_slow", cargs, 3);
+}
+
+/* bind_queue(queue, max_backlog): queue._put_slow completes put_obj_api. */
+static PyObject *Ring_bind_queue(Ring *r, PyObject *args) {
+    PyObject *queue;
+    long long backlog;
+    if (!PyArg_ParseTuple(args, "OL", &queue, &backlog)) return NULL;
+    PyObject *ref = PyWeakref_NewRef(queue, NULL);
+    if (!ref) return NULL;
+    Py_XSETREF(r->qowner, ref);
+    r->q_backlog = backlog;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_bind(Ring *r, PyObject *args) {
     PyObject *owner;
     int fast;
@@ -1416,7 +1480,7 @@ static PyObject *make_frame(uint64_t seq, uint64_t ts, PyObject *data, int codec
  * RD_NONE, or NULL with an exception set.  Advances the cursor and adds
  * overwritten frames to *lost. */
 static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost,
-                          FrameHeader *hout) {
+                          FrameHeader *hout, int raw) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t seq = *seqp, pos = *posp;
     int pads = 0;
@@ -1483,7 +1547,7 @@ static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, u
         *seqp = seq + 1;
         *posp = pos + h.stored;
         if (hout) *hout = h;
-        return make_frame(seq, h.ts, data, h.codec);
+        return raw ? data : make_frame(seq, h.ts, data, h.codec);
     }
 }
 
@@ -1496,7 +1560,7 @@ static PyObject *Ring_read(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KK|p", &seq, &pos, &verify)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
     uint64_t s = seq, p = pos, lost = 0;
-    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL);
+    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL, 0);
     if (!f) return NULL;
     if (f == RD_NONE) return Py_BuildValue("(OKKKi)", Py_None, s, p, lost, 0);
     PyObject *codec = PyStructSequence_GET_ITEM(f, 3);
@@ -1774,6 +1838,7 @@ static void Ring_dealloc(Ring *r) {
     ring_release(r);
     Py_XDECREF(r->path);
     Py_XDECREF(r->owner);
+    Py_XDECREF(r->qowner);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -1792,6 +1857,9 @@ static PyMethodDef Ring_methods[] = {
     {"put_api", (PyCFunction)(void (*)(void))Ring_put_api, METH_FASTCALL | METH_KEYWORDS,
      "put(data, block=True, timeout=None, codec=0) -> seq (see shmq.Spool.put)"},
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS, "bind(owner, fast): owner._put_slow completes put_api"},
+    {"put_obj_api", (PyCFunction)(void (*)(void))Ring_put_obj_api, METH_FASTCALL | METH_KEYWORDS,
+     "shmq.Queue.put(obj, block=True, timeout=None)"},
+    {"bind_queue", (PyCFunction)Ring_bind_queue, METH_VARARGS, "bind_queue(queue, max_backlog): queue._put_slow completes put_obj_api"},
     {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
     {"locate", (PyCFunction)Ring_locate, METH_VARARGS, "locate(seq, hint_seq, hint_pos) -> position, -1 lost, -2 busy"},
@@ -1983,7 +2051,7 @@ static void named_commit(Cursor *c) {
 }
 
 /* Read up to max frames from a private cursor (anonymous / named). */
-static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
+static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh) {
     Ring *r = c->ring;
     PyObject *out = as_list ? PyList_New(0) : NULL;
     if (as_list && !out) return NULL;
@@ -1992,7 +2060,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
     Py_ssize_t got = 0;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h);
+        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh != NULL);
         if (!f) {
             Py_XDECREF(out);
             return NULL;
@@ -2012,6 +2080,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
             }
         } else {
             single = f;
+            if (rawh) *rawh = h;
         }
     }
     if (lost) {
@@ -2030,7 +2099,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list) {
 }
 
 /* Take up to max frames from the group's shared cursor under its lock. */
-static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait) {
+static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh) {
     Ring *r = c->ring;
     int lk = group_lock(c, lock_wait);
     if (lk < 0) return NULL;
@@ -2044,7 +2113,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     if (as_list && !out) goto unlock;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h);
+        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh != NULL);
         if (!f) {
             Py_CLEAR(out);
             err = (PyObject *)1;
@@ -2064,6 +2133,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
             }
         } else {
             single = f;
+            if (rawh) *rawh = h;
         }
     }
     if (!err && (got || lost)) {
@@ -2089,15 +2159,15 @@ static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) 
     if (c->kind == K_GROUP) {
         double wait = c->ring->lock_wait;
         if (nargs > 0 && args[0] != Py_None && (wait = PyFloat_AsDouble(args[0])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, 1, 0, wait);
+        return group_take(c, 1, 0, wait, NULL);
     }
-    return private_take(c, 1, 0);
+    return private_take(c, 1, 0, NULL);
 }
 
 /* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
  * group whose lock was not free within the handle's lock wait). */
 static PyObject *take_one(Cursor *c) {
-    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait) : private_take(c, 1, 0);
+    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, NULL) : private_take(c, 1, 0, NULL);
 }
 
 /* The C decoder of shmq.Queue items: a raw frame's bytes as they are, an
@@ -2120,21 +2190,25 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
      * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
-    PyObject *f = take_one(c);
-    if (!f) return NULL;
-    if (f == Py_None) {
-        Py_DECREF(f);
+    FrameHeader h; /* the data alone: no Frame object unless it goes to Python */
+    PyObject *d = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, &h) : private_take(c, 1, 0, &h);
+    if (!d) return NULL;
+    if (d == Py_None) {
+        Py_DECREF(d);
         return Py_NewRef(EMPTY);
     }
-    if (PyLong_Check(f)) {
-        Py_DECREF(f);
+    if (PyLong_Check(d)) {
+        Py_DECREF(d);
         return Py_NewRef(STUCK);
     }
-    if (decodable(f)) { /* after the group lock was released */
-        PyObject *out = decode_frame(f);
-        Py_DECREF(f);
+    if (h.codec == 0) return d; /* after the group lock was released */
+    if (h.codec == 1 && pickle_loads) {
+        PyObject *out = PyObject_CallOneArg(pickle_loads, d);
+        Py_DECREF(d);
         return out;
     }
+    PyObject *f = make_frame(h.seq, h.ts, d, h.codec);
+    if (!f) return NULL;
     Py_XSETREF(c->last, f);
     return Py_NewRef(UNDECODED);
 }
@@ -2320,9 +2394,9 @@ static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t na
     if (c->kind == K_GROUP) {
         double wait = c->ring->lock_wait;
         if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, max, 1, wait);
+        return group_take(c, max, 1, wait, NULL);
     }
-    return private_take(c, max, 1);
+    return private_take(c, max, 1, NULL);
 }
 
 static PyObject *Cursor_commit(Cursor *c, PyObject *unused) {
@@ -2726,11 +2800,65 @@ static PyTypeObject WaitingType = {
 
 /* ---- module ---- */
 
+/* The buffer_callback of put_obj_api's pickling: keep the buffer in-band, count it. */
+static PyObject *core_inband(PyObject *m, PyObject *buf) {
+    buffers_seen++;
+    Py_RETURN_TRUE;
+}
+
 static PyObject *core_setup(PyObject *m, PyObject *args) {
-    PyObject *fmt_err, *loads;
-    if (!PyArg_ParseTuple(args, "OO", &fmt_err, &loads)) return NULL;
+    /* setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol) */
+    PyObject *fmt_err, *loads, *dumps, *protocol;
+    if (!PyArg_ParseTuple(args, "OOOO", &fmt_err, &loads, &dumps, &protocol)) return NULL;
+    if (!dumps_kwnames && !(dumps_kwnames = Py_BuildValue("(s)", "buffer_callback"))) return NULL;
+    if (!inband_callback && !(inband_callback = PyObject_GetAttrString(m, "_inband"))) return NULL;
     Py_XSETREF(SpoolFormatError, Py_NewRef(fmt_err));
     Py_XSETREF(pickle_loads, Py_NewRef(loads));
+    Py_XSETREF(pickle_dumps, Py_NewRef(dumps));
+    Py_XSETREF(dumps_protocol, Py_NewRef(protocol));
+    Py_RETURN_NONE;
+}
+
+/* encode_batch(items) -> (tuple of frame items, codec), or None.  shmq.Queue.put_many's
+ * encoder in one call when the batch is of one kind: every item bytes (raw,
+ * codec 0) or every item pickled with no out-of-band buffer (codec 1).  None
+ * for a mixed batch or one with buffers: the Python encoder's (shmq.codec). */
+static PyObject *core_encode_batch(PyObject *m, PyObject *items) {
+    if (!pickle_dumps) Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(items, "put_many() needs an iterable of objects");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyTuple_New(n);
+    if (!out) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int codec = -1;
+    unsigned long before = buffers_seen;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i), *data;
+        int kind = PyBytes_CheckExact(o) ? 0 : 1;
+        if (codec >= 0 && kind != codec) goto python; /* mixed: item by item, in Python */
+        codec = kind;
+        if (kind == 0) {
+            data = Py_NewRef(o);
+        } else {
+            PyObject *dargs[3] = {o, dumps_protocol, inband_callback};
+            if (!(data = PyObject_Vectorcall(pickle_dumps, dargs, 2, dumps_kwnames))) {
+                Py_DECREF(out);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        PyTuple_SET_ITEM(out, i, data);
+        if (buffers_seen != before) goto python; /* out-of-band buffers: kept uncopied in Python */
+    }
+    Py_DECREF(seq);
+    PyObject *res = Py_BuildValue("(Ni)", out, codec < 0 ? 0 : codec);
+    return res;
+python:
+    Py_DECREF(out);
+    Py_DECREF(seq);
     Py_RETURN_NONE;
 }
 
@@ -2792,8 +2920,11 @@ static PyObject *frame_repr(PyObject *f) {
 }
 
 static PyMethodDef core_methods[] = {
-    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads)"},
+    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol)"},
+    {"_inband", core_inband, METH_O, "put_obj_api's pickle buffer_callback: keep the buffer in-band"},
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
+    {"encode_batch", core_encode_batch, METH_O,
+     "encode_batch(items) -> (tuple of frame items, codec) for a batch of one kind, or None"},
     {"decode_items", core_decode_items, METH_O,
      "decode_items(frames) -> list of objects (raw bytes and in-band pickles), or None if another codec is among them"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},

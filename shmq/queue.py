@@ -86,6 +86,7 @@ class Queue:
     """
 
     _unfinished = None
+    _counts_items = False  # JoinableQueue: put counts the item first, in Python
 
     def __init__(self, maxsize=0, *, capacity=DEFAULT_CAPACITY, max_capacity=None, path=None,
                  trusted=False, ctx=None):
@@ -134,6 +135,11 @@ class Queue:
         self._reader.core_cursor.bind(self._reader, self)
         # The item in one C call when there is one; _get_slow does the rest.
         self.get = self._reader.core_cursor.get_obj_api
+        if not self._counts_items:
+            # The same for put: encode and write in one C call when there is
+            # room (a JoinableQueue counts its items in Python first).
+            self._core.bind_queue(self, self._backlog_word)
+            self.put = self._core.put_obj_api
         self._trusted = trusted
         self._closed = False
 
@@ -192,6 +198,10 @@ class Queue:
             if self._unfinished is not None:
                 self._unfinished.acquire(0)
             raise
+
+    def _put_slow(self, obj, block, timeout):
+        """What the core's put_obj_api leaves to Python: waiting, timeouts, out-of-band buffers."""
+        return Queue.put(self, obj, block, timeout)
 
     def get(self, block=True, timeout=None):
         """Remove and return the next item (FIFO across producers, by commit order).
@@ -267,6 +277,10 @@ class Queue:
         with out-of-band buffers); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        batch = _core.encode_batch(items)  # all bytes or all in-band pickles, in one call
+        if batch is not None:
+            self._put_batch(*batch, block, timeout)
+            return
         encoded = _codec.encode_many(items)
         if not encoded:
             return
@@ -287,6 +301,21 @@ class Queue:
         except BaseException:
             if self._unfinished is not None:
                 for _ in encoded:
+                    self._unfinished.acquire(0)
+            raise
+
+    def _put_batch(self, parts, codec, block, timeout):
+        """put_many of a batch encoded as one kind: one atomic append."""
+        if not parts:
+            return
+        if self._unfinished is not None:
+            for _ in parts:
+                self._unfinished.release()
+        try:
+            self._spool.writer.append(parts, check_block_timeout(block, timeout), codec, self._backlog)
+        except BaseException:
+            if self._unfinished is not None:
+                for _ in parts:
                     self._unfinished.acquire(0)
             raise
 
@@ -378,6 +407,8 @@ class JoinableQueue(Queue):
     process; it is raised before an item is committed, so a producer killed
     mid-put can only make ``join()`` wait longer, never return early.
     """
+
+    _counts_items = True
 
     def _attach(self, spool, trusted):
         super()._attach(spool, trusted)

@@ -46,6 +46,7 @@ from ._mapping import (
     destroy_file, resolve_path, sem_name, unlink_semaphores,
 )
 from ._notify import Doorbell
+from .codec import PROTOCOL
 from .errors import SpoolFormatError
 from .pins import Pins
 from .ring import Ring
@@ -55,7 +56,8 @@ from .waiting import check_block_timeout
 from .writer import RING_ADVICE, Deferred, Writer
 from . import writer as _writer
 
-_core.setup(SpoolFormatError, pickle.loads)
+# (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
+_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL)
 # The core mirrors the layout of _format: refuse to run if they ever disagree.
 _mismatch = {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v}
 if _mismatch:  # pragma: no cover - a build of the core from another version
