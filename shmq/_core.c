@@ -1480,7 +1480,7 @@ static PyObject *make_frame(uint64_t seq, uint64_t ts, PyObject *data, int codec
  * RD_NONE, or NULL with an exception set.  Advances the cursor and adds
  * overwritten frames to *lost. */
 static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost,
-                          FrameHeader *hout, int raw) {
+                          FrameHeader *hout, int raw, uint64_t *known) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t seq = *seqp, pos = *posp;
     int pads = 0;
@@ -1493,10 +1493,18 @@ static PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, u
         if (spins > 1000000) /* resyncs and pads always make progress on a sane ring */
             return corrupt(r, "cannot read at seq %llu (the ring does not converge); " RING_ADVICE,
                            (unsigned long long)seq);
-        if (seq >= ld_acq(&c[W_NEXT_SEQ])) {
-            *seqp = seq;
-            *posp = pos;
-            return RD_NONE;
+        /* `known`: a NEXT_SEQ this reader loaded (acquire) before, so every
+         * frame below it is committed and its bytes visible.  Loading the
+         * word only past it spares a reader that is behind one transfer per
+         * frame of the control line the writer stores to on every put. */
+        if (!known || seq >= *known) {
+            uint64_t next = ld_acq(&c[W_NEXT_SEQ]);
+            if (known) *known = next;
+            if (seq >= next) {
+                *seqp = seq;
+                *posp = pos;
+                return RD_NONE;
+            }
         }
         uint64_t off = pos % ring;
         if (ring - off < FRAME_BYTES) {
@@ -1560,7 +1568,7 @@ static PyObject *Ring_read(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KK|p", &seq, &pos, &verify)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
     uint64_t s = seq, p = pos, lost = 0;
-    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL, 0);
+    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL, 0, NULL);
     if (!f) return NULL;
     if (f == RD_NONE) return Py_BuildValue("(OKKKi)", Py_None, s, p, lost, 0);
     PyObject *codec = PyStructSequence_GET_ITEM(f, 3);
@@ -1906,6 +1914,7 @@ typedef struct {
     PyObject *qowner; /* weak reference to the shmq.Queue whose _get_slow completes get_obj_api */
     uint64_t released; /* ring position up to which this cursor has released its pages */
     int busy;          /* threads waiting for the group lock with the GIL released */
+    uint64_t known;    /* a NEXT_SEQ loaded before: frames below it are committed (read_one) */
 } Cursor;
 
 /* Close the group semaphore once no thread waits on it any more. */
@@ -2064,7 +2073,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
     Py_ssize_t got = 0;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh != NULL);
+        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh != NULL, &c->known);
         if (!f) {
             Py_XDECREF(out);
             return NULL;
@@ -2117,7 +2126,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     if (as_list && !out) goto unlock;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh != NULL);
+        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh != NULL, &c->known);
         if (!f) {
             Py_CLEAR(out);
             err = (PyObject *)1;
