@@ -254,6 +254,18 @@ static inline int header_sane(const FrameHeader *h, uint64_t off, uint64_t ring)
            off + h->stored <= ring;
 }
 
+/* Waits with a deadline on the monotonic clock (sem_clockwait, glibc 2.30);
+ * where that is missing (manylinux_2_28's glibc 2.28, RHEL 8), sem_timedwait
+ * on the wall clock: a clock step during a lock wait then lengthens or
+ * shortens that one wait, which callers bound and retry anyway. */
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define SEM_WAIT_CLOCK CLOCK_MONOTONIC
+#define SEM_WAIT_UNTIL(s, dl) sem_clockwait((s), CLOCK_MONOTONIC, (dl))
+#else
+#define SEM_WAIT_CLOCK CLOCK_REALTIME
+#define SEM_WAIT_UNTIL(s, dl) sem_timedwait((s), (dl))
+#endif
+
 struct Ring_;
 static int ring_closed_meanwhile(PyObject *self_ring, int held, sem_t *s);
 
@@ -275,7 +287,7 @@ static int sem_lock_on(sem_t *s, double wait_s, PyObject *ring) {
     }
     if (wait_s <= 0) return 1;
     struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
+    clock_gettime(SEM_WAIT_CLOCK, &dl);
     double whole = (double)(long long)wait_s;
     dl.tv_sec += (time_t)whole;
     dl.tv_nsec += (long)((wait_s - whole) * 1e9);
@@ -287,7 +299,7 @@ static int sem_lock_on(sem_t *s, double wait_s, PyObject *ring) {
         int rc, err;
         if (ring) ++*ring_busy(ring);
         Py_BEGIN_ALLOW_THREADS
-        rc = sem_clockwait(s, CLOCK_MONOTONIC, &dl);
+        rc = SEM_WAIT_UNTIL(s, &dl);
         err = errno;
         Py_END_ALLOW_THREADS
         if (ring) --*ring_busy(ring);
