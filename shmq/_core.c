@@ -125,6 +125,7 @@ _Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
 static PyObject *SpoolFormatError = NULL; /* set by _core.setup() */
 static PyObject *crash_hook = NULL;       /* fault-injection harness only */
 static PyObject *pickle_loads = NULL;     /* for Cursor.get_obj */
+static PyObject *notify_module = NULL;    /* shmq._notify: its SAFETY_NET_S caps park_take's sleeps */
 static PyObject *pickle_dumps = NULL;     /* for Ring.put_obj_api, with: */
 static PyObject *dumps_protocol = NULL;   /*   shmq.codec.PROTOCOL */
 static PyObject *dumps_kwnames = NULL;    /*   ("buffer_callback",) */
@@ -2268,14 +2269,26 @@ static int spin_for_frame(Cursor *c) {
  * the futex returning and the frame being taken.  The protocol is the one
  * of shmq/_notify.py's Doorbell.wait: register as a data waiter (sem_post,
  * a full fence), read the doorbell word, re-check by taking, sleep on the
- * word (GIL released, at most SAFETY_NET_NS) while it still holds what was
+ * word (GIL released, at most shmq._notify.SAFETY_NET_S) while it still holds what was
  * read.  `take` returns a new reference; anything but `nothing` (a frame, a
  * status, NULL with an exception) ends the wait.  Signals run their Python
  * handlers here; one that raises (Ctrl-C) ends the wait with nothing held.
  * Returns NULL with no exception set when this case is the Python slow
  * path's: a group with statistics to flush (that takes the group lock) or a
  * growable spool due for an idle trim (the reader trims after a while). */
-#define SAFETY_NET_NS 100000000L
+static struct timespec safety_net(void) {
+    double s = 0.1;
+    PyObject *v = notify_module ? PyObject_GetAttrString(notify_module, "SAFETY_NET_S") : NULL;
+    if (v) {
+        double d = PyFloat_AsDouble(v);
+        if (!(d == -1.0 && PyErr_Occurred()) && d > 0 && d < 3600) s = d;
+        Py_DECREF(v);
+    }
+    PyErr_Clear();
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    return ts;
+}
+
 static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing) {
     Ring *r = c->ring;
     uint64_t seg = ld_rlx(&r->ctl[W_SEGMENT]);
@@ -2291,7 +2304,7 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
         got = take(c);
         if (got != nothing) break;
         Py_DECREF(got);
-        struct timespec ts = {0, SAFETY_NET_NS};
+        struct timespec ts = safety_net();
         c->busy++;
         r->busy++;
         Py_BEGIN_ALLOW_THREADS
@@ -2826,6 +2839,11 @@ static PyTypeObject WaitingType = {
 /* ---- module ---- */
 
 /* The buffer_callback of put_obj_api's pickling: keep the buffer in-band, count it. */
+static PyObject *core_set_notify(PyObject *m, PyObject *mod) {
+    Py_XSETREF(notify_module, Py_NewRef(mod));
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_inband(PyObject *m, PyObject *buf) {
     buffers_seen++;
     Py_RETURN_TRUE;
@@ -2946,6 +2964,7 @@ static PyObject *frame_repr(PyObject *f) {
 
 static PyMethodDef core_methods[] = {
     {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol)"},
+    {"set_notify", core_set_notify, METH_O, "set_notify(shmq._notify): where park_take reads SAFETY_NET_S"},
     {"_inband", core_inband, METH_O, "put_obj_api's pickle buffer_callback: keep the buffer in-band"},
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
     {"encode_batch", core_encode_batch, METH_O,

@@ -34,6 +34,7 @@ import asyncio
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -162,6 +163,7 @@ def _resolve(futs):
 
 
 _watcher = Watcher()
+_core.set_notify(sys.modules[__name__])  # blocking gets parked in C read SAFETY_NET_S here
 
 
 def watcher() -> Watcher:

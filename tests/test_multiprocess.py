@@ -63,28 +63,41 @@ def test_blocked_reader_woken_by_put_from_another_process(ctx, spool_path):
     sp.close()
 
 
-def test_wakeup_uses_doorbell_not_safety_net(spool_path):
-    """A parked reader is woken by the doorbell, well before the safety net fires."""
+def _put_when_parked(path, data):
+    """Put once a reader has registered as a waiter (it is parked, or about to sleep)."""
+    sp = shmq.Spool.open(path)
+    deadline = time.monotonic() + 30
+    while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    sp.put(data)
+    sp.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "forever", "named-forever"])
+def test_wakeup_uses_doorbell_not_safety_net(spool_path, how):
+    """A parked reader is woken by the doorbell, well before the safety net fires: a get
+    with a timeout waits in Python, one without in C (both on the futex word)."""
     import multiprocessing as mp
 
     from shmq import _notify
 
     ctx = mp.get_context("fork")
     sp = shmq.Spool.create(spool_path, capacity="64KiB")
-    r = sp.reader()
+    r = sp.reader("named") if how.startswith("named") else sp.reader()
     old = _notify.SAFETY_NET_S
     _notify.SAFETY_NET_S = 30.0  # a missed doorbell would now cost 30 s
     try:
-        go = ctx.Event()
-        p = ctx.Process(target=put_after_event, args=(spool_path, go, b"x"))
+        p = ctx.Process(target=_put_when_parked, args=(spool_path, b"x"))
         p.start()
         t0 = time.monotonic()
-        go.set()
-        r.get(timeout=20)
+        got = r.get(timeout=20) if how == "timeout" else r.get()
+        assert got.data == b"x"
         assert time.monotonic() - t0 < 10
+        assert sp.data_bell.sem.value == 0
         join_all([p])
     finally:
         _notify.SAFETY_NET_S = old
+        r.close()
         sp.close()
 
 
