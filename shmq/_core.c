@@ -126,6 +126,7 @@ static PyObject *SpoolFormatError = NULL; /* set by _core.setup() */
 static PyObject *crash_hook = NULL;       /* fault-injection harness only */
 static PyObject *pickle_loads = NULL;     /* for Cursor.get_obj */
 static PyObject *notify_module = NULL;    /* shmq._notify: its SAFETY_NET_S caps park_take's sleeps */
+static PyObject *EmptyError = NULL;       /* shmq.Empty, raised when a wait in C times out */
 static PyObject *pickle_dumps = NULL;     /* for Ring.put_obj_api, with: */
 static PyObject *dumps_protocol = NULL;   /*   shmq.codec.PROTOCOL */
 static PyObject *dumps_kwnames = NULL;    /*   ("buffer_callback",) */
@@ -2289,7 +2290,7 @@ static struct timespec safety_net(void) {
     return ts;
 }
 
-static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing) {
+static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing, uint64_t deadline) {
     Ring *r = c->ring;
     uint64_t seg = ld_rlx(&r->ctl[W_SEGMENT]);
     if ((c->kind == K_GROUP && (c->n || c->lost_pending)) || (seg && ld_rlx(&r->ctl[W_ALLOC]) > 4 * seg))
@@ -2305,6 +2306,18 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
         if (got != nothing) break;
         Py_DECREF(got);
         struct timespec ts = safety_net();
+        if (deadline) { /* a timeout: `nothing` once it has passed, and never sleep past it */
+            uint64_t now = mono_ns();
+            if (now >= deadline) {
+                got = Py_NewRef(nothing);
+                break;
+            }
+            uint64_t left = deadline - now;
+            if (left < (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) {
+                ts.tv_sec = (time_t)(left / 1000000000ull);
+                ts.tv_nsec = (long)(left % 1000000000ull);
+            }
+        }
         c->busy++;
         r->busy++;
         Py_BEGIN_ALLOW_THREADS
@@ -2334,6 +2347,37 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
     return got;
 }
 
+/* Whether a get(block, timeout) may wait in C: block True (or omitted) and
+ * timeout None or a positive finite int or float (not a bool: Python
+ * validates everything else, and raises the stdlib's errors).  *deadline:
+ * 0 for no timeout, else the mono_ns() at which it passes. */
+static int park_deadline(PyObject *block, PyObject *timeout, uint64_t *deadline) {
+    *deadline = 0;
+    if (block && block != Py_True) return 0;
+    if (!timeout || timeout == Py_None) return 1;
+    if (!PyFloat_CheckExact(timeout) && !PyLong_CheckExact(timeout)) return 0;
+    double t = PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!(t > 0 && t < 1e9)) return 0; /* NaN, zero, negative, absurd: Python's */
+    *deadline = mono_ns() + (uint64_t)(t * 1e9);
+    return 1;
+}
+
+/* The timeout to hand the Python slow path after part of it was spent here. */
+static PyObject *time_left(PyObject *timeout, uint64_t deadline) {
+    if (!deadline) return Py_NewRef(timeout ? timeout : Py_None);
+    uint64_t now = mono_ns();
+    return PyFloat_FromDouble(now >= deadline ? 0.0 : (double)(deadline - now) / 1e9);
+}
+
+static PyObject *raise_empty(PyObject *timeout) {
+    PyErr_Format(EmptyError ? EmptyError : PyExc_RuntimeError, "no frame within %S s", timeout);
+    return NULL;
+}
+
 static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Reader.get(block=True, timeout=None): a frame in one C call when one is
      * there; otherwise owner._get_slow(block, timeout, first_result). */
@@ -2344,24 +2388,35 @@ static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nar
     PyObject *f = take_one(c);
     if (!f) return NULL;
     if (Py_IS_TYPE(f, FrameType)) return f;
-    int forever = (!a[0] || a[0] == Py_True) && (!a[1] || a[1] == Py_None);
-    if (f == Py_None && (forever || ((!a[0] || a[0] == Py_True) && PyObject_IsTrue(a[1]) == 1)) &&
-        spin_for_frame(c)) {
+    uint64_t deadline;
+    int parkable = f == Py_None && park_deadline(a[0], a[1], &deadline);
+    if (parkable && spin_for_frame(c)) {
         Py_DECREF(f);
         f = take_one(c);
         if (!f) return NULL;
         if (Py_IS_TYPE(f, FrameType)) return f;
     }
-    if (f == Py_None && forever) {
-        PyObject *g = park_take(c, take_one, Py_None);
+    if (f == Py_None && parkable) {
+        PyObject *g = park_take(c, take_one, Py_None, deadline);
+        if (g == Py_None) { /* the timeout passed */
+            Py_DECREF(g);
+            Py_DECREF(f);
+            return raise_empty(a[1]);
+        }
         if (g || PyErr_Occurred()) {
             Py_DECREF(f);
             if (!g || Py_IS_TYPE(g, FrameType)) return g;
             f = g; /* a status (the group lock is busy): the slow path's */
         }
     }
-    PyObject *cargs[3] = {a[0] ? a[0] : Py_True, a[1] ? a[1] : Py_None, f};
+    PyObject *left = parkable ? time_left(a[1], deadline) : Py_NewRef(a[1] ? a[1] : Py_None);
+    if (!left) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    PyObject *cargs[3] = {a[0] ? a[0] : Py_True, left, f};
     PyObject *res = call_owner(c->owner, "_get_slow", cargs, 3);
+    Py_DECREF(left);
     Py_DECREF(f);
     return res;
 }
@@ -2373,17 +2428,25 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
     PyObject *a[2];
     if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
     PyObject *block = a[0] ? a[0] : Py_True, *timeout = a[1] ? a[1] : Py_None;
-    if (timeout == Py_None && !c->closed_msg) {
+    uint64_t deadline = 0;
+    /* a timeout is validated by Python first (even with an item there), unless it is one we can wait on */
+    int parkable = block == Py_True && park_deadline(block, timeout, &deadline);
+    if ((timeout == Py_None || parkable) && !c->closed_msg) {
         PyObject *o = Cursor_get_obj(c, NULL);
         if (!o) return NULL;
         if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
-        if (o == EMPTY && block == Py_True && spin_for_frame(c)) {
+        if (o == EMPTY && parkable && spin_for_frame(c)) {
             Py_DECREF(o);
             if (!(o = Cursor_get_obj(c, NULL))) return NULL;
             if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
         }
-        if (o == EMPTY && block == Py_True) {
-            PyObject *g = park_take(c, get_obj_take, EMPTY);
+        if (o == EMPTY && parkable) {
+            PyObject *g = park_take(c, get_obj_take, EMPTY, deadline);
+            if (g == EMPTY) { /* the timeout passed */
+                Py_DECREF(g);
+                Py_DECREF(o);
+                return raise_empty(timeout);
+            }
             if (g || PyErr_Occurred()) {
                 Py_DECREF(o);
                 if (!g || (g != STUCK && g != UNDECODED)) return g;
@@ -2391,10 +2454,12 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
             }
         }
         Py_DECREF(o);
-        if (c->last) { /* UNDECODED: the Python decoder takes it from .last */
-            PyObject *cargs[3] = {block, timeout, UNDECODED};
-            return call_owner(c->qowner, "_get_slow", cargs, 3);
-        }
+        PyObject *left = parkable ? time_left(timeout, deadline) : Py_NewRef(timeout);
+        if (!left) return NULL;
+        PyObject *cargs[3] = {block, left, c->last ? UNDECODED : EMPTY}; /* UNDECODED: Python decodes .last */
+        PyObject *res = call_owner(c->qowner, "_get_slow", cargs, 3);
+        Py_DECREF(left);
+        return res;
     }
     PyObject *cargs[3] = {block, timeout, EMPTY};
     return call_owner(c->qowner, "_get_slow", cargs, 3);
@@ -2850,9 +2915,10 @@ static PyObject *core_inband(PyObject *m, PyObject *buf) {
 }
 
 static PyObject *core_setup(PyObject *m, PyObject *args) {
-    /* setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol) */
-    PyObject *fmt_err, *loads, *dumps, *protocol;
-    if (!PyArg_ParseTuple(args, "OOOO", &fmt_err, &loads, &dumps, &protocol)) return NULL;
+    /* setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol, Empty) */
+    PyObject *fmt_err, *loads, *dumps, *protocol, *empty;
+    if (!PyArg_ParseTuple(args, "OOOOO", &fmt_err, &loads, &dumps, &protocol, &empty)) return NULL;
+    Py_XSETREF(EmptyError, Py_NewRef(empty));
     if (!dumps_kwnames && !(dumps_kwnames = Py_BuildValue("(s)", "buffer_callback"))) return NULL;
     if (!inband_callback && !(inband_callback = PyObject_GetAttrString(m, "_inband"))) return NULL;
     Py_XSETREF(SpoolFormatError, Py_NewRef(fmt_err));
@@ -2963,7 +3029,7 @@ static PyObject *frame_repr(PyObject *f) {
 }
 
 static PyMethodDef core_methods[] = {
-    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol)"},
+    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol, Empty)"},
     {"set_notify", core_set_notify, METH_O, "set_notify(shmq._notify): where park_take reads SAFETY_NET_S"},
     {"_inband", core_inband, METH_O, "put_obj_api's pickle buffer_callback: keep the buffer in-band"},
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},

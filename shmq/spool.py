@@ -47,7 +47,7 @@ from ._mapping import (
 )
 from ._notify import Doorbell
 from .codec import PROTOCOL
-from .errors import SpoolFormatError
+from .errors import Empty, SpoolFormatError
 from .pins import Pins
 from .ring import Ring
 from .slots import SlotTable
@@ -57,7 +57,7 @@ from .writer import RING_ADVICE, Deferred, Writer
 from . import writer as _writer
 
 # (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
-_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL)
+_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty)
 # The core mirrors the layout of _format: refuse to run if they ever disagree.
 _mismatch = {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v}
 if _mismatch:  # pragma: no cover - a build of the core from another version

@@ -162,3 +162,45 @@ def test_wait_returns_false_at_its_timeout_without_a_ring(make_spool, timeout):
         r.get(timeout=timeout)
     assert sp.data_bell.sem.value == 0  # the registration was undone
     r.close()
+
+
+@pytest.mark.parametrize("timeout", [0.05, 1])
+@pytest.mark.parametrize("kind", ["reader", "named", "queue"])
+def test_a_get_with_a_timeout_waits_in_c_and_keeps_it(make_spool, kind, timeout):
+    """get(timeout=t) with a positive int or float waits in the core: it raises shmq.Empty
+    (a queue.Empty) no earlier than t with the stdlib-style message, unregistered; and a put
+    made while it waits is returned at once."""
+    import queue as stdlib_queue
+
+    if kind == "queue":
+        q = shmq.Queue(capacity="256KiB")
+        sp, get = q._spool, q.get
+    else:
+        sp = make_spool(capacity="256KiB")
+        r = sp.reader("n") if kind == "named" else sp.reader()
+        get = r.get
+    try:
+        t = time.monotonic()
+        with pytest.raises(stdlib_queue.Empty, match=f"no frame within {timeout} s"):
+            get(timeout=timeout)
+        took = time.monotonic() - t
+        assert timeout <= took < timeout + 5, took
+        assert sp.data_bell.sem.value == 0
+
+        def put_when_parked():
+            deadline = time.monotonic() + 10
+            while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            sp.put(b"in time")
+
+        th = threading.Thread(target=put_when_parked)
+        th.start()
+        try:
+            got = get(timeout=30)
+        finally:
+            th.join(15)
+        assert (got if kind == "queue" else got.data) == b"in time"
+        assert sp.data_bell.sem.value == 0
+    finally:
+        if kind == "queue":
+            q.close()
