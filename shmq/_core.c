@@ -2302,6 +2302,10 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
     PyObject *got;
     for (;;) {
         uint32_t seen = atomic_load_explicit(w, memory_order_acquire);
+        if (cursor_check(c) < 0) { /* the reader was closed by another thread meanwhile */
+            got = NULL;
+            break;
+        }
         got = take(c);
         if (got != nothing) break;
         Py_DECREF(got);

@@ -681,3 +681,40 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
         assert q.get(timeout=5) == "after"
     finally:
         q.close()
+
+
+@pytest.mark.parametrize("closing", ["reader", "spool"])
+@pytest.mark.parametrize("timeout", [None, 30])
+def test_closing_under_a_thread_parked_in_get_makes_it_raise_valueerror(make_spool, closing, timeout):
+    """A thread blocked in get (parked in C, with or without a timeout) while another
+    thread closes the reader or the whole spool handle raises ValueError within the safety
+    net, with its waiter registration undone, and nothing touches the unmapped file."""
+    sp = make_spool(capacity="64KiB")
+    path = sp.path
+    r = sp.reader()
+    errors = []
+
+    def blocked():
+        try:
+            r.get(timeout=timeout)
+            errors.append("returned")
+        except ValueError as exc:
+            errors.append(exc)
+        except BaseException as exc:  # reported below
+            errors.append(repr(exc))
+
+    th = threading.Thread(target=blocked, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sp.data_bell.sem.value == 1
+    t = time.monotonic()
+    (r if closing == "reader" else sp).close()
+    th.join(10)
+    assert not th.is_alive() and time.monotonic() - t < 5
+    assert len(errors) == 1 and isinstance(errors[0], ValueError), errors
+    with shmq.Spool.open(path) as again:
+        assert again.data_bell.sem.value == 0  # unregistered
+        again.put(b"still works")
+        assert again.reader().get(timeout=5).data == b"still works"
