@@ -2298,10 +2298,19 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
     if (c->kind == K_NAMED) flush_locked(c); /* what a waiting reader shows the world */
     _Atomic uint32_t *w = bell_word(r, W_DATA_BELL);
     sem_t *reg = r->rsem;
+    /* Busy for as long as we are registered: a close() by another thread
+     * meanwhile (even one noticed inside a group take) is deferred until we
+     * have unregistered, so the semaphore is never used after sem_close. */
+    r->busy++;
     sem_post(reg);
     PyObject *got;
     for (;;) {
         uint32_t seen = atomic_load_explicit(w, memory_order_acquire);
+        if (r->closing) {
+            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
+            got = NULL;
+            break;
+        }
         if (cursor_check(c) < 0) { /* the reader was closed by another thread meanwhile */
             got = NULL;
             break;
@@ -2323,19 +2332,10 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
             }
         }
         c->busy++;
-        r->busy++;
         Py_BEGIN_ALLOW_THREADS
         syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, NULL, 0); /* any return means re-check */
         Py_END_ALLOW_THREADS
         c->busy--;
-        r->busy--;
-        if (r->closing) { /* closed by another thread: unregister before the semaphore goes */
-            sem_trywait(reg);
-            cursor_finish(c);
-            ring_finish(r);
-            PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
-            return NULL;
-        }
         cursor_finish(c);
         /* On every wake, not only EINTR: a signal delivered to another
          * thread of the process sets Python's flag without interrupting us,
@@ -2347,6 +2347,8 @@ static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *not
         }
     }
     sem_trywait(reg); /* EAGAIN: the count was reset meanwhile (fsck --repair) */
+    r->busy--;
+    ring_finish(r); /* a close deferred while we were registered */
     if (!got && !PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "park_take: no result");
     return got;
 }

@@ -683,15 +683,17 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
         q.close()
 
 
+@pytest.mark.parametrize("kind", ["anonymous", "group"])
 @pytest.mark.parametrize("closing", ["reader", "spool"])
 @pytest.mark.parametrize("timeout", [None, 30])
-def test_closing_under_a_thread_parked_in_get_makes_it_raise_valueerror(make_spool, closing, timeout):
+def test_closing_under_a_thread_parked_in_get_makes_it_raise_valueerror(make_spool, closing, timeout,
+                                                                      kind):
     """A thread blocked in get (parked in C, with or without a timeout) while another
     thread closes the reader or the whole spool handle raises ValueError within the safety
     net, with its waiter registration undone, and nothing touches the unmapped file."""
     sp = make_spool(capacity="64KiB")
     path = sp.path
-    r = sp.reader()
+    r = sp.reader("g", group=True) if kind == "group" else sp.reader()
     errors = []
 
     def blocked():
