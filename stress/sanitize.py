@@ -8,7 +8,8 @@ symlinks to the worktree's ``shmq/*.py`` beside the sanitized
 against that build, with the compiler's ASan runtime in ``LD_PRELOAD``:
 
 1. the core's tests (``tests/test_spool.py``, ``test_corrupt.py``,
-   ``test_verify.py``, ``test_regressions.py``, ``test_queue.py``);
+   ``test_verify.py``, ``test_regressions.py``, ``test_queue.py``,
+   ``test_notify.py``, ``test_threads_signals.py``);
 2. the corrupt-file fuzz harness ``stress/fuzz.py`` (``--quick``: 200
    damaged spools opened, read through every kind of reader, verified and
    written to).
@@ -44,7 +45,9 @@ import sysconfig
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORE_TESTS = ["test_spool.py", "test_corrupt.py", "test_verify.py", "test_regressions.py", "test_queue.py"]
+# test_notify / test_threads_signals: waits in C, closes under parked threads, signals
+CORE_TESTS = ["test_spool.py", "test_corrupt.py", "test_verify.py", "test_regressions.py", "test_queue.py",
+              "test_notify.py", "test_threads_signals.py"]
 QUICK_TESTS = ["test_corrupt.py", "test_regressions.py"]
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
 #: Exit status when the toolchain is missing (not a failure of the code).
