@@ -204,15 +204,14 @@ def _next_sleep(deadline, now):
 class Doorbell:
     """One side's wake-up channel: waiters on ``sem`` sleep until ``ring()``.
 
-    ``file.fd`` is the spool's descriptor (it changes after a fork); ``byte``
-    is the doorbell byte; ``core`` the spool's compiled ring, which owns the
-    futex word (``space``: the space bell's, else the data bell's).
+    ``file.fd`` is the spool's descriptor (it changes after a fork; asyncio
+    waits watch it); ``core`` the spool's compiled ring, which owns the
+    futex word and rings (``space``: the space bell's, else the data bell's).
     Thread-safe: any number of threads may wait.
     """
 
-    def __init__(self, file, byte: int, sem, core, space: bool):
+    def __init__(self, file, sem, core, space: bool):
         self.file = file
-        self.byte = byte
         self.sem = sem
         self._core = core
         self._space = bool(space)

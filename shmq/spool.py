@@ -131,8 +131,8 @@ class Spool:
             sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
             sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
         self.core.bind(self, not self._sync)
-        self.data_bell = Doorbell(m, F.DOORBELL_BYTE, read_waiters, self.core, space=False)
-        self.space_bell = Doorbell(m, F.DOORBELL_BYTE, space_waiters, self.core, space=True)
+        self.data_bell = Doorbell(m, read_waiters, self.core, space=False)
+        self.space_bell = Doorbell(m, space_waiters, self.core, space=True)
         # The uncontended put in one C call; it hands anything else to _put_slow.
         self.put = self.core.put_api
         if os.fstat(m.fd).st_nlink == 0:
