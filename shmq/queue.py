@@ -277,45 +277,32 @@ class Queue:
         with out-of-band buffers); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        if not isinstance(items, (list, tuple)):
+            items = list(items)  # an iterator is read once: by whichever encoder takes it
         batch = _core.encode_batch(items)  # all bytes or all in-band pickles, in one call
         if batch is not None:
-            self._put_batch(*batch, block, timeout)
-            return
-        encoded = _codec.encode_many(items)
-        if not encoded:
-            return
-        if self._unfinished is not None:
-            for _ in encoded:
-                self._unfinished.release()
-        try:
+            parts, codec = batch
+            appends = [(parts, codec)] if parts else []
+        else:
             # A frame header has one codec: a batch of one kind (all pickles, all
             # bytes, all out-of-band) is one atomic append; a mixed one goes item by item.
-            codec = encoded[0][1]
+            encoded = _codec.encode_many(items)
+            codec = encoded[0][1] if encoded else None
             if all(c == codec for _i, c in encoded):
-                self._spool.writer.append(tuple([i for i, _c in encoded]),
-                                    check_block_timeout(block, timeout), codec, self._backlog)
+                appends = [(tuple([i for i, _c in encoded]), codec)] if encoded else []
             else:
-                for item, codec in encoded:
-                    self._spool.writer.append((item,), check_block_timeout(block, timeout), codec,
-                                        self._backlog)
-        except BaseException:
-            if self._unfinished is not None:
-                for _ in encoded:
-                    self._unfinished.acquire(0)
-            raise
-
-    def _put_batch(self, parts, codec, block, timeout):
-        """put_many of a batch encoded as one kind: one atomic append."""
-        if not parts:
-            return
+                appends = [((item,), c) for item, c in encoded]
+        n = sum(len(parts) for parts, _c in appends)
         if self._unfinished is not None:
-            for _ in parts:
+            for _ in range(n):
                 self._unfinished.release()
         try:
-            self._spool.writer.append(parts, check_block_timeout(block, timeout), codec, self._backlog)
+            for parts, codec in appends:
+                self._spool.writer.append(parts, check_block_timeout(block, timeout), codec,
+                                          self._backlog)
         except BaseException:
             if self._unfinished is not None:
-                for _ in parts:
+                for _ in range(n):
                     self._unfinished.acquire(0)
             raise
 

@@ -117,6 +117,19 @@ def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
     assert got[8:] == [b"x", {"d": 4}, b"y", b"z"]
 
 
+@pytest.mark.parametrize("items", [
+    [b"a", {"b": 1}, np.arange(3)],  # mixed: the core's encoder declines, Python's takes it
+    [{"c": 1}, {"d": 2}],            # one kind: the core's encoder
+    [np.ones(2), np.zeros(2)],       # out-of-band buffers: Python's encoder
+], ids=["mixed", "pickles", "arrays"])
+def test_put_many_of_an_iterator_loses_nothing(q, items):
+    q.put_many(iter(items))
+    got = q.get_many(10, timeout=5)
+    assert len(got) == len(items)
+    for g, w in zip(got, items):
+        assert np.array_equal(g, w) if isinstance(w, np.ndarray) else g == w
+
+
 def test_maxsize_counts_items():
     q = shmq.Queue(maxsize=3)
     try:
