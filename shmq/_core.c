@@ -323,6 +323,19 @@ static inline void wlock_release(Ring *r) {
     sem_post(r->wsem); /* a release operation: the holder word and all writes are visible first */
 }
 
+/* A growable ring whose zone spans more than TRIM_DUE_SEGS segments: a reader
+ * that stays idle gives the consumed ones back (Spool.trim_due / trim_idle). */
+#define TRIM_DUE_SEGS 4
+static int trim_due(Ring *r) {
+    uint64_t seg = ld_rlx(&r->ctl[W_SEGMENT]);
+    return seg && ld_rlx(&r->ctl[W_ALLOC]) > TRIM_DUE_SEGS * seg;
+}
+
+static PyObject *Ring_trim_due(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    return PyBool_FromLong(trim_due(r));
+}
+
 /* The 32-bit futex word of a doorbell: the low half of control word `word`
  * (little-endian: x86-64 and aarch64 Linux, the supported platforms). */
 static inline _Atomic uint32_t *bell_word(Ring *r, int word) { return (_Atomic uint32_t *)&r->ctl[word]; }
@@ -1263,6 +1276,23 @@ static PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, 
     return res;
 }
 
+/* *slot = a weak reference to obj (the Python object whose slow path a
+ * *_api entry point hands its remaining cases to).  0, or -1 with an exception. */
+static int set_weak(PyObject **slot, PyObject *obj) {
+    PyObject *ref = PyWeakref_NewRef(obj, NULL);
+    if (!ref) return -1;
+    Py_XSETREF(*slot, ref);
+    return 0;
+}
+
+/* The pickle of a shmq.Queue item, every buffer kept in-band and counted in
+ * buffers_seen (a caller that sees the count move hands the object to the
+ * Python encoder, which keeps the buffers out of band, uncopied). */
+static PyObject *dumps_inband(PyObject *obj) {
+    PyObject *dargs[3] = {obj, dumps_protocol, inband_callback};
+    return PyObject_Vectorcall(pickle_dumps, dargs, 2, dumps_kwnames);
+}
+
 /* Queue.put(obj, block=True, timeout=None): bytes as they are, anything else
  * pickled, written in one C call when there is room and no timeout to
  * check; anything else (and any object with out-of-band buffers, which the
@@ -1285,8 +1315,7 @@ static PyObject *Ring_put_obj_api(Ring *r, PyObject *const *args, Py_ssize_t nar
              * count that moved (ours, or another thread's: harmless) sends
              * the object to the Python encoder, which keeps them out of band. */
             unsigned long before = buffers_seen;
-            PyObject *dargs[3] = {a[0], dumps_protocol, inband_callback};
-            data = PyObject_Vectorcall(pickle_dumps, dargs, 2, dumps_kwnames);
+            data = dumps_inband(a[0]);
             if (!data) return NULL; /* unpicklable: at once, as the Python put */
             codec = 1;
             if (buffers_seen != before) Py_CLEAR(data);
@@ -1313,9 +1342,7 @@ static PyObject *Ring_bind_queue(Ring *r, PyObject *args) {
     PyObject *queue;
     long long backlog;
     if (!PyArg_ParseTuple(args, "OL", &queue, &backlog)) return NULL;
-    PyObject *ref = PyWeakref_NewRef(queue, NULL);
-    if (!ref) return NULL;
-    Py_XSETREF(r->qowner, ref);
+    if (set_weak(&r->qowner, queue) < 0) return NULL;
     r->q_backlog = backlog;
     Py_RETURN_NONE;
 }
@@ -1324,9 +1351,7 @@ static PyObject *Ring_bind(Ring *r, PyObject *args) {
     PyObject *owner;
     int fast;
     if (!PyArg_ParseTuple(args, "Op", &owner, &fast)) return NULL;
-    PyObject *ref = PyWeakref_NewRef(owner, NULL);
-    if (!ref) return NULL;
-    Py_XSETREF(r->owner, ref);
+    if (set_weak(&r->owner, owner) < 0) return NULL;
     r->fast_put = fast;
     Py_RETURN_NONE;
 }
@@ -1671,7 +1696,9 @@ static PyObject *Ring_ring_data(Ring *r, PyObject *unused) {
  * as a waiter and before re-checking, then pass it to bell_wait. */
 static PyObject *Ring_bell_seen(Ring *r, PyObject *space) {
     if (ring_check_open(r) < 0) return NULL;
-    int word = PyObject_IsTrue(space) ? W_SPACE_BELL : W_DATA_BELL;
+    int sp = PyObject_IsTrue(space);
+    if (sp < 0) return NULL;
+    int word = sp ? W_SPACE_BELL : W_DATA_BELL;
     return PyLong_FromUnsignedLong(atomic_load_explicit(bell_word(r, word), memory_order_acquire));
 }
 
@@ -1888,6 +1915,8 @@ static PyMethodDef Ring_methods[] = {
     {"latest", (PyCFunction)Ring_latest, METH_VARARGS, "latest(lock_wait) -> (next_seq, next_pos) or None"},
     {"ring_space", (PyCFunction)Ring_ring_space, METH_NOARGS, "wake writers waiting for room, if any"},
     {"ring_data", (PyCFunction)Ring_ring_data, METH_NOARGS, "wake readers waiting for frames, if any"},
+    {"trim_due", (PyCFunction)Ring_trim_due, METH_NOARGS,
+     "True if a growable ring's zone spans more than 4 segments (an idle reader trims it)"},
     {"bell_seen", (PyCFunction)Ring_bell_seen, METH_O, "bell_seen(space) -> the doorbell word (read before re-checking)"},
     {"bell_wait", (PyCFunction)Ring_bell_wait, METH_VARARGS,
      "bell_wait(space, seen, timeout): sleep until the doorbell word moves from seen"},
@@ -2244,9 +2273,9 @@ static PyObject *get_obj_take(Cursor *c) { return Cursor_get_obj(c, NULL); }
 
 /* A blocking get that found nothing: spin a moment (GIL held, no syscall) for
  * the writer's next commit.  A consumer as fast as its producer is caught up
- * between most frames of a stream; the Python wait path it would enter
- * instead costs several microseconds and registers it as a waiter, which
- * makes every put ring the doorbell (a pwrite) until it is out again.
+ * between most frames of a stream; the wait it would enter instead costs
+ * microseconds and registers it as a waiter, which makes every put ring the
+ * doorbell (a futex wake and a pwrite) until it is out again.
  * 1 if a frame is there now. */
 #define CAUGHT_UP_SPIN_NS 2000ull
 static int spin_for_frame(Cursor *c) {
@@ -2265,18 +2294,7 @@ static int spin_for_frame(Cursor *c) {
     }
 }
 
-/* A blocking get with no timeout that found nothing, even after the spin:
- * wait for a frame here, in C, so that a wake-up costs no Python between
- * the futex returning and the frame being taken.  The protocol is the one
- * of shmq/_notify.py's Doorbell.wait: register as a data waiter (sem_post,
- * a full fence), read the doorbell word, re-check by taking, sleep on the
- * word (GIL released, at most shmq._notify.SAFETY_NET_S) while it still holds what was
- * read.  `take` returns a new reference; anything but `nothing` (a frame, a
- * status, NULL with an exception) ends the wait.  Signals run their Python
- * handlers here; one that raises (Ctrl-C) ends the wait with nothing held.
- * Returns NULL with no exception set when this case is the Python slow
- * path's: a group with statistics to flush (that takes the group lock) or a
- * growable spool due for an idle trim (the reader trims after a while). */
+/* shmq._notify.SAFETY_NET_S (0.1 s unless a test raised it) as a timespec. */
 static struct timespec safety_net(void) {
     double s = 0.1;
     PyObject *v = notify_module ? PyObject_GetAttrString(notify_module, "SAFETY_NET_S") : NULL;
@@ -2290,11 +2308,25 @@ static struct timespec safety_net(void) {
     return ts;
 }
 
+/* A blocking get that found nothing, even after the spin: wait for a frame
+ * here, in C, until `deadline` (a mono_ns() value; 0: none), so that a
+ * wake-up costs no Python between the futex returning and the frame being
+ * taken.  The protocol is the one of shmq/_notify.py's Doorbell.wait:
+ * register as a data waiter (sem_post, a full fence), read the doorbell
+ * word, re-check by taking, sleep on the word (GIL released, at most
+ * shmq._notify.SAFETY_NET_S, never past the deadline) while it still holds
+ * what was read.  `take` returns a new reference; anything but `nothing` (a
+ * frame, a status, NULL with an exception) ends the wait, and `nothing` is
+ * returned once the deadline has passed.  Signals run their Python handlers
+ * here; one that raises (Ctrl-C) ends the wait with nothing held; a close of
+ * the reader or the handle by another thread ends it with ValueError.
+ * Returns NULL with no exception set when this case is the Python slow
+ * path's: a group with statistics to flush (that takes the group lock) or a
+ * growable spool due for an idle trim (trim_due: the reader trims after a
+ * while). */
 static PyObject *park_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing, uint64_t deadline) {
     Ring *r = c->ring;
-    uint64_t seg = ld_rlx(&r->ctl[W_SEGMENT]);
-    if ((c->kind == K_GROUP && (c->n || c->lost_pending)) || (seg && ld_rlx(&r->ctl[W_ALLOC]) > 4 * seg))
-        return NULL;
+    if ((c->kind == K_GROUP && (c->n || c->lost_pending)) || trim_due(r)) return NULL;
     if (c->kind == K_NAMED) flush_locked(c); /* what a waiting reader shows the world */
     _Atomic uint32_t *w = bell_word(r, W_DATA_BELL);
     sem_t *reg = r->rsem;
@@ -2384,6 +2416,27 @@ static PyObject *raise_empty(PyObject *timeout) {
     return NULL;
 }
 
+/* What get_api and get_obj_api do once a take found `nothing` and the call
+ * may wait here (park_deadline): spin, then park until `deadline`.  A new
+ * reference to what a take returned instead (a frame or an object, or a
+ * status for Python); `nothing` when the wait is Python's to do (see
+ * park_take); NULL with an exception, shmq.Empty once `timeout` passed. */
+static PyObject *wait_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing, uint64_t deadline,
+                           PyObject *timeout) {
+    if (spin_for_frame(c)) {
+        PyObject *got = take(c);
+        if (got != nothing) return got;
+        Py_DECREF(got);
+    }
+    PyObject *got = park_take(c, take, nothing, deadline);
+    if (got == nothing) { /* the deadline passed */
+        Py_DECREF(got);
+        return raise_empty(timeout);
+    }
+    if (!got && !PyErr_Occurred()) return Py_NewRef(nothing);
+    return got;
+}
+
 static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Reader.get(block=True, timeout=None): a frame in one C call when one is
      * there; otherwise owner._get_slow(block, timeout, first_result). */
@@ -2396,24 +2449,10 @@ static PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nar
     if (Py_IS_TYPE(f, FrameType)) return f;
     uint64_t deadline;
     int parkable = f == Py_None && park_deadline(a[0], a[1], &deadline);
-    if (parkable && spin_for_frame(c)) {
+    if (parkable) {
         Py_DECREF(f);
-        f = take_one(c);
-        if (!f) return NULL;
-        if (Py_IS_TYPE(f, FrameType)) return f;
-    }
-    if (f == Py_None && parkable) {
-        PyObject *g = park_take(c, take_one, Py_None, deadline);
-        if (g == Py_None) { /* the timeout passed */
-            Py_DECREF(g);
-            Py_DECREF(f);
-            return raise_empty(a[1]);
-        }
-        if (g || PyErr_Occurred()) {
-            Py_DECREF(f);
-            if (!g || Py_IS_TYPE(g, FrameType)) return g;
-            f = g; /* a status (the group lock is busy): the slow path's */
-        }
+        f = wait_take(c, take_one, Py_None, deadline, a[1]);
+        if (!f || Py_IS_TYPE(f, FrameType)) return f; /* else None or a busy group lock: Python's */
     }
     PyObject *left = parkable ? time_left(a[1], deadline) : Py_NewRef(a[1] ? a[1] : Py_None);
     if (!left) {
@@ -2439,26 +2478,12 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
     int parkable = block == Py_True && park_deadline(block, timeout, &deadline);
     if ((timeout == Py_None || parkable) && !c->closed_msg) {
         PyObject *o = Cursor_get_obj(c, NULL);
+        if (o == EMPTY && parkable) {
+            Py_DECREF(o);
+            o = wait_take(c, get_obj_take, EMPTY, deadline, timeout);
+        }
         if (!o) return NULL;
         if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
-        if (o == EMPTY && parkable && spin_for_frame(c)) {
-            Py_DECREF(o);
-            if (!(o = Cursor_get_obj(c, NULL))) return NULL;
-            if (o != EMPTY && o != STUCK && o != UNDECODED) return o;
-        }
-        if (o == EMPTY && parkable) {
-            PyObject *g = park_take(c, get_obj_take, EMPTY, deadline);
-            if (g == EMPTY) { /* the timeout passed */
-                Py_DECREF(g);
-                Py_DECREF(o);
-                return raise_empty(timeout);
-            }
-            if (g || PyErr_Occurred()) {
-                Py_DECREF(o);
-                if (!g || (g != STUCK && g != UNDECODED)) return g;
-                o = g;
-            }
-        }
         Py_DECREF(o);
         PyObject *left = parkable ? time_left(timeout, deadline) : Py_NewRef(timeout);
         if (!left) return NULL;
@@ -2474,13 +2499,8 @@ static PyObject *Cursor_get_obj_api(Cursor *c, PyObject *const *args, Py_ssize_t
 static PyObject *Cursor_bind(Cursor *c, PyObject *args) {
     PyObject *owner, *queue = Py_None;
     if (!PyArg_ParseTuple(args, "O|O", &owner, &queue)) return NULL;
-    PyObject *ref = PyWeakref_NewRef(owner, NULL);
-    if (!ref) return NULL;
-    Py_XSETREF(c->owner, ref);
-    if (queue != Py_None) {
-        if (!(ref = PyWeakref_NewRef(queue, NULL))) return NULL;
-        Py_XSETREF(c->qowner, ref);
-    }
+    if (set_weak(&c->owner, owner) < 0) return NULL;
+    if (queue != Py_None && set_weak(&c->qowner, queue) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -2909,12 +2929,13 @@ static PyTypeObject WaitingType = {
 
 /* ---- module ---- */
 
-/* The buffer_callback of put_obj_api's pickling: keep the buffer in-band, count it. */
+/* set_notify(shmq._notify): park_take reads its SAFETY_NET_S (tests raise it). */
 static PyObject *core_set_notify(PyObject *m, PyObject *mod) {
     Py_XSETREF(notify_module, Py_NewRef(mod));
     Py_RETURN_NONE;
 }
 
+/* The buffer_callback of dumps_inband: keep the buffer in-band, count it. */
 static PyObject *core_inband(PyObject *m, PyObject *buf) {
     buffers_seen++;
     Py_RETURN_TRUE;
@@ -2958,8 +2979,7 @@ static PyObject *core_encode_batch(PyObject *m, PyObject *items) {
         if (kind == 0) {
             data = Py_NewRef(o);
         } else {
-            PyObject *dargs[3] = {o, dumps_protocol, inband_callback};
-            if (!(data = PyObject_Vectorcall(pickle_dumps, dargs, 2, dumps_kwnames))) {
+            if (!(data = dumps_inband(o))) {
                 Py_DECREF(out);
                 Py_DECREF(seq);
                 return NULL;
@@ -2969,8 +2989,7 @@ static PyObject *core_encode_batch(PyObject *m, PyObject *items) {
         if (buffers_seen != before) goto python; /* out-of-band buffers: kept uncopied in Python */
     }
     Py_DECREF(seq);
-    PyObject *res = Py_BuildValue("(Ni)", out, codec < 0 ? 0 : codec);
-    return res;
+    return Py_BuildValue("(Ni)", out, codec < 0 ? 0 : codec);
 python:
     Py_DECREF(out);
     Py_DECREF(seq);

@@ -594,10 +594,9 @@ class Spool:
 
     def trim_due(self) -> bool:
         """True if this is a growable spool whose zone spans more than four segments
-        (a reader that stays idle then calls :meth:`trim_idle`)."""
-        ctl = self.mapping.ctl
-        seg = ctl[F.W_SEGMENT]
-        return bool(seg) and ctl[F.W_ALLOC] > 4 * seg
+        (a reader that stays idle then calls :meth:`trim_idle`; a blocking get waiting
+        in the core leaves such a wait to Python for that).  Lock-free, two loads."""
+        return self.core.trim_due()
 
     def trim_idle(self) -> None:
         """:meth:`trim` without waiting, if :meth:`trim_due` (called by a reader that
