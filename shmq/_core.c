@@ -53,8 +53,8 @@
 #define ALIGN 8
 #define W_NEXT_SEQ 16
 #define W_NEXT_POS 17
-#define W_FIRST_SEQ 18
-#define W_FIRST_POS 19
+#define W_FIRST_SEQ 40 /* off the writer's line (16..23): see FORMAT_VERSION in _format.py */
+#define W_FIRST_POS 41
 #define W_ALLOC_MIN 20 /* growable rings: the writer wraps early only past this offset */
 #define W_ALLOC 21     /* growable rings: offsets at or above it have no pages */
 #define W_LOCK_HOLDER 22

@@ -25,12 +25,14 @@ import zlib
 from .errors import NotASpool, SpoolFormatError
 
 MAGIC = b"SHMQSPL\x00"
-#: The newest format this shmq reads and writes.  Version 2 is version 1 plus a
-#: growable ring (W_SEGMENT, W_ALLOC_*): growable spools are written as 2 so that
-#: an older shmq, which would write into unallocated pages, refuses them; fixed
-#: spools are still written as 1.
-FORMAT_VERSION = 2
-FIXED_FORMAT_VERSION = 1
+#: The format this shmq reads and writes.  Version 3 moved the oldest-frame
+#: words (FIRST_SEQ, FIRST_POS) off the cache line the writer stores to on every
+#: put, so that a reader's per-frame overwrite check stops missing its cache;
+#: fixed and growable rings (W_SEGMENT != 0) are both version 3.  Versions 1
+#: (fixed) and 2 (growable) keep those words at 18/19: refused, with the way out.
+FORMAT_VERSION = 3
+#: The versions an older shmq wrote; migrate them with ``shmq export`` / ``import``.
+OLD_FORMAT_VERSIONS = (1, 2)
 
 # --- header page ----------------------------------------------------------
 
@@ -43,8 +45,7 @@ GEOMETRY_CRC_SPAN = 124  # CRC covers bytes [0, 124); the CRC sits at 124
 # Control words: u64 indexes into the header page viewed as 'Q'.
 W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
 W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
-W_FIRST_SEQ = 18  # oldest frame still in the ring
-W_FIRST_POS = 19  # its byte position (stored before FIRST_SEQ)
+# 18, 19: reserved (FIRST_SEQ / FIRST_POS in versions 1 and 2)
 W_ALLOC_MIN = 20  # growable rings: the writer wraps early (reuses its pages) only past this offset
 W_ALLOC = 21  # growable rings: ring offsets at or above it have no pages (0 on fixed spools)
 W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
@@ -63,7 +64,11 @@ W_HOLE_LO = 36  # growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may lack page
 W_HOLE_HI = 37
 W_DATA_BELL = 38  # doorbell futex words (low 32 bits), bumped on every ring: blocked
 W_SPACE_BELL = 39  # readers / writers sleep on them (shmq/_notify.py)
-# 40..47 reserved
+# 40..47: their own cache line, stored to only when the writer evicts, so the
+# check every reader makes after copying a frame hits its cache (see FORMAT_VERSION)
+W_FIRST_SEQ = 40  # oldest frame still in the ring
+W_FIRST_POS = 41  # its byte position (stored before FIRST_SEQ)
+# 42..47 reserved
 # 48..63: shmq.WorkQueue (see the work queue section below)
 W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
 W_WQ_KEY_SLOTS = 49  # key-index entries after them
@@ -214,10 +219,9 @@ def ring_geometry(capacity: int, slots: int, leases: int):
 
 
 def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
-                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns,
-                  growable=False) -> bytes:
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
     body = GEOMETRY.pack(
-        MAGIC, FORMAT_VERSION if growable else FIXED_FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
+        MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
         slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
         POLICIES.index(policy), int(bool(checksum)), 0, 0,
         sem_prefix.encode("ascii"), created_ns, b"", 0,
@@ -268,7 +272,12 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
         raise SpoolFormatError(
             f"{where}: spool format version {version} is newer than this shmq supports "
             f"({FORMAT_VERSION}); upgrade shmq, or export with the newer version and import here")
-    if version < 1:
+    if version in OLD_FORMAT_VERSIONS:
+        raise SpoolFormatError(
+            f"{where}: spool format version {version} was written by an older shmq; this one reads "
+            f"version {FORMAT_VERSION} only (the control words moved): drain it with the older shmq, or "
+            "'shmq export' it there and 'shmq import' the dump into a spool created by this one")
+    if version != FORMAT_VERSION:
         raise SpoolFormatError(f"{where}: invalid spool format version {version}")
     if zlib.crc32(raw[:GEOMETRY_CRC_SPAN]) != crc:
         raise SpoolFormatError(

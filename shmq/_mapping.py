@@ -428,7 +428,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             file_bytes=file_bytes, ring_offset=ring_offset, ring_bytes=ring_bytes,
             slot_offset=slot_offset, slot_count=slots, lease_offset=lease_offset,
             lease_count=leases, policy=policy, checksum=checksum, sem_prefix=prefix,
-            created_ns=time.time_ns(), growable=bool(window))
+            created_ns=time.time_ns())
         sem_mode = mode & 0o666  # whoever may open the spool must be able to lock it
         for which, initial in ((SEM_WRITER, 1), (SEM_READ_WAITERS, 0), (SEM_SPACE_WAITERS, 0)):
             posix_ipc.Semaphore(sem_name(prefix, which), posix_ipc.O_CREX, mode=sem_mode,

@@ -108,8 +108,7 @@ class Spool:
         geo = m.geo
         self.path = m.path
         seg = m.ctl[F.W_SEGMENT]
-        if (seg % F.PAGE or seg > geo["ring_bytes"]  # the core would refuse it less clearly
-                or seg and geo["version"] < F.FORMAT_VERSION):
+        if seg % F.PAGE or seg > geo["ring_bytes"]:  # the core would refuse it less clearly
             raise SpoolFormatError(f"{m.path}: control word SEGMENT = {seg} is not a whole number "
                                    f"of pages within the ring; {RING_ADVICE}")
         self._sync = bool(sync)

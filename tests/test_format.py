@@ -94,31 +94,27 @@ def test_valid_frame_header_keeps_frames_inside_the_ring(length, offset, ring_by
 
 
 def _geometry(capacity=1 << 16, slots=F.DEFAULT_SLOTS, leases=0, policy="overwrite",
-              checksum=False, prefix=PREFIX, created_ns=1, growable=False):
+              checksum=False, prefix=PREFIX, created_ns=1):
     slot_off, lease_off, ring_off, ring_bytes, file_bytes = F.ring_geometry(capacity, slots, leases)
     raw = F.pack_geometry(file_bytes=file_bytes, ring_offset=ring_off, ring_bytes=ring_bytes,
                           slot_offset=slot_off, slot_count=slots, lease_offset=lease_off,
                           lease_count=leases, policy=policy, checksum=checksum,
-                          sem_prefix=prefix, created_ns=created_ns, growable=growable)
+                          sem_prefix=prefix, created_ns=created_ns)
     return raw, file_bytes
 
 
 @settings(max_examples=200)
 @given(st.integers(1, 1 << 34), st.integers(1, F.MAX_SLOTS), st.integers(0, 1 << 16),
-       st.sampled_from(F.POLICIES), st.booleans(), prefixes, st.integers(0, (1 << 64) - 1),
-       st.booleans())
-def test_geometry_round_trip(capacity, slots, leases, policy, checksum, prefix, created_ns,
-                             growable):
-    raw, file_bytes = _geometry(capacity, slots, leases, policy, checksum, prefix, created_ns,
-                                growable)
+       st.sampled_from(F.POLICIES), st.booleans(), prefixes, st.integers(0, (1 << 64) - 1))
+def test_geometry_round_trip(capacity, slots, leases, policy, checksum, prefix, created_ns):
+    raw, file_bytes = _geometry(capacity, slots, leases, policy, checksum, prefix, created_ns)
     assert len(raw) == F.GEOMETRY.size
     g = F.unpack_geometry(raw, file_bytes, "x")
     assert g["file_bytes"] == file_bytes and g["slot_count"] == slots
     assert g["lease_count"] == leases and g["policy"] == policy
     assert g["checksum"] is checksum and g["sem_prefix"] == prefix
     assert g["created_ns"] == created_ns
-    # growable rings are version 2 (older shmq refuses them), fixed ones still 1
-    assert g["version"] == (F.FORMAT_VERSION if growable else F.FIXED_FORMAT_VERSION)
+    assert g["version"] == F.FORMAT_VERSION == 3
     assert g["ring_bytes"] >= max(capacity, F.MIN_RING_BYTES) and g["ring_bytes"] % F.PAGE == 0
     assert g["ring_offset"] % F.PAGE == 0
     assert g["ring_offset"] >= g["lease_offset"] + leases * F.LEASE_BYTES
@@ -185,6 +181,16 @@ def test_bad_magic_is_a_foreign_file():
 def test_newer_version_says_upgrade():
     raw, fb = _with(version=F.FORMAT_VERSION + 1)
     with pytest.raises(SpoolFormatError, match="newer than this shmq supports.*upgrade shmq"):
+        F.unpack_geometry(raw, fb, "p")
+
+
+@pytest.mark.parametrize("version", F.OLD_FORMAT_VERSIONS)
+def test_older_versions_say_how_to_migrate(version):
+    # versions 1 and 2 keep FIRST_SEQ/FIRST_POS in words 18/19: read with this
+    # layout they would look empty, so they are refused before anything is mapped
+    raw, fb = _with(version=version)
+    with pytest.raises(SpoolFormatError, match=f"version {version} was written by an older shmq.*"
+                       "'shmq export' it there and 'shmq import'"):
         F.unpack_geometry(raw, fb, "p")
 
 

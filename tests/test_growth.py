@@ -410,17 +410,18 @@ def test_a_growable_spool_on_a_disk_path_spills_and_survives_reopening(tmp_path)
         shmq.Spool.destroy(path)
 
 
-def test_fixed_spools_stay_version_1_and_growable_ones_are_version_2(make_spool):
+def test_fixed_and_growable_spools_are_both_version_3(make_spool):
     fixed = make_spool(capacity="64KiB")
     grows = make_spool(capacity="64KiB", max_capacity="1MiB")
-    assert fixed.geometry["version"] == F.FIXED_FORMAT_VERSION == 1
-    assert grows.geometry["version"] == F.FORMAT_VERSION == 2
+    assert fixed.geometry["version"] == grows.geometry["version"] == F.FORMAT_VERSION == 3
+    assert not fixed.ring.ctl[F.W_SEGMENT] and grows.ring.ctl[F.W_SEGMENT]
 
 
-def test_a_version_1_file_with_a_segment_word_is_refused(make_spool):
+@pytest.mark.parametrize("segment", [(1 << 16) + 8, 1 << 20])  # not whole pages; past the ring
+def test_a_segment_word_that_cannot_be_right_is_refused(make_spool, segment):
     sp = make_spool(capacity="64KiB")
     path = sp.path
-    sp.ring.ctl[F.W_SEGMENT] = 1 << 16  # only a version-2 (growable) spool may have one
+    sp.ring.ctl[F.W_SEGMENT] = segment
     with pytest.raises(shmq.SpoolFormatError, match="SEGMENT"):
         shmq.Spool.open(path)
 

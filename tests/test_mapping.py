@@ -210,6 +210,35 @@ def test_mapping_refuses_a_newer_format(created):
         M.Mapping(path)
 
 
+@pytest.mark.parametrize("version", F.OLD_FORMAT_VERSIONS)
+def test_an_older_format_is_refused_untouched_and_can_be_removed(created, version):
+    # A version-1/2 file keeps FIRST_SEQ/FIRST_POS where this shmq keeps reserved
+    # zeros: opening it is refused (with the migration path), nothing is written,
+    # and destroy still removes it together with its semaphores.
+    import shmq
+
+    path, geo = created
+    fd = os.open(path, os.O_RDWR)
+    try:
+        raw = bytearray(os.pread(fd, F.GEOMETRY.size, 0))
+        raw[8:12] = version.to_bytes(4, "little")
+        raw[124:128] = zlib.crc32(bytes(raw[:124])).to_bytes(4, "little")
+        os.pwrite(fd, bytes(raw), 0)
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        before = f.read()
+    with pytest.raises(SpoolFormatError, match=f"version {version} was written by an older shmq.*shmq export"):
+        shmq.Spool.open(path)
+    with pytest.raises(SpoolFormatError, match="older shmq"):
+        M.Mapping(path)
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert _sems(geo["sem_prefix"])
+    shmq.Spool.destroy(path)
+    assert not os.path.exists(path) and not _sems(geo["sem_prefix"])
+
+
 def test_open_semaphore_creates_with_the_mode(spool_dir):
     name = M.group_sem_name("fedcba987654", 3)
     assert name == "/shmq.fedcba987654.g3"
