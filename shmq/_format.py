@@ -117,6 +117,7 @@ S_LAG_LOW = 12
 S_LOCK_HOLDER = 13  # group lock holder (same encoding as W_LOCK_HOLDER)
 S_LOCK_TOKEN = 15
 S_CREATED_NS = 16
+S_DELAY_COUNT = 18  # gets whose delay was measured: the divisor of S_DELAY_SUM_NS (sampled)
 # liveness lock on the slot's first byte, group-lock recovery on its second
 SLOT_LIVE_BYTE = 0
 SLOT_RECOVERY_BYTE = 1

@@ -25,6 +25,10 @@ _NO_LOW_WATER = (1 << 64) - 1
 _KIND_NAMES = {F.SLOT_READER: "a named reader", F.SLOT_GROUP: "a group", F.SLOT_PIN: "a pin slot"}
 
 
+
+def _mean(total, count):
+    return total // count if count else 0
+
 class SlotTable:
     """The reader table of one open spool handle.
 
@@ -241,7 +245,7 @@ class SlotTable:
                 position=seq, lag=max(0, nxt - seq), lag_bytes=max(0, next_pos - pos),
                 lost=words[w + F.S_LOST], gets=gets, get_bytes=words[w + F.S_GET_BYTES],
                 last_get_ns=words[w + F.S_LAST_GET_NS],
-                avg_delay_ns=words[w + F.S_DELAY_SUM_NS] // gets if gets else 0,
+                avg_delay_ns=_mean(words[w + F.S_DELAY_SUM_NS], words[w + F.S_DELAY_COUNT]),
                 max_delay_ns=words[w + F.S_DELAY_MAX_NS], high_water=words[w + F.S_LAG_HIGH],
                 low_water=0 if low == _NO_LOW_WATER else low, pid=words[w + F.S_PID],
                 alive=self.alive(i), slot=i))

@@ -282,6 +282,35 @@ def test_group_members_split_frames(make_spool):
     other.close()
 
 
+@pytest.mark.parametrize("group", [False, True])
+def test_delay_is_measured_on_every_batch_and_sampled_on_single_gets(make_spool, group):
+    # The clock read costs 3-5% of a Queue.get: single gets measure one in 8
+    # (at random), takes of several frames measure all of them with one read.
+    sp = make_spool(capacity="4MiB")
+    r = sp.reader("d", group=group)
+    words = sp.slots.words
+
+    def slot(word):
+        return words[r.slot * F.SLOT_WORDS + word]
+
+    for p in payloads(400):
+        sp.put(p)
+    assert len(r.get_many(400)) == 400
+    n = 4000
+    for p in payloads(n):
+        sp.put(p)
+    for _ in range(n):
+        r.get()
+    r.flush_stats()
+    (rs,) = sp.stats().readers
+    assert rs.gets == 400 + n
+    count = slot(F.S_DELAY_COUNT)
+    # 400 from the batch, Binomial(4000, 1/8) = 500 +- 21 from the single gets
+    assert 400 + 350 < count < 400 + 650, count
+    assert rs.avg_delay_ns == slot(F.S_DELAY_SUM_NS) // count
+    assert 0 < rs.avg_delay_ns <= rs.max_delay_ns
+
+
 def test_group_get_many_and_lost(make_spool):
     sp = make_spool(capacity=4096)
     g = sp.reader("g", group=True)
