@@ -2132,7 +2132,20 @@ static void named_commit(Cursor *c) {
 }
 
 /* Read up to max frames from a private cursor (anonymous / named). */
-static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh) {
+/* `codes` (as_list only): the objects mode of get_obj_many: a list entry is
+ * the payload alone, its codec in codes[i], or for a codec the core does not
+ * decode a Frame (codes[i] = CODE_FRAME). */
+#define CODE_FRAME 255
+static PyObject *obj_entry(PyObject *data, const FrameHeader *h, uint8_t *code) {
+    if (h->codec == 0 || (h->codec == 1 && pickle_loads)) {
+        *code = h->codec;
+        return data;
+    }
+    *code = CODE_FRAME;
+    return make_frame(h->seq, h->ts, data, h->codec);
+}
+
+static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh, uint8_t *codes) {
     Ring *r = c->ring;
     PyObject *out = as_list ? PyList_New(0) : NULL;
     if (as_list && !out) return NULL;
@@ -2142,7 +2155,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
     Py_ssize_t got = 0;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh != NULL, &c->known);
+        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh || codes, &c->known);
         if (!f) {
             Py_XDECREF(out);
             return NULL;
@@ -2156,6 +2169,10 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
             account(c, &h, now);
         }
         got++;
+        if (codes && !(f = obj_entry(f, &h, &codes[got - 1]))) {
+            Py_DECREF(out);
+            return NULL;
+        }
         if (as_list) {
             int rc = PyList_Append(out, f);
             Py_DECREF(f);
@@ -2184,7 +2201,8 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
 }
 
 /* Take up to max frames from the group's shared cursor under its lock. */
-static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh) {
+static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh,
+                            uint8_t *codes) {
     Ring *r = c->ring;
     int lk = group_lock(c, lock_wait);
     if (lk < 0) return NULL;
@@ -2199,7 +2217,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     if (as_list && !out) goto unlock;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh != NULL, &c->known);
+        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh || codes, &c->known);
         if (!f) {
             Py_CLEAR(out);
             err = (PyObject *)1;
@@ -2212,6 +2230,11 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
         }
         account(c, &h, now);
         got++;
+        if (codes && !(f = obj_entry(f, &h, &codes[got - 1]))) {
+            Py_CLEAR(out);
+            err = (PyObject *)1;
+            break;
+        }
         if (as_list) {
             int rc = PyList_Append(out, f);
             Py_DECREF(f);
@@ -2248,29 +2271,15 @@ static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) 
     if (c->kind == K_GROUP) {
         double wait = c->ring->lock_wait;
         if (nargs > 0 && args[0] != Py_None && (wait = PyFloat_AsDouble(args[0])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, 1, 0, wait, NULL);
+        return group_take(c, 1, 0, wait, NULL, NULL);
     }
-    return private_take(c, 1, 0, NULL);
+    return private_take(c, 1, 0, NULL, NULL);
 }
 
 /* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
  * group whose lock was not free within the handle's lock wait). */
 static PyObject *take_one(Cursor *c) {
-    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, NULL) : private_take(c, 1, 0, NULL);
-}
-
-/* The C decoder of shmq.Queue items: a raw frame's bytes as they are, an
- * in-band pickle unpickled; NULL with no exception set for any other codec
- * (the Python decoder's).  Only for queues whose trust was checked at attach. */
-static int decodable(PyObject *f) {
-    long codec = PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3));
-    return codec == 0 || (codec == 1 && pickle_loads);
-}
-
-static PyObject *decode_frame(PyObject *f) {
-    PyObject *data = PyStructSequence_GET_ITEM(f, 2);
-    return PyLong_AsLong(PyStructSequence_GET_ITEM(f, 3)) == 0 ? Py_NewRef(data)
-                                                               : PyObject_CallOneArg(pickle_loads, data);
+    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, NULL, NULL) : private_take(c, 1, 0, NULL, NULL);
 }
 
 static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
@@ -2280,7 +2289,7 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
     FrameHeader h; /* the data alone: no Frame object unless it goes to Python */
-    PyObject *d = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, &h) : private_take(c, 1, 0, &h);
+    PyObject *d = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, &h, NULL) : private_take(c, 1, 0, &h, NULL);
     if (!d) return NULL;
     if (d == Py_None) {
         Py_DECREF(d);
@@ -2556,9 +2565,66 @@ static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t na
     if (c->kind == K_GROUP) {
         double wait = c->ring->lock_wait;
         if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, max, 1, wait, NULL);
+        return group_take(c, max, 1, wait, NULL, NULL);
     }
-    return private_take(c, max, 1, NULL);
+    return private_take(c, max, 1, NULL, NULL);
+}
+
+static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
+    /* get_obj_many(max, lock_wait=None): shmq.Queue.get_many in one call, as
+     * get_obj for one item: take up to max frames (no Frame objects), release
+     * the group lock, decode raw and in-band pickle payloads.  Returns the list
+     * of objects (maybe empty), ST_LOCK_STUCK, or (list, indices) when frames
+     * of other codecs were taken: those entries are Frames for Python's
+     * decoder.  An item that fails to unpickle raises; the batch is taken.
+     * Only for queues whose trust was checked at attach (it unpickles). */
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "get_obj_many(max, lock_wait=None)");
+        return NULL;
+    }
+    Py_ssize_t max = PyLong_AsSsize_t(args[0]);
+    if (max == -1 && PyErr_Occurred()) return NULL;
+    if (max < 1) {
+        PyErr_SetString(PyExc_ValueError, "get_obj_many: max must be >= 1");
+        return NULL;
+    }
+    if (cursor_check(c) < 0) return NULL;
+    double wait = c->ring->lock_wait;
+    if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    /* Per call, not per cursor: unpickling below may run Python code, and
+     * another thread may take from this cursor meanwhile. */
+    uint8_t *codes = PyMem_Malloc((size_t)max);
+    if (!codes) return PyErr_NoMemory();
+    PyObject *out = c->kind == K_GROUP ? group_take(c, max, 1, wait, NULL, codes) : private_take(c, max, 1, NULL, codes);
+    if (!out || !PyList_Check(out)) {
+        PyMem_Free(codes);
+        return out; /* an error, or ST_LOCK_STUCK */
+    }
+    PyObject *undecoded = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); i++) {
+        if (codes[i] == 1) {
+            PyObject *o = PyObject_CallOneArg(pickle_loads, PyList_GET_ITEM(out, i));
+            if (!o) goto fail;
+            PyObject *old = PyList_GET_ITEM(out, i);
+            PyList_SET_ITEM(out, i, o);
+            Py_DECREF(old);
+        } else if (codes[i] == CODE_FRAME) {
+            if (!undecoded && !(undecoded = PyList_New(0))) goto fail;
+            PyObject *ix = PyLong_FromSsize_t(i);
+            if (!ix || PyList_Append(undecoded, ix) < 0) {
+                Py_XDECREF(ix);
+                goto fail;
+            }
+            Py_DECREF(ix);
+        }
+    }
+    PyMem_Free(codes);
+    return undecoded ? Py_BuildValue("(NN)", out, undecoded) : out;
+fail:
+    PyMem_Free(codes);
+    Py_DECREF(out);
+    Py_XDECREF(undecoded);
+    return NULL;
 }
 
 static PyObject *Cursor_commit(Cursor *c, PyObject *unused) {
@@ -2696,6 +2762,8 @@ static PyGetSetDef Cursor_getset[] = {
 
 static PyMethodDef Cursor_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Cursor_get, METH_FASTCALL, "get(lock_wait=None) -> Frame | None | status"},
+    {"get_obj_many", (PyCFunction)(void (*)(void))Cursor_get_obj_many, METH_FASTCALL,
+     "get_obj_many(max, lock_wait=None) -> [objects], ST_LOCK_STUCK, or ([objects and Frames], undecoded indices)"},
     {"get_many", (PyCFunction)(void (*)(void))Cursor_get_many, METH_FASTCALL,
      "get_many(max, lock_wait=None) -> list | status"},
     {"get_obj", (PyCFunction)Cursor_get_obj, METH_NOARGS, "get_obj() -> object | EMPTY | STUCK | UNDECODED"},
@@ -3030,36 +3098,6 @@ python:
     Py_RETURN_NONE;
 }
 
-static PyObject *core_decode_items(PyObject *m, PyObject *frames) {
-    /* decode_items(frames) -> [objects] for shmq.Queue.get_many when every frame
-     * is decodable() here (else None: the Python decoder takes them all); one
-     * call instead of a Python decode call per item, as Cursor.get_obj. */
-    if (!PyList_CheckExact(frames)) {
-        PyErr_SetString(PyExc_TypeError, "decode_items(list of Frame)");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(frames);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *f = PyList_GET_ITEM(frames, i);
-        if (!Py_IS_TYPE(f, FrameType)) {
-            PyErr_SetString(PyExc_TypeError, "decode_items(list of Frame)");
-            return NULL;
-        }
-        if (!decodable(f)) Py_RETURN_NONE;
-    }
-    PyObject *out = PyList_New(n);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = decode_frame(PyList_GET_ITEM(frames, i));
-        if (!o) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, o);
-    }
-    return out;
-}
-
 static PyObject *core_set_crash_hook(PyObject *m, PyObject *hook) {
     Py_XSETREF(crash_hook, hook == Py_None ? NULL : Py_NewRef(hook));
     Py_RETURN_NONE;
@@ -3094,8 +3132,6 @@ static PyMethodDef core_methods[] = {
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
     {"encode_batch", core_encode_batch, METH_O,
      "encode_batch(items) -> (tuple of frame items, codec) for a batch of one kind, or None"},
-    {"decode_items", core_decode_items, METH_O,
-     "decode_items(frames) -> list of objects (raw bytes and in-band pickles), or None if another codec is among them"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
     {NULL}};
 

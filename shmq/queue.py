@@ -310,9 +310,12 @@ class Queue:
         """Remove and return 1..``max_items`` items, blocking only for the first."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        frames = self._reader.get_many(max_items, block, timeout)
-        out = _core.decode_items(frames)  # raw and in-band pickles in one call
-        return out if out is not None else [_decode(f[2], f.codec) for f in frames]
+        out = self._reader.get_objects(max_items, block, timeout)  # one core call
+        if type(out) is tuple:  # frames of codecs the core does not decode: Python's decoder
+            out, undecoded = out
+            for i in undecoded:
+                out[i] = _decode(out[i][2], out[i].codec)
+        return out
 
     async def get_async(self, timeout=None):
         """``await`` the next item; the event loop parks on the spool's inotify fd."""

@@ -551,12 +551,26 @@ class GroupReader(_SlotReader):
             from .columnar import get_records
 
             return get_records(self, max_frames, block, timeout)
+        return self._take_many(self._cur.get_many, max_frames, block, timeout)
+
+    def get_objects(self, max_items=100, block=True, timeout=None):
+        """:meth:`get_many` for ``shmq.Queue``: the items themselves, raw payloads as
+        they are and in-band pickles unpickled after the group lock is released, in
+        one core call and without a :class:`Frame` per item.  Returns a list, or
+        ``(list, indices)`` when frames of other codecs were taken: those entries are
+        Frames, for the caller's decoder.
+
+        :raises shmq.Empty: nothing arrived in time.
+        """
+        return self._take_many(self._cur.get_obj_many, max_items, block, timeout)
+
+    def _take_many(self, take, max_frames, block, timeout):
         _check_max_frames(max_frames)
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
         deadline = None
         while True:
-            out = self._locked(lambda wait: self._cur.get_many(max_frames, wait), timeout)
+            out = self._locked(lambda wait: take(max_frames, wait), timeout)
             if out:
                 return out
             deadline = self.wait(timeout, deadline)
