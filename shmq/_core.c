@@ -197,6 +197,8 @@ typedef struct {
     long long q_backlog; /* that queue's maxsize (-1: unbounded) */
     int fast_put;    /* 0: put_api always takes the slow path (sync=True) */
     PyObject *path;
+    uint64_t pop_start, pop_pos; /* ring positions this process pre-faulted: [pop_start, pop_pos) */
+    int pop_state;               /* 0 not started, 1 going, 2 done or unsupported */
 } Ring;
 
 static void ring_release(Ring *r);
@@ -931,6 +933,62 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
 }
 
 
+/* Pre-fault the ring ahead of this process's writes, for its first lap.
+ * A process that starts writing into an existing ring (a new producer, a
+ * Spark task) otherwise takes a write fault per 4 KiB page for a whole lap,
+ * and short-lived producers never leave that lap: on a wrapped 64 MiB ring,
+ * 100 B frames, 4.4-4.8 -> 6.7-6.8 M frames/s with the pages populated.
+ * MADV_POPULATE_WRITE (Linux 5.14) maps a chunk's pages in one call instead
+ * of one fault each; on older kernels (EINVAL) it is not tried again.  Fixed
+ * rings only: a growable ring's pages past its zone or in a trimmed hole must
+ * not be allocated behind the writer's bookkeeping.  Failures cost nothing
+ * but the faults the writes then take. */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+#define POPULATE_CHUNK (256u << 10)
+static void populate_ahead(Ring *r, uint64_t pos, uint64_t len) {
+    if (r->pop_state == 2 || r->segment) return;
+    uint64_t ring = r->ring_bytes, page = 4096;
+    if (r->pop_state == 0 || pos > r->pop_pos) { /* first write, or written past: restart at pos */
+        if (r->pop_state == 0) r->pop_start = pos & ~(page - 1);
+        r->pop_pos = pos & ~(page - 1);
+        r->pop_state = 1;
+    }
+    uint64_t want = pos + len + POPULATE_CHUNK;
+    while (r->pop_pos < want) {
+        if (r->pop_pos - r->pop_start >= ring) { /* a whole lap is mapped in this process */
+            r->pop_state = 2;
+            return;
+        }
+        uint64_t off = r->pop_pos % ring, n = POPULATE_CHUNK;
+        if (n > ring - off) n = ring - off;
+        if (madvise(r->ring + off, n, MADV_POPULATE_WRITE) != 0) {
+            r->pop_state = 2;
+            return;
+        }
+        r->pop_pos += n;
+    }
+}
+
+/* Ask for the lines the next puts will write, for writing, while this one
+ * returns.  On a ring that has wrapped they were last touched a lap ago (out
+ * of cache: on a 64 MiB ring every store missed to memory, 3.3 against 6.2 M
+ * frames/s with the prefetch); on a fresh one the page fault that zeroed them
+ * warmed them anyway.  Only into free space ([NEXT_POS, FIRST_POS + ring),
+ * evicted frames): when the ring is full those lines are the ones a reader is
+ * about to read, and taking them exclusive made it refetch each one (a 1 MiB
+ * full ring: 7.7 -> 4.1 M/s). */
+#define PREFETCH_FROM 256
+#define PREFETCH_TO 512
+static void prefetch_ahead(Ring *r, uint64_t next) {
+    uint64_t ring = r->ring_bytes, first = ld_rlx(&r->ctl[W_FIRST_POS]);
+    if (first + ring < next + PREFETCH_TO + 4096) return; /* little free space: a reader is near */
+    uint64_t off = next % ring;
+    for (uint64_t k = PREFETCH_FROM; k < PREFETCH_TO && off + k < ring; k += 64)
+        __builtin_prefetch(r->ring + off + k, 1, 3);
+}
+
 static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait) {
     if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
         PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
@@ -969,7 +1027,12 @@ static int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
     res = write_locked(r, items, count, needs, total, codec, max_backlog, placed);
     wlock_release(r);
-    if (res >= 0) ring_bell(r, r->rsem);
+    if (res >= 0) {
+        ring_bell(r, r->rsem);
+        uint64_t next = ld_rlx(&r->ctl[W_NEXT_POS]);
+        populate_ahead(r, next, total);
+        prefetch_ahead(r, next);
+    }
     ring_finish(r);
 out:
     if (needs != stack_needs) PyMem_Free(needs);
@@ -1173,6 +1236,7 @@ static PyObject *Ring_reserve(Ring *r, PyObject *args) {
         FrameHeader h = {seq, (uint32_t)pad_gap, 0, now_ns(), 0, FLAG_PAD, 0, 0};
         memcpy(r->ring + pad_off, &h, FRAME_BYTES);
     }
+    populate_ahead(r, pos, need); /* the caller writes the payload in place: no fault per page */
     /* A header that is not frame `seq` yet: nothing past NEXT_SEQ is read, and
      * recovery after a kill re-derives NEXT_POS from committed frames only. */
     memset(r->ring + pos % ring, 0, FRAME_BYTES);

@@ -45,7 +45,7 @@ import psutil
 
 import shmq
 from bench_contenders import (
-    CTX, FasterFifo, FasterFifoRecords, Memcpy, MpQueue, NumpyRing, Ring, ShmqQueue, Spool, SpoolArrow,
+    BIG_CAPACITY, BIG_WRAPS_BEFORE_TIMING, CTX, FasterFifo, FasterFifoRecords, Memcpy, MpQueue, NumpyRing, Ring, ShmqQueue, Spool, SpoolArrow,
     SpoolGrowable, SpoolGrown, SpoolRecords, SpoolReserve, SpoolView, SpoolWrapped, Threaded, faster_fifo, nbytes_of, payload,
 )
 from bench_extras import run_idle_and_memory, run_latency, run_syscalls
@@ -86,6 +86,8 @@ SCENARIOS = {
                     contenders(*ALL, "ring", *PEERS) + [SpoolGrowable(), SpoolGrown()]),
     "1->1 100 B wrapped 1 MiB": S("bytes", 100, 300_000, 1, 1, 1, False,
                                   [SpoolWrapped()] + contenders("spool", "mp.Queue", "faster-fifo")),
+    "1->1 100 B wrapped 64 MiB": S("bytes", 100, 300_000, 1, 1, 1, False,
+                                   [SpoolWrapped(BIG_CAPACITY, BIG_WRAPS_BEFORE_TIMING)] + contenders("spool", "mp.Queue")),
     "1->1 small dict": S("dict", 0, 200_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
     "2->2 100 B": S("bytes", 100, 200_000, 2, 2, 1, False, contenders(*ALL)),
     "4->1 100 B": S("bytes", 100, 200_000, 4, 1, 1, False, contenders(*ALL)),

@@ -40,6 +40,7 @@ BIG_CAPACITY = "64MiB"  # never wraps in one run: the unwrapped fast path
 GROW_START = "1MiB"  # a growable spool's first allocation (shmq.Queue()'s default)
 WRAP_CAPACITY = "1MiB"  # the wrapped rows: small enough that every run wraps it many times
 WRAPS_BEFORE_TIMING = 4  # pre-fill: bytes written before timing, in ring capacities
+BIG_WRAPS_BEFORE_TIMING = 2  # the same for the wrapped BIG_CAPACITY row (256 MiB of pre-fill is slow)
 THREADS = 8  # per process, in the threads row
 RECORD = np.dtype([("id", "<i8"), ("ts", "<i8"), ("value", "<f8"), ("name", "S76")])
 assert RECORD.itemsize == 100
@@ -173,23 +174,26 @@ class Spool(Contender):
 
 
 class SpoolWrapped(Spool):
-    """A 1 MiB ring in steady state: pre-filled (and drained) until it has wrapped
-    several times, so every timed put must make room by evicting old frames."""
+    """A ring in steady state (1 MiB, or BIG_CAPACITY for the large-ring row):
+    pre-filled (and drained) until it has wrapped, so every timed put must make
+    room by evicting old frames, and the producer process writes, for its whole
+    run, into pages of an earlier lap that it has never touched."""
 
-    def __init__(self):
+    def __init__(self, capacity=WRAP_CAPACITY, wraps=WRAPS_BEFORE_TIMING):
         super().__init__()
         self.name = "spool-wrapped"
+        self.capacity, self.wraps = capacity, wraps
 
     def unavailable(self, sc):
         return None if sc.producers == sc.consumers == 1 and sc.kind == "bytes" else "n/a (1->1 bytes only)"
 
     def setup(self, tmp, sc):
         path = os.path.join(tmp, f"wrapped-{time.monotonic_ns()}")
-        sp = shmq.Spool.create(path, capacity=WRAP_CAPACITY, on_full="block", checksum=False)
+        sp = shmq.Spool.create(path, capacity=self.capacity, on_full="block", checksum=False)
         r = sp.reader("r0")
         items = distinct(payload(sc.kind, sc.size), 64)
         chunk = sum(len(x) for x in items)
-        for _ in range(-(-WRAPS_BEFORE_TIMING * sp.capacity // chunk)):
+        for _ in range(-(-self.wraps * sp.capacity // chunk)):
             sp.put_many(items)
             got = 0
             while got < len(items):

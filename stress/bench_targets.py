@@ -80,10 +80,11 @@ def targets(results, lat, sys_, misc):
     add_ratio("Spool 100 B, ring wrapped (1 MiB, steady state) >= 8x mp.Queue",
               "1->1 100 B wrapped 1 MiB", "spool-wrapped", "mp.Queue", 8)
     cliff = [(ratio(results, s, "spool-wrapped", "spool"), s) for s in
-             ("1->1 100 B wrapped 1 MiB", "1->1 1 KiB wrapped 1 MiB")]
+             ("1->1 100 B wrapped 1 MiB", "1->1 1 KiB wrapped 1 MiB", "1->1 100 B wrapped 64 MiB")]
     cliff = [c for c in cliff if c[0] is not None]
     w = min(cliff) if cliff else None
-    add(14, "no wrap cliff: wrapped >= 90% of unwrapped Spool (100 B, 1 KiB)", w and w[0], 0.9, "{:.0%}",
+    add(14, "no wrap cliff: wrapped >= 90% of unwrapped Spool (100 B, 1 KiB; 1 MiB and 64 MiB rings)",
+        w and w[0], 0.9, "{:.0%}",
         why=why_not(results, "1->1 100 B wrapped 1 MiB", "spool-wrapped", "spool"),
         extra=w and f" ({w[1]})" or "")
     add_ratio("shmq.Queue small dict >= 5x mp.Queue", "1->1 small dict", "shmq.Queue", "mp.Queue", 5)
