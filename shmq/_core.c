@@ -2195,21 +2195,36 @@ static void named_commit(Cursor *c) {
     st_rel(&s[S_SEQ], c->seq);
 }
 
-/* Read up to max frames from a private cursor (anonymous / named). */
 /* `codes` (as_list only): the objects mode of get_obj_many: a list entry is
  * the payload alone, its codec in codes[i], or for a codec the core does not
  * decode a Frame (codes[i] = CODE_FRAME). */
 #define CODE_FRAME 255
-static PyObject *obj_entry(PyObject *data, const FrameHeader *h, uint8_t *code) {
+typedef struct {
+    uint8_t *v;
+    Py_ssize_t cap; /* grown as frames come: max may be far more than will be taken */
+} Codes;
+
+static PyObject *obj_entry(PyObject *data, const FrameHeader *h, Codes *codes, Py_ssize_t i) {
+    if (i >= codes->cap) {
+        Py_ssize_t cap = codes->cap ? codes->cap * 2 : 128;
+        uint8_t *v = PyMem_Realloc(codes->v, (size_t)cap);
+        if (!v) {
+            Py_DECREF(data);
+            return PyErr_NoMemory();
+        }
+        codes->v = v;
+        codes->cap = cap;
+    }
     if (h->codec == 0 || (h->codec == 1 && pickle_loads)) {
-        *code = h->codec;
+        codes->v[i] = h->codec;
         return data;
     }
-    *code = CODE_FRAME;
+    codes->v[i] = CODE_FRAME;
     return make_frame(h->seq, h->ts, data, h->codec);
 }
 
-static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh, uint8_t *codes) {
+/* Read up to max frames from a private cursor (anonymous / named). */
+static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh, Codes *codes) {
     Ring *r = c->ring;
     PyObject *out = as_list ? PyList_New(0) : NULL;
     if (as_list && !out) return NULL;
@@ -2233,7 +2248,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
             account(c, &h, now);
         }
         got++;
-        if (codes && !(f = obj_entry(f, &h, &codes[got - 1]))) {
+        if (codes && !(f = obj_entry(f, &h, codes, got - 1))) {
             Py_DECREF(out);
             return NULL;
         }
@@ -2266,7 +2281,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
 
 /* Take up to max frames from the group's shared cursor under its lock. */
 static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh,
-                            uint8_t *codes) {
+                            Codes *codes) {
     Ring *r = c->ring;
     int lk = group_lock(c, lock_wait);
     if (lk < 0) return NULL;
@@ -2294,7 +2309,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
         }
         account(c, &h, now);
         got++;
-        if (codes && !(f = obj_entry(f, &h, &codes[got - 1]))) {
+        if (codes && !(f = obj_entry(f, &h, codes, got - 1))) {
             Py_CLEAR(out);
             err = (PyObject *)1;
             break;
@@ -2657,22 +2672,21 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
     if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
     /* Per call, not per cursor: unpickling below may run Python code, and
      * another thread may take from this cursor meanwhile. */
-    uint8_t *codes = PyMem_Malloc((size_t)max);
-    if (!codes) return PyErr_NoMemory();
-    PyObject *out = c->kind == K_GROUP ? group_take(c, max, 1, wait, NULL, codes) : private_take(c, max, 1, NULL, codes);
+    Codes codes = {NULL, 0};
+    PyObject *out = c->kind == K_GROUP ? group_take(c, max, 1, wait, NULL, &codes) : private_take(c, max, 1, NULL, &codes);
     if (!out || !PyList_Check(out)) {
-        PyMem_Free(codes);
+        PyMem_Free(codes.v);
         return out; /* an error, or ST_LOCK_STUCK */
     }
     PyObject *undecoded = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); i++) {
-        if (codes[i] == 1) {
+        if (codes.v[i] == 1) {
             PyObject *o = PyObject_CallOneArg(pickle_loads, PyList_GET_ITEM(out, i));
             if (!o) goto fail;
             PyObject *old = PyList_GET_ITEM(out, i);
             PyList_SET_ITEM(out, i, o);
             Py_DECREF(old);
-        } else if (codes[i] == CODE_FRAME) {
+        } else if (codes.v[i] == CODE_FRAME) {
             if (!undecoded && !(undecoded = PyList_New(0))) goto fail;
             PyObject *ix = PyLong_FromSsize_t(i);
             if (!ix || PyList_Append(undecoded, ix) < 0) {
@@ -2682,10 +2696,10 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
             Py_DECREF(ix);
         }
     }
-    PyMem_Free(codes);
+    PyMem_Free(codes.v);
     return undecoded ? Py_BuildValue("(NN)", out, undecoded) : out;
 fail:
-    PyMem_Free(codes);
+    PyMem_Free(codes.v);
     Py_DECREF(out);
     Py_XDECREF(undecoded);
     return NULL;

@@ -49,6 +49,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE_TESTS = ["test_spool.py", "test_corrupt.py", "test_verify.py", "test_regressions.py", "test_queue.py",
               "test_notify.py", "test_threads_signals.py"]
 QUICK_TESTS = ["test_corrupt.py", "test_regressions.py"]
+TESTS_TIMEOUT_S = 1200  # the core tests take about 90 s under the sanitizers here
+
+
+def _text(b):
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
 #: Exit status when the toolchain is missing (not a failure of the code).
 MISSING_TOOLCHAIN = 2
@@ -220,8 +225,18 @@ def run(quick=False, cc=None, fuzz_cases=None, out_dir=None, out=sys.stdout):
     junit = os.path.join(out_dir, "tests.xml")
     # -s: every process's stderr reaches this pipe, where UBSan reports are
     # looked for (gcc's libubsan ignores log_path when ASan is loaded)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                          f"--junitxml={junit}", *tests], env=env, cwd=out_dir, capture_output=True, text=True)
+    # Bounded: a test hung under the sanitizers dumps its tracebacks (faulthandler)
+    # and the run reports FAILED with them instead of waiting forever (one run
+    # on 2026-11-26 hung in a parked Reader.get and did not reproduce in four more).
+    if os.path.exists(junit):
+        os.remove(junit)  # a run killed at the timeout writes none: never count an old one
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
+           f"--junitxml={junit}", *tests]
+    try:
+        res = subprocess.run(cmd, env=env, cwd=out_dir, capture_output=True, text=True, timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        res = subprocess.CompletedProcess(cmd, -1, _text(e.stdout) + f"\ntimed out after {TESTS_TIMEOUT_S} s",
+                                          _text(e.stderr))
     printed = scan(res.stdout + res.stderr)
     tail = (res.stdout.strip().splitlines() or [""])[-1]
     counts = _junit_counts(junit)

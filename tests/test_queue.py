@@ -77,6 +77,64 @@ def test_batches_of_every_kind_of_item_round_trip(q):
         q.get_many(0)
 
 
+def test_get_many_takes_what_is_there_whatever_max_says(q):
+    # the core grows its per-item codec buffer as frames come: a huge max
+    # allocates nothing up front (it used to size a buffer by max)
+    items = [{"i": i} for i in range(300)] + [b"raw"] * 5
+    q.put_many(items[:300])
+    q.put_many(items[300:])
+    got = []
+    while len(got) < len(items):
+        got += q.get_many(10**12, timeout=5)
+    assert got == items
+
+
+class _Yielding:
+    """Unpickles through a function that gives up the GIL: another thread's
+    get_many runs in the middle of this one's decoding."""
+
+    def __init__(self, i):
+        self.i = i
+
+    def __reduce__(self):
+        return _yielding, (self.i,)
+
+
+def _yielding(i):
+    time.sleep(0)
+    return i
+
+
+def test_threads_sharing_get_many_while_items_unpickle_take_each_item_once(q):
+    import threading
+
+    n, threads = 4000, 4
+    for start in range(0, n, 100):
+        q.put_many([_Yielding(i) for i in range(start, start + 100)])
+    got = [[] for _ in range(threads)]
+    errors = []
+
+    def take(mine):
+        try:
+            while True:
+                try:
+                    mine += q.get_many(7, timeout=0.5)
+                except shmq.Empty:
+                    return
+        except BaseException as e:  # reported below, never lost in a thread
+            errors.append(e)
+
+    ts = [threading.Thread(target=take, args=(got[k],)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in ts)
+    everything = sorted(x for mine in got for x in mine)
+    assert everything == list(range(n))
+    assert sum(1 for mine in got if mine) > 1  # the threads really interleaved
+
+
 def test_numpy_out_of_band_roundtrip(q):
     arrays = [np.arange(1 << 17, dtype=np.float64), np.zeros((3, 5), dtype=np.int16),
               np.array([(1, 2.5)], dtype=[("a", "i4"), ("b", "f8")])]
