@@ -131,6 +131,27 @@ def test_block_policy_without_readers_keeps_everything(make_spool):
     assert r.get(timeout=1).seq == 0
 
 
+@pytest.mark.parametrize("group", [False, True])
+def test_blocking_put_uses_room_a_stopped_reader_freed(make_spool, group):
+    # A blocking put on a full ring waits a moment for consumers to free some
+    # headroom before evicting (the core's wait_for_headroom); a consumer that
+    # stops after freeing one frame's worth must still let the put through.
+    sp = make_spool(capacity="64KiB", on_full="block")
+    r = sp.reader("r", group=group)
+    with pytest.raises(shmq.Full):
+        for _ in range(10_000):
+            sp.put(bytes(100), block=False)
+    full_at = sp.next_seq
+    for _ in range(3):
+        assert r.get(timeout=1) is not None  # three frames' worth of room, far less than the headroom
+        assert sp.put(b"y" * 100) == full_at  # blocking, no timeout: must not wait for more
+        full_at += 1
+    with pytest.raises(shmq.Full):
+        sp.put(bytes(100), block=False)  # and full again
+    frames = r.get_many(10_000)
+    assert [f.data for f in frames[-3:]] == [b"y" * 100] * 3 and r.lost == 0
+
+
 def test_block_policy_nonblocking_put(make_spool):
     sp = make_spool(capacity=4096, on_full="block")
     sp.reader("r")
