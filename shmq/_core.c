@@ -943,9 +943,6 @@ static int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *ne
  * rings only: a growable ring's pages past its zone or in a trimmed hole must
  * not be allocated behind the writer's bookkeeping.  Failures cost nothing
  * but the faults the writes then take. */
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
 #define POPULATE_CHUNK (256u << 10)
 static void populate_ahead(Ring *r, uint64_t pos, uint64_t len) {
     if (r->pop_state == 2 || r->segment) return;
@@ -2368,22 +2365,46 @@ unlock:
     Py_RETURN_NONE;
 }
 
+/* Up to max frames from any cursor: the group take under the group lock
+ * (waiting up to lock_wait for it), else the private take.  See those two
+ * for as_list, rawh and codes. */
+static PyObject *cursor_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh,
+                             Codes *codes) {
+    return c->kind == K_GROUP ? group_take(c, max, as_list, lock_wait, rawh, codes)
+                              : private_take(c, max, as_list, rawh, codes);
+}
+
+/* The optional lock_wait argument of the Cursor take methods: seconds, or
+ * None for the handle's default.  0, or -1 with an exception set. */
+static int lock_wait_arg(Cursor *c, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t i, double *wait) {
+    *wait = c->ring->lock_wait;
+    if (nargs > i && args[i] != Py_None && (*wait = PyFloat_AsDouble(args[i])) == -1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
+/* The arguments of get_many / get_obj_many: (max, lock_wait=None), the cursor open. */
+static int many_args(Cursor *c, PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_ssize_t *max,
+                     double *wait) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    *max = PyLong_AsSsize_t(args[0]);
+    if (*max == -1 && PyErr_Occurred()) return -1;
+    if (cursor_check(c) < 0) return -1;
+    return lock_wait_arg(c, args, nargs, 1, wait);
+}
+
 static PyObject *Cursor_get(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
     /* get(lock_wait=None) -> Frame, None (nothing now) or ST_LOCK_STUCK (groups) */
-    if (cursor_check(c) < 0) return NULL;
-    if (c->kind == K_GROUP) {
-        double wait = c->ring->lock_wait;
-        if (nargs > 0 && args[0] != Py_None && (wait = PyFloat_AsDouble(args[0])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, 1, 0, wait, NULL, NULL);
-    }
-    return private_take(c, 1, 0, NULL, NULL);
+    double wait;
+    if (cursor_check(c) < 0 || lock_wait_arg(c, args, nargs, 0, &wait) < 0) return NULL;
+    return cursor_take(c, 1, 0, wait, NULL, NULL);
 }
 
 /* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
  * group whose lock was not free within the handle's lock wait). */
-static PyObject *take_one(Cursor *c) {
-    return c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, NULL, NULL) : private_take(c, 1, 0, NULL, NULL);
-}
+static PyObject *take_one(Cursor *c) { return cursor_take(c, 1, 0, c->ring->lock_wait, NULL, NULL); }
 
 static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     /* The shmq.Queue get path in one call: take one frame (group lock held
@@ -2392,7 +2413,7 @@ static PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
     FrameHeader h; /* the data alone: no Frame object unless it goes to Python */
-    PyObject *d = c->kind == K_GROUP ? group_take(c, 1, 0, c->ring->lock_wait, &h, NULL) : private_take(c, 1, 0, &h, NULL);
+    PyObject *d = cursor_take(c, 1, 0, c->ring->lock_wait, &h, NULL);
     if (!d) return NULL;
     if (d == Py_None) {
         Py_DECREF(d);
@@ -2658,19 +2679,10 @@ static PyObject *Cursor_get_last(Cursor *c, void *x) {
 
 static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
     /* get_many(max, lock_wait=None) -> list (maybe empty) or ST_LOCK_STUCK */
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "get_many(max, lock_wait=None)");
-        return NULL;
-    }
-    Py_ssize_t max = PyLong_AsSsize_t(args[0]);
-    if (max == -1 && PyErr_Occurred()) return NULL;
-    if (cursor_check(c) < 0) return NULL;
-    if (c->kind == K_GROUP) {
-        double wait = c->ring->lock_wait;
-        if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
-        return group_take(c, max, 1, wait, NULL, NULL);
-    }
-    return private_take(c, max, 1, NULL, NULL);
+    Py_ssize_t max;
+    double wait;
+    if (many_args(c, args, nargs, "get_many(max, lock_wait=None)", &max, &wait) < 0) return NULL;
+    return cursor_take(c, max, 1, wait, NULL, NULL);
 }
 
 static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -2681,23 +2693,17 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
      * of other codecs were taken: those entries are Frames for Python's
      * decoder.  An item that fails to unpickle raises; the batch is taken.
      * Only for queues whose trust was checked at attach (it unpickles). */
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "get_obj_many(max, lock_wait=None)");
-        return NULL;
-    }
-    Py_ssize_t max = PyLong_AsSsize_t(args[0]);
-    if (max == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t max;
+    double wait;
+    if (many_args(c, args, nargs, "get_obj_many(max, lock_wait=None)", &max, &wait) < 0) return NULL;
     if (max < 1) {
         PyErr_SetString(PyExc_ValueError, "get_obj_many: max must be >= 1");
         return NULL;
     }
-    if (cursor_check(c) < 0) return NULL;
-    double wait = c->ring->lock_wait;
-    if (nargs > 1 && args[1] != Py_None && (wait = PyFloat_AsDouble(args[1])) == -1 && PyErr_Occurred()) return NULL;
     /* Per call, not per cursor: unpickling below may run Python code, and
      * another thread may take from this cursor meanwhile. */
     Codes codes = {NULL, 0};
-    PyObject *out = c->kind == K_GROUP ? group_take(c, max, 1, wait, NULL, &codes) : private_take(c, max, 1, NULL, &codes);
+    PyObject *out = cursor_take(c, max, 1, wait, NULL, &codes);
     if (!out || !PyList_Check(out)) {
         PyMem_Free(codes.v);
         return out; /* an error, or ST_LOCK_STUCK */
