@@ -2223,6 +2223,7 @@ static void named_commit(Cursor *c) {
 typedef struct {
     uint8_t *v;
     Py_ssize_t cap; /* grown as frames come: max may be far more than will be taken */
+    int unpickle;   /* in-band pickles decoded here (a trusted queue), else left as Frames */
 } Codes;
 
 static PyObject *obj_entry(PyObject *data, const FrameHeader *h, Codes *codes, Py_ssize_t i) {
@@ -2236,7 +2237,7 @@ static PyObject *obj_entry(PyObject *data, const FrameHeader *h, Codes *codes, P
         codes->v = v;
         codes->cap = cap;
     }
-    if (h->codec == 0 || (h->codec == 1 && pickle_loads)) {
+    if (h->codec == 0 || (h->codec == 1 && codes->unpickle && pickle_loads)) {
         codes->v[i] = h->codec;
         return data;
     }
@@ -2686,13 +2687,14 @@ static PyObject *Cursor_get_many(Cursor *c, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_t nargs) {
-    /* get_obj_many(max, lock_wait=None): shmq.Queue.get_many in one call, as
-     * get_obj for one item: take up to max frames (no Frame objects), release
-     * the group lock, decode raw and in-band pickle payloads.  Returns the list
-     * of objects (maybe empty), ST_LOCK_STUCK, or (list, indices) when frames
-     * of other codecs were taken: those entries are Frames for Python's
-     * decoder.  An item that fails to unpickle raises; the batch is taken.
-     * Only for queues whose trust was checked at attach (it unpickles). */
+    /* get_obj_many(max, lock_wait=None, unpickle=False): shmq.Queue.get_many
+     * in one call, as get_obj for one item: take up to max frames (no Frame
+     * objects), release the group lock, then leave raw payloads as they are
+     * and, with unpickle (only for a spool whose trust was checked: shmq.Queue
+     * does at attach), unpickle in-band pickles.  Returns the list of objects
+     * (maybe empty), ST_LOCK_STUCK, or (list, indices) when frames of other
+     * codecs were taken: those entries are Frames for Python's decoder.  An
+     * item that fails to unpickle raises; the batch is taken. */
     Py_ssize_t max;
     double wait;
     if (many_args(c, args, nargs, "get_obj_many(max, lock_wait=None)", &max, &wait) < 0) return NULL;
@@ -2702,7 +2704,9 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
     }
     /* Per call, not per cursor: unpickling below may run Python code, and
      * another thread may take from this cursor meanwhile. */
-    Codes codes = {NULL, 0};
+    int unpickle = nargs > 2 ? PyObject_IsTrue(args[2]) : 0;
+    if (unpickle < 0) return NULL;
+    Codes codes = {NULL, 0, unpickle};
     PyObject *out = cursor_take(c, max, 1, wait, NULL, &codes);
     if (!out || !PyList_Check(out)) {
         PyMem_Free(codes.v);
@@ -2871,7 +2875,7 @@ static PyGetSetDef Cursor_getset[] = {
 static PyMethodDef Cursor_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Cursor_get, METH_FASTCALL, "get(lock_wait=None) -> Frame | None | status"},
     {"get_obj_many", (PyCFunction)(void (*)(void))Cursor_get_obj_many, METH_FASTCALL,
-     "get_obj_many(max, lock_wait=None) -> [objects], ST_LOCK_STUCK, or ([objects and Frames], undecoded indices)"},
+     "get_obj_many(max, lock_wait=None, unpickle=False) -> [objects], ST_LOCK_STUCK, or ([objects and Frames], undecoded indices)"},
     {"get_many", (PyCFunction)(void (*)(void))Cursor_get_many, METH_FASTCALL,
      "get_many(max, lock_wait=None) -> list | status"},
     {"get_obj", (PyCFunction)Cursor_get_obj, METH_NOARGS, "get_obj() -> object | EMPTY | STUCK | UNDECODED"},

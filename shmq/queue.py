@@ -310,7 +310,8 @@ class Queue:
         """Remove and return 1..``max_items`` items, blocking only for the first."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        out = self._reader.get_objects(max_items, block, timeout)  # one core call
+        # one core call; the trust check at attach is what allows unpickling
+        out = self._reader.get_objects(max_items, block, timeout, unpickle=True)
         if type(out) is tuple:  # frames of codecs the core does not decode: Python's decoder
             out, undecoded = out
             for i in undecoded:

@@ -553,16 +553,20 @@ class GroupReader(_SlotReader):
             return get_records(self, max_frames, block, timeout)
         return self._take_many(self._cur.get_many, max_frames, block, timeout)
 
-    def get_objects(self, max_items=100, block=True, timeout=None):
-        """:meth:`get_many` for ``shmq.Queue``: the items themselves, raw payloads as
-        they are and in-band pickles unpickled after the group lock is released, in
-        one core call and without a :class:`Frame` per item.  Returns a list, or
-        ``(list, indices)`` when frames of other codecs were taken: those entries are
-        Frames, for the caller's decoder.
+    def get_objects(self, max_items=100, block=True, timeout=None, *, unpickle=False):
+        """:meth:`get_many` for ``shmq.Queue``: the payloads themselves, in one core call
+        and without a :class:`Frame` per item: raw payloads as they are and, with
+        ``unpickle=True``, in-band pickles unpickled after the group lock is released.
+        Pass ``unpickle=True`` only for a spool whose trust was checked (``shmq.Queue``
+        checks at attach): unpickling what another user wrote runs their code.
+        Returns a list, or ``(list, indices)`` when other frames were taken (other
+        codecs, or pickles without ``unpickle``): those entries are Frames, for the
+        caller's decoder.  What is returned is taken (committed), as with get_many.
 
         :raises shmq.Empty: nothing arrived in time.
         """
-        return self._take_many(self._cur.get_obj_many, max_items, block, timeout)
+        return self._take_many(lambda n, wait: self._cur.get_obj_many(n, wait, unpickle),
+                               max_items, block, timeout)
 
     def _take_many(self, take, max_frames, block, timeout):
         _check_max_frames(max_frames)

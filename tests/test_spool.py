@@ -152,6 +152,22 @@ def test_blocking_put_uses_room_a_stopped_reader_freed(make_spool, group):
     assert [f.data for f in frames[-3:]] == [b"y" * 100] * 3 and r.lost == 0
 
 
+def test_group_get_objects_unpickles_only_when_asked(make_spool):
+    # get_objects is shmq.Queue's get_many; on a plain spool (no trust check) a
+    # pickled frame must come back as a Frame, not as what unpickling would run.
+    import pickle
+
+    sp = make_spool(capacity="64KiB")
+    g = sp.reader("g", group=True)
+    sp.put(b"raw")
+    sp.put(pickle.dumps({"a": 1}), codec=F.CODEC_PICKLE)
+    out, undecoded = g.get_objects(10, timeout=1)
+    assert out[0] == b"raw" and undecoded == [1]
+    assert out[1].codec == F.CODEC_PICKLE and pickle.loads(out[1].data) == {"a": 1}
+    sp.put(pickle.dumps({"b": 2}), codec=F.CODEC_PICKLE)
+    assert g.get_objects(10, timeout=1, unpickle=True) == [{"b": 2}]
+
+
 def test_block_policy_nonblocking_put(make_spool):
     sp = make_spool(capacity=4096, on_full="block")
     sp.reader("r")
