@@ -25,9 +25,9 @@ _NO_LOW_WATER = (1 << 64) - 1
 _KIND_NAMES = {F.SLOT_READER: "a named reader", F.SLOT_GROUP: "a group", F.SLOT_PIN: "a pin slot"}
 
 
-
 def _mean(total, count):
     return total // count if count else 0
+
 
 class SlotTable:
     """The reader table of one open spool handle.

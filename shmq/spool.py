@@ -546,7 +546,10 @@ class Spool:
         if ctl[F.W_SEGMENT]:  # an early wrap's padding spans the rest of the ring: not data
             used = min(used, ctl[F.W_ALLOC])
         gets = sum(r.gets for r in readers)
-        delay_sum = sum(r.avg_delay_ns * r.gets for r in readers)
+        # Delays are sampled (one single get in 8, every frame of a batch): weigh each
+        # reader's mean by its measured count, not by its gets.
+        samples = [self.slots.word(r.slot, F.S_DELAY_COUNT) for r in readers]
+        delay_sum = sum(r.avg_delay_ns * n for r, n in zip(readers, samples))
         now = time.time() // 1
         series = []
         for k in range(RATE_SECONDS):
@@ -560,7 +563,7 @@ class Spool:
             fill=used / self.capacity, puts=nxt, put_bytes=ctl[W_PUT_BYTES],
             last_put_ns=ctl[W_LAST_PUT_NS], gets=gets, get_bytes=sum(r.get_bytes for r in readers),
             last_get_ns=max((r.last_get_ns for r in readers), default=0),
-            avg_delay_ns=delay_sum // gets if gets else 0,
+            avg_delay_ns=delay_sum // sum(samples) if sum(samples) else 0,
             max_delay_ns=max((r.max_delay_ns for r in readers), default=0),
             lost=sum(r.lost for r in readers), evicted=ctl[W_EVICTED],
             high_water=max((r.high_water for r in readers), default=0),
