@@ -463,21 +463,38 @@ def test_tail_follow_sees_new_frames(capsys, make_spool):
 
 
 def test_tail_follow_subprocess(make_spool):
+    """`tail -f --from latest` prints frames put after it started, flushed one by one.
+
+    Synchronized through the spool itself: pings are put until the tail echoes
+    one (it has attached and is following), then the live frames follow.
+    """
     sp = make_spool(name="f")
     proc = subprocess.Popen([sys.executable, "-m", "shmq", "tail", sp.path, "-f", "--from",
-                             "latest", "--format", "raw", "--timeout", "3"],
+                             "latest", "--format", "raw", "--timeout", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        time.sleep(1.0)  # let it start and park
+        deadline = time.monotonic() + 60
+        while True:  # until the tail shows it is attached by echoing a ping
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "tail never echoed a ping"
+            sp.put(b"ping")
+            ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+            if ready:
+                break
+        assert proc.stdout.readline() == b"ping\n"
         for i in range(3):
             sp.put(f"live {i}".encode())
-        out, err = proc.communicate(timeout=30)
+        live = []
+        while len(live) < 3:  # bounded: the tail exits after --timeout idle seconds (EOF)
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line != b"ping\n":  # pings put before the first echo may still be in flight
+                live.append(line)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, err
-    assert out == b"live 0\nlive 1\nlive 2\n"
+        proc.kill()
+        proc.wait(10)
+    assert live == [b"live 0\n", b"live 1\n", b"live 2\n"]
 
 
 def test_cat_range_and_lost_frames(capsys, make_spool):
