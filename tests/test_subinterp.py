@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -106,34 +105,5 @@ def test_core_in_an_isolated_subinterpreter(spool_dir, tmp_path):
     assert res["package"] == "ok" or res["package"].startswith("ImportError: "), res
     if res["package"] != "ok":
         assert "subinterpreter" in res["package"], res["package"]
+    print("import shmq in the isolated interpreter:", res["package"])
 
-
-def test_package_import_failure_names_the_dependency(tmp_path):
-    """What `import shmq` says in an isolated interpreter, by name, in a child process."""
-    code = textwrap.dedent(r'''
-        import json, sys
-        script = """
-    import json
-    try:
-        import shmq
-        r = "ok"
-    except ImportError as exc:
-        r = "ImportError: " + str(exc)
-    open(%r, "w").write(json.dumps(r))
-    """ % sys.argv[1]
-        try:
-            import _interpreters as I
-            iid = I.create("isolated")
-            err = I.exec(iid, script)
-            assert err is None, err
-        except ImportError:
-            import _xxsubinterpreters as I
-            iid = I.create(isolated=True)
-            I.run_string(iid, script)
-        I.destroy(iid)
-    ''')
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r == "ok" or ("ImportError: " in r and "subinterpreter" in r), r

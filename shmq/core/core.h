@@ -303,6 +303,18 @@ typedef const char *(*copy_fn)(void *ctx, const char *src, const FrameHeader *h)
 typedef void (*drop_fn)(void *ctx);
 int read_frame(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost, FrameHeader *hout,
                uint64_t *known, copy_fn copy, drop_fn drop, void *ctx); /* Python-free on a sane ring */
+/* Where a take puts each frame: copy its payload out, drop a torn copy, and
+ * `taken(ctx, h)` once a copy passed the seqlock check (0, or -1: stop). */
+typedef int (*taken_fn)(void *ctx, const FrameHeader *h);
+typedef struct {
+    copy_fn copy;
+    drop_fn drop;
+    taken_fn taken;
+    void *ctx;
+} Sink;
+/* Python-free with a Python-free sink, on a sane ring (the TSan harness): */
+Py_ssize_t private_take_frames(Cursor *c, Py_ssize_t max, const Sink *k);
+Py_ssize_t group_take_locked(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t *pos_out, uint64_t *lost_out);
 int first_cursor(Ring *r, uint64_t *oseq, uint64_t *opos);
 PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost, FrameHeader *hout, int raw,
                    uint64_t *known);

@@ -380,24 +380,21 @@ static PyObject *obj_entry(Cursor *c, PyObject *data, const FrameHeader *h, Code
     return make_frame(c->ring->st, h->seq, h->ts, data, h->codec);
 }
 
-/* Read up to max frames from a private cursor (anonymous / named). */
-static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh, Codes *codes) {
-    Ring *r = c->ring;
-    PyObject *out = as_list ? PyList_New(0) : NULL;
-    if (as_list && !out) return NULL;
-    PyObject *single = NULL;
-    uint64_t lost = 0, now = 0;
+/* The take loop over cursor (seq, pos): up to max frames through the read
+ * loop into sink k, each counted in the reader's statistics when `count`
+ * (named readers and groups; account).  The frames taken, or ST_PYERR;
+ * *lost gets the frames skipped.  Python-free when k is. */
+static inline Py_ssize_t take_loop(Cursor *c, uint64_t *seq, uint64_t *pos, Py_ssize_t max, int count,
+                                   uint64_t *lost, const Sink *k) {
+    uint64_t now = 0;
     int clocked = 0;
     Py_ssize_t got = 0;
     while (got < max) {
         FrameHeader h;
-        PyObject *f = read_one(r, &c->seq, &c->pos, c->verify, &lost, &h, rawh || codes, &c->known);
-        if (!f) {
-            Py_XDECREF(out);
-            return NULL;
-        }
-        if (f == RD_NONE) break;
-        if (c->kind == K_NAMED) {
+        int rc = read_loop(c->ring, seq, pos, c->verify, lost, &h, &c->known, k->copy, k->drop, k->ctx);
+        if (rc < 0) return ST_PYERR;
+        if (!rc) break;
+        if (count) {
             if (!clocked) {
                 now = delay_clock(c, max);
                 clocked = 1;
@@ -405,22 +402,20 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
             account(c, &h, now);
         }
         got++;
-        if (codes && !(f = obj_entry(c, f, &h, codes, got - 1))) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (as_list) {
-            int rc = PyList_Append(out, f);
-            Py_DECREF(f);
-            if (rc < 0) {
-                Py_DECREF(out);
-                return NULL;
-            }
-        } else {
-            single = f;
-            if (rawh) *rawh = h;
-        }
+        if (k->taken(k->ctx, &h) < 0) return ST_PYERR;
     }
+    return got;
+}
+
+/* Up to max frames from a private cursor (anonymous / named) into sink k:
+ * the take, the loss count, page release, a named reader's auto-commit,
+ * statistics flush and space doorbell.  The frames taken, or ST_PYERR.
+ * Python-free when k is. */
+Py_ssize_t private_take_frames(Cursor *c, Py_ssize_t max, const Sink *k) {
+    Ring *r = c->ring;
+    uint64_t lost = 0;
+    Py_ssize_t got = take_loop(c, &c->seq, &c->pos, max, c->kind == K_NAMED, &lost, k);
+    if (got < 0) return got;
     if (lost) {
         c->lost += lost;
         c->lost_pending += lost;
@@ -431,74 +426,101 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
         if (c->n >= STATS_FLUSH_FRAMES || (lost && !got)) flush_locked(c);
         if (c->autocommit && r->policy != 0) ring_bell(r, r->fsem);
     }
-    if (as_list) return out;
-    if (single) return single;
+    return got;
+}
+
+/* Up to max frames from a group's shared cursor (its slot's S_SEQ / S_POS)
+ * into sink k, the group lock held by the caller: the take, then the cursor
+ * stored back (position first, see resync), lost frames and statistics.
+ * *pos_out: the cursor's position after (for release_behind, outside the
+ * lock).  The frames taken, or ST_PYERR (nothing stored).  Python-free when
+ * k is. */
+Py_ssize_t group_take_locked(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t *pos_out, uint64_t *lost_out) {
+    uint64_t *s = cur_slot(c);
+    uint64_t seq = ld_rlx(&s[S_SEQ]), pos = ld_rlx(&s[S_POS]), lost = 0;
+    Py_ssize_t got = take_loop(c, &seq, &pos, max, 1, &lost, k);
+    *pos_out = pos;
+    *lost_out = lost;
+    if (got < 0) return got;
+    if (got || lost) {
+        st_rel(&s[S_POS], pos); /* position first: see resync */
+        st_rel(&s[S_SEQ], seq);
+        if (lost) st_rlx(&s[S_LOST], ld_rlx(&s[S_LOST]) + lost);
+        if (c->n >= STATS_FLUSH_FRAMES) flush_locked(c);
+    }
+    return got;
+}
+
+/* The Python sink of the takes: each frame a bytes (a Frame unless raw), a
+ * list entry (as_list) or the single result. */
+typedef struct {
+    PyObject *data; /* first: copy_py and drop_py use it */
+    Cursor *c;
+    PyObject *out, *single;
+    FrameHeader *rawh;
+    Codes *codes;
+    int raw;
+    Py_ssize_t i;
+} PySink;
+
+static int taken_py(void *ctx, const FrameHeader *h) {
+    PySink *k = ctx;
+    PyObject *f = k->data;
+    k->data = NULL;
+    if (!k->raw && !(f = make_frame(k->c->ring->st, h->seq, h->ts, f, h->codec))) return -1;
+    if (k->codes && !(f = obj_entry(k->c, f, h, k->codes, k->i))) return -1;
+    k->i++;
+    if (k->out) {
+        int rc = PyList_Append(k->out, f);
+        Py_DECREF(f);
+        return rc;
+    }
+    Py_XSETREF(k->single, f);
+    if (k->rawh) *k->rawh = *h;
+    return 0;
+}
+
+/* The result of a take into a PySink: the list, the frame, None; NULL if `got` < 0. */
+static PyObject *take_result(PySink *k, Py_ssize_t got) {
+    Py_CLEAR(k->data);
+    if (got < 0) {
+        Py_XDECREF(k->out);
+        Py_XDECREF(k->single);
+        return NULL;
+    }
+    if (k->out) return k->out;
+    if (k->single) return k->single;
     Py_RETURN_NONE;
+}
+
+/* Read up to max frames from a private cursor (anonymous / named). */
+static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeader *rawh, Codes *codes) {
+    PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
+    if (as_list && !(k.out = PyList_New(0))) return NULL;
+    Sink sink = {copy_py, drop_py, taken_py, &k};
+    return take_result(&k, private_take_frames(c, max, &sink));
 }
 
 /* Take up to max frames from the group's shared cursor under its lock. */
 static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_wait, FrameHeader *rawh,
                             Codes *codes) {
     Ring *r = c->ring;
+    PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
+    if (as_list && !(k.out = PyList_New(0))) return NULL;
     int lk = group_lock(c, lock_wait);
-    if (lk < 0) return NULL;
-    if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
-    uint64_t *s = cur_slot(c);
+    if (lk != 0) {
+        Py_XDECREF(k.out);
+        return lk < 0 ? NULL : PyLong_FromLong(ST_LOCK_STUCK);
+    }
+    uint64_t *s = cur_slot(c), pos, lost;
     st_rlx(&s[S_LOCK_HOLDER], r->holder);
-    uint64_t seq = ld_rlx(&s[S_SEQ]), pos = ld_rlx(&s[S_POS]), lost = 0, now = 0;
-    int clocked = 0;
-    PyObject *out = as_list ? PyList_New(0) : NULL, *single = NULL;
-    Py_ssize_t got = 0;
-    PyObject *err = NULL;
-    if (as_list && !out) goto unlock;
-    while (got < max) {
-        FrameHeader h;
-        PyObject *f = read_one(r, &seq, &pos, c->verify, &lost, &h, rawh || codes, &c->known);
-        if (!f) {
-            Py_CLEAR(out);
-            err = (PyObject *)1;
-            break;
-        }
-        if (f == RD_NONE) break;
-        if (!clocked) {
-            now = delay_clock(c, max);
-            clocked = 1;
-        }
-        account(c, &h, now);
-        got++;
-        if (codes && !(f = obj_entry(c, f, &h, codes, got - 1))) {
-            Py_CLEAR(out);
-            err = (PyObject *)1;
-            break;
-        }
-        if (as_list) {
-            int rc = PyList_Append(out, f);
-            Py_DECREF(f);
-            if (rc < 0) {
-                Py_CLEAR(out);
-                err = (PyObject *)1;
-                break;
-            }
-        } else {
-            single = f;
-            if (rawh) *rawh = h;
-        }
-    }
-    if (!err && (got || lost)) {
-        st_rel(&s[S_POS], pos); /* position first: see resync */
-        st_rel(&s[S_SEQ], seq);
-        if (lost) st_rlx(&s[S_LOST], ld_rlx(&s[S_LOST]) + lost);
-        if (c->n >= STATS_FLUSH_FRAMES) flush_locked(c);
-    }
-unlock:
+    Sink sink = {copy_py, drop_py, taken_py, &k};
+    Py_ssize_t got = group_take_locked(c, max, &sink, &pos, &lost);
     st_rlx(&s[S_LOCK_HOLDER], 0);
     sem_post(c->gsem);
-    if (err || (as_list && !out)) return NULL;
-    if (got || lost) release_behind(r, &c->released, pos);
-    if (got && r->policy != 0) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
-    if (as_list) return out;
-    if (single) return single;
-    Py_RETURN_NONE;
+    if (got > 0 || (got == 0 && lost)) release_behind(r, &c->released, pos);
+    if (got > 0 && r->policy != 0) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
+    return take_result(&k, got);
 }
 
 /* Up to max frames from any cursor: the group take under the group lock
