@@ -82,6 +82,10 @@ typedef struct {
     PyTypeObject *FrameType, *RingType, *CursorType, *ReservationType, *LockType, *WaitingType, *QueuePortType;
 } CoreState;
 
+/* Hot loops whose callers pass constant callbacks: inlined so the calls are
+ * direct (a function pointer resolved at compile time). */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 /* ---- atomics on words of the shared mapping ---- */
 #define AW(p) ((_Atomic uint64_t *)(p))
 static inline uint64_t ld_acq(uint64_t *p) { return atomic_load_explicit(AW(p), memory_order_acquire); }

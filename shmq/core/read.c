@@ -85,8 +85,8 @@ static int resync(Ring *r, uint64_t *seq, uint64_t *pos, const FrameHeader *h, u
  * past pads and overwritten frames, counted in *lost); ST_PYERR: an
  * exception (a corrupt ring, a failed copy; the cursor is unchanged).
  * Python-free on a sane ring when copy and drop are (read_frame). */
-static inline int read_loop(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost, FrameHeader *hout,
-                            uint64_t *known, copy_fn copy, drop_fn drop, void *ctx) {
+ALWAYS_INLINE int read_loop(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost, FrameHeader *hout,
+                          uint64_t *known, copy_fn copy, drop_fn drop, void *ctx) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t seq = *seqp, pos = *posp;
     int pads = 0;
@@ -384,7 +384,7 @@ static PyObject *obj_entry(Cursor *c, PyObject *data, const FrameHeader *h, Code
  * loop into sink k, each counted in the reader's statistics when `count`
  * (named readers and groups; account).  The frames taken, or ST_PYERR;
  * *lost gets the frames skipped.  Python-free when k is. */
-static inline Py_ssize_t take_loop(Cursor *c, uint64_t *seq, uint64_t *pos, Py_ssize_t max, int count,
+ALWAYS_INLINE Py_ssize_t take_loop(Cursor *c, uint64_t *seq, uint64_t *pos, Py_ssize_t max, int count,
                                    uint64_t *lost, const Sink *k) {
     uint64_t now = 0;
     int clocked = 0;
@@ -411,7 +411,7 @@ static inline Py_ssize_t take_loop(Cursor *c, uint64_t *seq, uint64_t *pos, Py_s
  * the take, the loss count, page release, a named reader's auto-commit,
  * statistics flush and space doorbell.  The frames taken, or ST_PYERR.
  * Python-free when k is. */
-Py_ssize_t private_take_frames(Cursor *c, Py_ssize_t max, const Sink *k) {
+ALWAYS_INLINE Py_ssize_t private_take_in(Cursor *c, Py_ssize_t max, const Sink *k) {
     Ring *r = c->ring;
     uint64_t lost = 0;
     Py_ssize_t got = take_loop(c, &c->seq, &c->pos, max, c->kind == K_NAMED, &lost, k);
@@ -435,7 +435,8 @@ Py_ssize_t private_take_frames(Cursor *c, Py_ssize_t max, const Sink *k) {
  * *pos_out: the cursor's position after (for release_behind, outside the
  * lock).  The frames taken, or ST_PYERR (nothing stored).  Python-free when
  * k is. */
-Py_ssize_t group_take_locked(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t *pos_out, uint64_t *lost_out) {
+ALWAYS_INLINE Py_ssize_t group_take_in(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t *pos_out,
+                                       uint64_t *lost_out) {
     uint64_t *s = cur_slot(c);
     uint64_t seq = ld_rlx(&s[S_SEQ]), pos = ld_rlx(&s[S_POS]), lost = 0;
     Py_ssize_t got = take_loop(c, &seq, &pos, max, 1, &lost, k);
@@ -449,6 +450,14 @@ Py_ssize_t group_take_locked(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t 
         if (c->n >= STATS_FLUSH_FRAMES) flush_locked(c);
     }
     return got;
+}
+
+/* The two takes for a C caller, out of line; the Python takes below inline
+ * them with their sink's functions known (no indirect call per frame). */
+Py_ssize_t private_take_frames(Cursor *c, Py_ssize_t max, const Sink *k) { return private_take_in(c, max, k); }
+
+Py_ssize_t group_take_locked(Cursor *c, Py_ssize_t max, const Sink *k, uint64_t *pos_out, uint64_t *lost_out) {
+    return group_take_in(c, max, k, pos_out, lost_out);
 }
 
 /* The Python sink of the takes: each frame a bytes (a Frame unless raw), a
@@ -498,7 +507,7 @@ static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, FrameHeade
     PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
     if (as_list && !(k.out = PyList_New(0))) return NULL;
     Sink sink = {copy_py, drop_py, taken_py, &k};
-    return take_result(&k, private_take_frames(c, max, &sink));
+    return take_result(&k, private_take_in(c, max, &sink));
 }
 
 /* Take up to max frames from the group's shared cursor under its lock. */
@@ -515,7 +524,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     uint64_t *s = cur_slot(c), pos, lost;
     st_rlx(&s[S_LOCK_HOLDER], r->holder);
     Sink sink = {copy_py, drop_py, taken_py, &k};
-    Py_ssize_t got = group_take_locked(c, max, &sink, &pos, &lost);
+    Py_ssize_t got = group_take_in(c, max, &sink, &pos, &lost);
     st_rlx(&s[S_LOCK_HOLDER], 0);
     sem_post(c->gsem);
     if (got > 0 || (got == 0 && lost)) release_behind(r, &c->released, pos);
