@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import inotify_simple
 
@@ -165,7 +166,21 @@ def _resolve(futs):
 
 
 _watcher = Watcher()
-_core.set_notify(sys.modules[__name__])  # blocking gets parked in C read SAFETY_NET_S here
+
+
+class _Settings(types.ModuleType):
+    """This module's type: setting ``SAFETY_NET_S`` (tests raise it) also hands
+    the value to the core, whose parked gets sleep at most that long.  The core
+    is given values, never reads Python attributes itself."""
+
+    def __setattr__(self, name, value):
+        if name == "SAFETY_NET_S":
+            _core.set_safety_net(value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Settings
+_core.set_safety_net(SAFETY_NET_S)
 
 
 def watcher() -> Watcher:

@@ -131,15 +131,17 @@ class Queue:
         self._backlog_word = self._maxsize or -1  # the core's "no bound"
         self._core = spool.core
         spool.writer.full_is_ceiling = True  # maxsize=0 never blocks: the ceiling raises Full
-        self._get_obj = self._reader.core_cursor.get_obj
-        self._reader.core_cursor.bind(self._reader, self)
-        # The item in one C call when there is one; _get_slow does the rest.
-        self.get = self._reader.core_cursor.get_obj_api
-        if not self._counts_items:
-            # The same for put: encode and write in one C call when there is
-            # room (a JoinableQueue counts its items in Python first).
-            self._core.bind_queue(self, self._backlog_word)
-            self.put = self._core.put_obj_api
+        # The queue's put and get in C, over the spool's ring and the group's
+        # cursor; the queue's own state (maxsize) lives on this port, and what
+        # the port leaves over goes to this class's _put_slow / _get_slow.  A
+        # JoinableQueue counts its items in Python first: every put is slow.
+        cls = type(self)
+        self._port = _core.QueuePort(self._core, self._reader.core_cursor, self, cls._put_slow, cls._get_slow,
+                                     self._backlog_word, not self._counts_items)
+        if cls.get is Queue.get:
+            self.get = self._port.get  # Queue.get's own code, bound per queue: straight to C
+        if cls.put is Queue.put and not self._counts_items:
+            self.put = self._port.put
         self._trusted = trusted
         self._closed = False
 
@@ -177,6 +179,12 @@ class Queue:
         :raises ValueError: the queue is closed.
         :raises pickle.PicklingError: (or the error ``__reduce__`` raised) at once.
         """
+        # Encoded and written in one C call when there is room; the port
+        # hands the rest to type(self)._put_slow.
+        return self._port.put(obj, block, timeout)
+
+    def _put_general(self, obj, block, timeout):
+        """The whole put in Python: encode, count (JoinableQueue), wait as asked."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         item, codec = _encode(obj)
@@ -200,8 +208,8 @@ class Queue:
             raise
 
     def _put_slow(self, obj, block, timeout):
-        """What the core's put_obj_api leaves to Python: waiting, timeouts, out-of-band buffers."""
-        return Queue.put(self, obj, block, timeout)
+        """What the core's put leaves to Python: waiting, timeouts, out-of-band buffers."""
+        return Queue._put_general(self, obj, block, timeout)
 
     def get(self, block=True, timeout=None):
         """Remove and return the next item (FIFO across producers, by commit order).
@@ -209,14 +217,9 @@ class Queue:
         :raises queue.Empty: (as shmq.Empty) nothing arrived in time.
         :raises ValueError: the queue is closed.
         """
-        if self._closed:
-            raise ValueError(f"Queue {self!r} is closed")
-        if timeout is not None:
-            check_block_timeout(block, timeout)  # bad timeouts fail even if an item is there
-        obj = self._get_obj()  # take, release the group lock, unpickle: one call into the core
-        if obj is _EMPTY or obj is _STUCK or obj is _UNDECODED:
-            return self._get_slow(block, timeout, obj)
-        return obj
+        # The item in one C call when there is one (take, release the group
+        # lock, unpickle); the port hands the rest to type(self)._get_slow.
+        return self._port.get(block, timeout)
 
     def _get_slow(self, block, timeout, got):
         """Waiting, other codecs, a stuck group lock: what the core's get leaves to Python."""

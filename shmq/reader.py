@@ -67,9 +67,13 @@ class Reader:
         seq, pos = self._initial_cursor(start)
         self._cur = _core.Cursor(spool.core, self._kind, -1 if self._slot is None else self._slot,
                                  seq, pos, self._auto_commit(), bool(verify), self._lock_name())
-        self._cur.bind(self)
-        # A frame in one C call; it hands waiting and recovery to _get_slow.
-        self.get = self._cur.get_api
+        # One-way: the core hands what its get leaves over (waiting, a busy
+        # group lock) to this class's _get_slow, never looks it up by name.
+        self._cur.bind(self, type(self)._get_slow)
+        if type(self).get is Reader.get:
+            # Reader.get's own code, bound per handle: straight to C (no
+            # Python frame).  A subclass that overrides get keeps it.
+            self.get = self._cur.get_api
         spool.add_reader(self)
 
     def _initial_cursor(self, start):
@@ -141,10 +145,9 @@ class Reader:
         :raises shmq.Empty: nothing arrived in time (or ``block=False``).
         :raises ValueError: the reader is closed.
         """
-        f = self._cur.get()  # the whole read, in C
-        if type(f) is Frame:
-            return f
-        return self._get_slow(block, timeout, f)
+        # A frame in one C call; the core hands waiting and recovery to
+        # type(self)._get_slow.
+        return self._cur.get_api(block, timeout)
 
     def _get_slow(self, block, timeout, f):
         """What the core's get could not finish: wait for a frame, recover a group's lock."""

@@ -129,11 +129,15 @@ class Spool:
             geo["slot_count"], F.POLICIES.index(self._policy), self.checksum,
             sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
             sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
-        self.core.bind(self, not self._sync)
+        # One-way: the core hands what its put leaves over to this class's
+        # _put_slow (a subclass's override included), never looks it up by name.
+        self.core.bind(self, type(self)._put_slow, not self._sync)
         self.data_bell = Doorbell(m, read_waiters, self.core, space=False)
         self.space_bell = Doorbell(m, space_waiters, self.core, space=True)
-        # The uncontended put in one C call; it hands anything else to _put_slow.
-        self.put = self.core.put_api
+        if type(self).put is Spool.put:
+            # Spool.put's own code, bound per handle: the call goes straight
+            # to C (no Python frame).  A subclass that overrides put keeps it.
+            self.put = self.core.put_api
         if os.fstat(m.fd).st_nlink == 0:
             # Destroyed while we opened it: our O_CREAT may have re-created
             # semaphores that destroy() had just unlinked; do not leak them.
@@ -379,13 +383,9 @@ class Spool:
         :raises shmq.Full: no room (policy "error", or block policy timed out).
         :raises shmq.Timeout: the writer lock's (live) holder did not release in time.
         """
-        # (Handles bind this name to the core's put_api, which does exactly
-        # this in C; this body is the reference and the unbound entry point.)
-        if block and timeout is None and not self._sync:
-            seq = self.core.put(data, codec)  # the whole uncontended put, in C
-            if seq >= 0:
-                return seq
-        return self._put_slow(data, block, timeout, codec)
+        # The whole uncontended put in C (handles of this class bind it
+        # directly); the core hands anything else to type(self)._put_slow.
+        return self.core.put_api(data, block, timeout, codec)
 
     def _put_slow(self, data, block, timeout, codec):
         """Everything the core's put could not finish: validation, waits, recovery."""

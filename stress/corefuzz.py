@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing of the compiled core's frame decoder and reader (atheris).
 
-The compiled core (``shmq/_core.c``) reads words and frame headers that
+The compiled core (``shmq/core/*.c``, the sources ``pyproject.toml`` lists) reads words and frame headers that
 other processes write.  This program drives ``shmq._core.Ring`` and
 ``shmq._core.Cursor`` over a mapping whose control words, reader/group
 slot table and ring bytes all come from the fuzzer's input, and requires

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Run the compiled core under AddressSanitizer + UndefinedBehaviorSanitizer.
 
-Builds ``shmq/_core.c`` with ``-fsanitize=address,undefined
+Builds the compiled core (the sources ``pyproject.toml``'s
+``[[tool.setuptools.ext-modules]]`` lists, ``shmq/core/*.c``) with ``-fsanitize=address,undefined
 -fno-omit-frame-pointer -g`` into ``build/sanitize/`` (a package of
 symlinks to the worktree's ``shmq/*.py`` beside the sanitized
 ``_core`` module: the normal in-place ``.so`` is never touched), then runs,
@@ -42,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +111,19 @@ def find_toolchain(cc=None, runtime="asan"):
     raise ToolchainMissing("no C compiler with an AddressSanitizer runtime: " + "; ".join(problems))
 
 
-def build(out_dir, cc, extra_flags=(), source=os.path.join(ROOT, "shmq", "_core.c")):
+def core_sources(root=ROOT):
+    """``(sources, include_dirs)`` of ``shmq._core``, absolute, as ``pyproject.toml`` builds it."""
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        exts = tomllib.load(f)["tool"]["setuptools"]["ext-modules"]
+    (core,) = [e for e in exts if e["name"] == "shmq._core"]
+    return ([os.path.join(root, p) for p in core["sources"]],
+            [os.path.join(root, p) for p in core.get("include-dirs", [])])
+
+
+def build(out_dir, cc, extra_flags=(), sources=None):
     """Compile the core with the sanitizers into ``out_dir/shmq`` beside symlinks to the Python modules.
+
+    ``sources``: the C files (default: :func:`core_sources`, with its include dirs).
 
     ``out_dir`` is emptied first (so a module removed from ``shmq/`` is not
     imported from a stale link).  Returns the path of the built module.
@@ -123,8 +136,9 @@ def build(out_dir, cc, extra_flags=(), source=os.path.join(ROOT, "shmq", "_core.
     for py in glob.glob(os.path.join(ROOT, "shmq", "*.py")):
         os.symlink(py, os.path.join(pkg, os.path.basename(py)))
     target = os.path.join(pkg, "_core" + sysconfig.get_config_var("EXT_SUFFIX"))
+    srcs, incs = core_sources() if sources is None else (list(sources), [])
     cmd = [cc, "-shared", "-fPIC", "-std=gnu11", "-Wall", *SAN_FLAGS, *extra_flags,
-           "-I" + sysconfig.get_paths()["include"], source, "-o", target]
+           "-I" + sysconfig.get_paths()["include"], *("-I" + d for d in incs), *srcs, "-o", target]
     subprocess.run(cmd, check=True)
     return target
 

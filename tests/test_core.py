@@ -1,4 +1,4 @@
-"""The compiled core (shmq/_core.c) agrees with the format spec (shmq/_format.py).
+"""The compiled core (shmq/core/*.c) agrees with the format spec (shmq/_format.py).
 
 ``_format`` is the readable spec of the ring; the core is the one place that
 writes and reads frames on the hot path.  These tests check, byte for byte:
@@ -276,7 +276,9 @@ def test_core_layout_matches_format_spec():
         assert name in _core.LAYOUT
     # Every constant the C source #defines under a _format name has _format's
     # value (also those LAYOUT does not list, e.g. flags and codec tags).
-    src = open(os.path.join(os.path.dirname(shmq.__file__), "_core.c")).read()
+    core_dir = os.path.join(os.path.dirname(shmq.__file__), "core")
+    src = "\n".join(open(os.path.join(core_dir, f)).read() for f in sorted(os.listdir(core_dir))
+                    if f.endswith((".c", ".h")))
     defines = dict(re.findall(r"^#define\s+([A-Z][A-Z0-9_]*)\s+(0x[0-9A-Fa-f]+|\d+)\s*(?:/\*.*)?$",
                               src, re.M))
     shared = {k: int(v, 0) for k, v in defines.items() if hasattr(F, k)}

@@ -107,7 +107,7 @@ def _word(index, value):
 
 
 _PAD_WALK_BUG = (
-    "regression (fixed): make_room(), shmq/_core.c (fast path) and Spool._make_room, shmq/spool.py (general "
+    "regression (fixed): make_room(), shmq/core/write.c (fast path) and Spool._make_room, shmq/spool.py (general "
     "path, taken by sync spools and pinned views): the overwrite-policy eviction walk follows PAD headers "
     "without bounding them (read_one() does), so a PAD at ring offset 0 spanning the whole ring makes "
     "put() spin while holding the writer lock; see docs/guarantees.md")
@@ -127,7 +127,7 @@ def test_make_room_pad_walk_is_bounded(spool_dir, path_kind):
 
 
 _WRAPPED_POS_BUG = (
-    "regression (fixed): first_cursor()/read_one(), shmq/_core.c (found by stress/corefuzz.py): with FIRST_POS "
+    "regression (fixed): first_cursor()/read_loop(), shmq/core/read.c (found by stress/corefuzz.py): with FIRST_POS "
     "within 32 bytes of 2**64, the cursor position wraps to 0 when it skips the ring's tail, is then "
     "always below FIRST_POS, and read_one() resyncs to FIRST_POS forever; see docs/guarantees.md")
 

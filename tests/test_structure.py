@@ -131,3 +131,14 @@ def test_spool_layer_is_not_a_cycle(house):
     # given, so neither imports spool back (imports inside functions count).
     for comp in house["cycles"]:
         assert not {"shmq.spool", "shmq.reader", "shmq.columnar"} & set(comp), comp
+
+
+def test_c_files_are_counted_and_small(house):
+    """The compiled core is split into files of at most 900 lines, each counted
+    (issue "One core, one writer"); shmq._core is a module of the import graph."""
+    c = house["c_lines"]
+    assert any(f.startswith("shmq/core/") and f.endswith(".h") for f in c), c
+    assert len([f for f in c if f.endswith(".c")]) >= 5, c
+    assert {f: n for f, n in c.items() if n > 900} == {}
+    assert structure.figures(house)["largest_c_lines"] <= 900
+    assert "shmq._core" in {m for deps in house["edges"].values() for m in deps}

@@ -1,0 +1,370 @@
+/*
+ * shmq/core/api.c: the boundary -- the entry points shmq.Spool, shmq.Reader
+ * and shmq.Queue bind (put, get; the queue's put and get on a QueuePort),
+ * each the whole uncontended call in C, and their one-way hand-off to the
+ * Python slow paths.
+ *
+ * The core never looks Python up by name: a handle binds its slow path
+ * once, as a plain function (its class's _put_slow / _get_slow, so a
+ * subclass's override is the one called) and a weak reference to itself;
+ * what the fast path leaves over is handed to slow(owner, *args).  The
+ * queue's own state (its owner, maxsize) lives on its QueuePort, not in the
+ * Ring or the Cursor.
+ */
+#include "core.h"
+
+/* A new reference to what weak reference `ref` points at, or NULL with
+ * ValueError when it is gone (the handle was collected: closed). */
+static PyObject *owner_of(PyObject *ref) {
+    PyObject *o = NULL;
+    if (ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(ref, &o) < 0) return NULL;
+#else
+        o = PyWeakref_GetObject(ref); /* borrowed: taken at once, under the GIL */
+        if (!o) return NULL;
+        o = o == Py_None ? NULL : Py_NewRef(o);
+#endif
+    }
+    if (!o) PyErr_SetString(PyExc_ValueError, "handle is closed");
+    return o;
+}
+
+/* slow(owner, *args): the slow path a handle bound, on the handle itself. */
+static PyObject *call_slow(PyObject *owner_ref, PyObject *slow, PyObject *const *args, size_t nargs) {
+    if (!slow) {
+        PyErr_SetString(PyExc_ValueError, "handle is not bound");
+        return NULL;
+    }
+    PyObject *o = owner_of(owner_ref);
+    if (!o) return NULL;
+    PyObject *all[6];
+    all[0] = o;
+    for (size_t i = 0; i < nargs && i < 5; i++) all[i + 1] = args[i];
+    PyObject *res = PyObject_Vectorcall(slow, all, nargs + 1, NULL);
+    Py_DECREF(o);
+    return res;
+}
+
+/* *ref = a weak reference to obj, *fn = slow (checked callable).  0, or -1
+ * with an exception. */
+static int bind_slow(PyObject **ref, PyObject **fn, PyObject *obj, PyObject *slow) {
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "the slow path must be callable");
+        return -1;
+    }
+    PyObject *w = PyWeakref_NewRef(obj, NULL);
+    if (!w) return -1;
+    Py_XSETREF(*ref, w);
+    Py_XSETREF(*fn, Py_NewRef(slow));
+    return 0;
+}
+
+/* Parse (first positional, block=True, timeout=None, codec/extra) for the *_api entry points. */
+int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const char *const *names, int nnames,
+                     PyObject **out) {
+    for (int i = 0; i < nnames; i++) out[i] = NULL;
+    if (nargs > nnames) {
+        PyErr_Format(PyExc_TypeError, "takes at most %d positional arguments", nnames);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) out[i] = args[i];
+    if (kwnames) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t k = 0; k < nk; k++) {
+            const char *kn = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+            if (!kn) return -1;
+            int found = 0;
+            for (int i = 0; i < nnames; i++) {
+                if (strcmp(kn, names[i]) == 0) {
+                    if (out[i]) {
+                        PyErr_Format(PyExc_TypeError, "got multiple values for argument '%s'", kn);
+                        return -1;
+                    }
+                    out[i] = args[nargs + k];
+                    found = 1;
+                    break;
+                }
+            }
+            if (!found) {
+                PyErr_Format(PyExc_TypeError, "got an unexpected keyword argument '%s'", kn);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- shmq.Spool.put ---- */
+
+PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* Spool.put(data, block=True, timeout=None, codec=0): the uncontended put
+     * in one C call; anything else goes to the slow path bound with it. */
+    static const char *const names[] = {"data", "block", "timeout", "codec"};
+    PyObject *a[4];
+    if (parse_api(args, nargs, kwnames, names, 4, a) < 0) return NULL;
+    if (!a[0]) {
+        PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'data'");
+        return NULL;
+    }
+    int block = a[1] ? PyObject_IsTrue(a[1]) : 1;
+    if (block < 0) return NULL;
+    int codec = 0;
+    if (a[3] && (codec = (int)PyLong_AsLong(a[3])) == -1 && PyErr_Occurred()) return NULL;
+    if (block && (!a[2] || a[2] == Py_None) && r->fast_put && r->have_buf) {
+        Item item;
+        if (load_item(&item, a[0], r->checksum) < 0) return NULL;
+        int64_t res = ring_write(r, &item, 1, codec, -1, r->lock_wait, 1);
+        release_items(&item, 1);
+        if (res == ST_PYERR) return NULL;
+        if (res >= 0) return PyLong_FromLongLong(res);
+    }
+    PyObject *cargs[4] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None, NULL};
+    PyObject *cd = PyLong_FromLong(codec);
+    if (!cd) return NULL;
+    cargs[3] = cd;
+    PyObject *res = call_slow(r->owner, r->put_slow, cargs, 4);
+    Py_DECREF(cd);
+    return res;
+}
+
+/* bind(owner, put_slow, fast): put_slow(owner, data, block, timeout, codec)
+ * completes put_api; fast 0 sends every put there (sync=True). */
+PyObject *Ring_bind(Ring *r, PyObject *args) {
+    PyObject *owner, *slow;
+    int fast;
+    if (!PyArg_ParseTuple(args, "OOp", &owner, &slow, &fast)) return NULL;
+    if (bind_slow(&r->owner, &r->put_slow, owner, slow) < 0) return NULL;
+    r->fast_put = fast;
+    Py_RETURN_NONE;
+}
+
+/* ---- shmq.Reader.get ---- */
+
+/* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
+ * group whose lock was not free within the handle's lock wait). */
+PyObject *take_one(Cursor *c) { return cursor_take(c, 1, 0, c->ring->lock_wait, NULL, NULL); }
+
+PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* Reader.get(block=True, timeout=None): a frame in one C call when one is
+     * there; otherwise the slow path bound with it: get_slow(owner, block, timeout, first_result). */
+    static const char *const names[] = {"block", "timeout"};
+    PyObject *a[2];
+    if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
+    if (cursor_check(c) < 0) return NULL;
+    PyObject *f = take_one(c);
+    if (!f) return NULL;
+    if (Py_IS_TYPE(f, c->ring->st->FrameType)) return f;
+    uint64_t deadline;
+    int parkable = f == Py_None && park_deadline(a[0], a[1], &deadline);
+    if (parkable) {
+        Py_DECREF(f);
+        f = wait_take(c, take_one, Py_None, deadline, a[1]);
+        if (!f || Py_IS_TYPE(f, c->ring->st->FrameType)) return f; /* else None or a busy group lock: Python's */
+    }
+    PyObject *left = parkable ? time_left(a[1], deadline) : Py_NewRef(a[1] ? a[1] : Py_None);
+    if (!left) {
+        Py_DECREF(f);
+        return NULL;
+    }
+    PyObject *cargs[3] = {a[0] ? a[0] : Py_True, left, f};
+    PyObject *res = call_slow(c->owner, c->get_slow, cargs, 3);
+    Py_DECREF(left);
+    Py_DECREF(f);
+    return res;
+}
+
+/* bind(reader, get_slow): get_slow(reader, block, timeout, first) completes get_api. */
+PyObject *Cursor_bind(Cursor *c, PyObject *args) {
+    PyObject *owner, *slow;
+    if (!PyArg_ParseTuple(args, "OO", &owner, &slow)) return NULL;
+    if (bind_slow(&c->owner, &c->get_slow, owner, slow) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- shmq.Queue: put and get on a QueuePort ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Ring *ring;
+    Cursor *cur;
+    PyObject *owner;              /* weak reference to the shmq.Queue */
+    PyObject *put_slow, *get_slow; /* put_slow(queue, obj, block, timeout); get_slow(queue, block, timeout, got) */
+    long long backlog;            /* the queue's maxsize (-1: unbounded) */
+    int fast_put;                 /* 0: every put goes to put_slow (a JoinableQueue counts items first) */
+} QueuePort;
+
+/* The pickle of a shmq.Queue item, every buffer kept in-band and counted in
+ * st->buffers_seen (a caller that sees the count move hands the object to
+ * the Python encoder, which keeps the buffers out of band, uncopied). */
+PyObject *dumps_inband(CoreState *st, PyObject *obj) {
+    PyObject *dargs[3] = {obj, st->dumps_protocol, st->inband_callback};
+    return PyObject_Vectorcall(st->pickle_dumps, dargs, 2, st->dumps_kwnames);
+}
+
+/* Queue.put(obj, block=True, timeout=None): bytes as they are, anything else
+ * pickled, written in one C call when there is room and no timeout to
+ * check; anything else (and any object with out-of-band buffers, which the
+ * Python encoder keeps uncopied) goes to the queue's put_slow. */
+static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Ring *r = q->ring;
+    CoreState *st = r->st;
+    static const char *const names[] = {"obj", "block", "timeout"};
+    PyObject *a[3];
+    if (parse_api(args, nargs, kwnames, names, 3, a) < 0) return NULL;
+    if (!a[0]) {
+        PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'obj'");
+        return NULL;
+    }
+    if ((!a[2] || a[2] == Py_None) && q->fast_put && r->have_buf && st->pickle_dumps) {
+        PyObject *data;
+        int codec = 0;
+        if (PyBytes_CheckExact(a[0])) {
+            data = Py_NewRef(a[0]);
+        } else {
+            /* The callback keeps every buffer in-band and counts it: a
+             * count that moved (ours, or another thread's: harmless) sends
+             * the object to the Python encoder, which keeps them out of band. */
+            unsigned long before = st->buffers_seen;
+            data = dumps_inband(st, a[0]);
+            if (!data) return NULL; /* unpicklable: at once, as the Python put */
+            codec = 1;
+            if (st->buffers_seen != before) Py_CLEAR(data);
+        }
+        if (data && r->have_buf) { /* (__reduce__ code may have closed the handle) */
+            Item item;
+            int rc = load_item(&item, data, r->checksum);
+            Py_DECREF(data);
+            if (rc < 0) return NULL;
+            int64_t res = ring_write(r, &item, 1, codec, q->backlog, r->lock_wait, 1);
+            release_items(&item, 1);
+            if (res == ST_PYERR) return NULL;
+            if (res >= 0) Py_RETURN_NONE;
+        } else {
+            Py_XDECREF(data);
+        }
+    }
+    PyObject *cargs[3] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None};
+    return call_slow(q->owner, q->put_slow, cargs, 3);
+}
+
+PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
+    /* The shmq.Queue get path in one call: take one frame (group lock held
+     * for the copy only), then decode raw and pickle frames after releasing
+     * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
+     * lock was not free in time) or UNDECODED (another codec: see .last). */
+    if (cursor_check(c) < 0) return NULL;
+    CoreState *st = c->ring->st;
+    FrameHeader h; /* the data alone: no Frame object unless it goes to Python */
+    PyObject *d = cursor_take(c, 1, 0, c->ring->lock_wait, &h, NULL);
+    if (!d) return NULL;
+    if (d == Py_None) {
+        Py_DECREF(d);
+        return Py_NewRef(st->EMPTY);
+    }
+    if (PyLong_Check(d)) {
+        Py_DECREF(d);
+        return Py_NewRef(st->STUCK);
+    }
+    if (h.codec == 0) return d; /* after the group lock was released */
+    if (h.codec == 1 && st->pickle_loads) {
+        PyObject *out = PyObject_CallOneArg(st->pickle_loads, d);
+        Py_DECREF(d);
+        return out;
+    }
+    PyObject *f = make_frame(st, h.seq, h.ts, d, h.codec);
+    if (!f) return NULL;
+    Py_XSETREF(c->last, f);
+    return Py_NewRef(st->UNDECODED);
+}
+
+static PyObject *get_obj_take(Cursor *c) { return Cursor_get_obj(c, NULL); }
+
+static PyObject *QueuePort_get(QueuePort *q, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Cursor *c = q->cur;
+    CoreState *st = c->ring->st;
+    /* shmq.Queue.get(block=True, timeout=None): the item in one C call when
+     * one is there (raw or pickle); otherwise get_slow(queue, block, timeout, what the take found). */
+    static const char *const names[] = {"block", "timeout"};
+    PyObject *a[2];
+    if (parse_api(args, nargs, kwnames, names, 2, a) < 0) return NULL;
+    PyObject *block = a[0] ? a[0] : Py_True, *timeout = a[1] ? a[1] : Py_None;
+    uint64_t deadline = 0;
+    /* a timeout is validated by Python first (even with an item there), unless it is one we can wait on */
+    int parkable = block == Py_True && park_deadline(block, timeout, &deadline);
+    if ((timeout == Py_None || parkable) && !c->closed_msg) {
+        PyObject *o = Cursor_get_obj(c, NULL);
+        if (o == st->EMPTY && parkable) {
+            Py_DECREF(o);
+            o = wait_take(c, get_obj_take, st->EMPTY, deadline, timeout);
+        }
+        if (!o) return NULL;
+        if (o != st->EMPTY && o != st->STUCK && o != st->UNDECODED) return o;
+        Py_DECREF(o);
+        PyObject *left = parkable ? time_left(timeout, deadline) : Py_NewRef(timeout);
+        if (!left) return NULL;
+        PyObject *cargs[3] = {block, left, c->last ? st->UNDECODED : st->EMPTY}; /* UNDECODED: Python decodes .last */
+        PyObject *res = call_slow(q->owner, q->get_slow, cargs, 3);
+        Py_DECREF(left);
+        return res;
+    }
+    PyObject *cargs[3] = {block, timeout, st->EMPTY};
+    return call_slow(q->owner, q->get_slow, cargs, 3);
+}
+
+static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
+    /* QueuePort(ring, cursor, queue, put_slow, get_slow, max_backlog, fast_put) */
+    PyObject *ring, *cur, *queue, *put_slow, *get_slow;
+    long long backlog;
+    int fast;
+    CoreState *st = PyType_GetModuleState(Py_TYPE(q));
+    if (!st) return -1;
+    if (!PyArg_ParseTuple(args, "O!O!OOOLp", st->RingType, &ring, st->CursorType, &cur, &queue, &put_slow, &get_slow,
+                          &backlog, &fast))
+        return -1;
+    if (((Cursor *)cur)->ring != (Ring *)ring) {
+        PyErr_SetString(PyExc_ValueError, "the cursor reads another ring");
+        return -1;
+    }
+    if (bind_slow(&q->owner, &q->put_slow, queue, put_slow) < 0) return -1;
+    if (!PyCallable_Check(get_slow)) {
+        PyErr_SetString(PyExc_TypeError, "the slow path must be callable");
+        return -1;
+    }
+    Py_XSETREF(q->get_slow, Py_NewRef(get_slow));
+    Py_XSETREF(q->ring, (Ring *)Py_NewRef(ring));
+    Py_XSETREF(q->cur, (Cursor *)Py_NewRef(cur));
+    q->backlog = backlog;
+    q->fast_put = fast;
+    return 0;
+}
+
+static void QueuePort_dealloc(QueuePort *q) {
+    Py_XDECREF(q->ring);
+    Py_XDECREF(q->cur);
+    Py_XDECREF(q->owner);
+    Py_XDECREF(q->put_slow);
+    Py_XDECREF(q->get_slow);
+    PyTypeObject *tp = Py_TYPE(q);
+    tp->tp_free((PyObject *)q);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef QueuePort_methods[] = {
+    {"put", (PyCFunction)(void (*)(void))QueuePort_put, METH_FASTCALL | METH_KEYWORDS,
+     "put(obj, block=True, timeout=None) (see shmq.Queue.put)"},
+    {"get", (PyCFunction)(void (*)(void))QueuePort_get, METH_FASTCALL | METH_KEYWORDS,
+     "get(block=True, timeout=None) -> item (see shmq.Queue.get)"},
+    {NULL}};
+
+static PyType_Slot queue_port_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, QueuePort_init},
+    {Py_tp_dealloc, QueuePort_dealloc},
+    {Py_tp_methods, QueuePort_methods},
+    {Py_tp_doc, (void *)"A shmq.Queue's put and get in C over its spool's Ring and its group Cursor "
+                        "(internal: use shmq.Queue)."},
+    {0, NULL}};
+
+PyType_Spec queue_port_spec = {"shmq._core.QueuePort", sizeof(QueuePort), 0,
+                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, queue_port_slots};

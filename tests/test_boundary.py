@@ -1,0 +1,173 @@
+"""The boundary between the Python layers and the compiled core is narrow and one-way.
+
+* A subclass of ``Spool`` that overrides ``put``, of ``Reader`` that
+  overrides ``get``, and of ``Queue`` that overrides ``put`` and ``get``
+  has its overrides called (handles bind the core's entry points per
+  instance only for the class itself), and ``super()`` reaches the core.
+* The slow paths are handed to the core when a handle is bound, as the
+  class's function: a subclass's ``_put_slow`` / ``_get_slow`` is the one the
+  core calls; nothing is looked up by name on the handle at call time.
+* The C sources call no Python method by a name string of the layers
+  above (``_put_slow``, ``_get_slow``, ``SAFETY_NET_S``), and the Queue's
+  state is not in the ``Ring``.
+"""
+
+import os
+import re
+
+import pytest
+
+import shmq
+from shmq import _core, _notify
+from shmq.reader import Reader
+
+CORE_DIR = os.path.join(os.path.dirname(shmq.__file__), "core")
+
+
+class LoggingSpool(shmq.Spool):
+    calls = []
+
+    def put(self, data, *, block=True, timeout=None, codec=0):
+        LoggingSpool.calls.append(("put", bytes(data)))
+        return super().put(data, block=block, timeout=timeout, codec=codec)
+
+
+class SlowLoggingSpool(shmq.Spool):
+    slow = []
+
+    def _put_slow(self, data, block, timeout, codec):
+        SlowLoggingSpool.slow.append((bytes(data), timeout))
+        return super()._put_slow(data, block, timeout, codec)
+
+
+def test_spool_subclass_put_override_is_called(spool_dir):
+    LoggingSpool.calls.clear()
+    sp = LoggingSpool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+    try:
+        assert "put" not in vars(sp)  # not shadowed by a per-instance binding
+        assert sp.put(b"one") == 0
+        assert sp.put(b"two", timeout=1.0) == 1  # through super() to the core's slow path
+        assert LoggingSpool.calls == [("put", b"one"), ("put", b"two")]
+        r = sp.reader(start="earliest")
+        assert [r.get(timeout=5).data for _ in range(2)] == [b"one", b"two"]
+    finally:
+        sp.close()
+
+
+def test_plain_spool_binds_the_core_directly(spool_dir):
+    sp = shmq.Spool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+    try:
+        assert vars(sp)["put"] == sp.core.put_api  # no Python frame on the hot path
+        assert shmq.Spool.put(sp, b"unbound") == 0  # the class method reaches the core too
+        assert sp.reader(start="earliest").get(timeout=5).data == b"unbound"
+    finally:
+        sp.close()
+
+
+def test_subclass_slow_path_is_the_one_the_core_calls(spool_dir):
+    SlowLoggingSpool.slow.clear()
+    sp = SlowLoggingSpool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+    try:
+        assert sp.put(b"fast") == 0  # the core's fast path: no slow call
+        assert sp.put(b"slow", timeout=2.5) == 1  # a timeout is the slow path's
+        assert SlowLoggingSpool.slow == [(b"slow", 2.5)]
+        # An instance attribute of that name is not looked up: the class's function was bound.
+        sp._put_slow = lambda *a: pytest.fail("looked up by name on the instance")
+        assert sp.put(b"again", timeout=1.0) == 2
+        assert SlowLoggingSpool.slow[-1] == (b"again", 1.0)
+    finally:
+        sp.close()
+
+
+class CountingReader(Reader):
+    got = 0
+
+    def get(self, block=True, timeout=None):
+        CountingReader.got += 1
+        return super().get(block, timeout)
+
+
+def test_reader_subclass_get_override_is_called(spool_dir):
+    CountingReader.got = 0
+    sp = shmq.Spool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+    try:
+        sp.put(b"x")
+        r = CountingReader(sp, start="earliest")
+        try:
+            assert "get" not in vars(r)
+            assert r.get(timeout=5).data == b"x"
+            with pytest.raises(shmq.Empty):
+                r.get(timeout=0.05)  # the core parks, then raises
+            assert CountingReader.got == 2
+        finally:
+            r.close()
+        plain = sp.reader(start="earliest")
+        assert vars(plain)["get"] == plain._cur.get_api
+    finally:
+        sp.close()
+
+
+class AuditQueue(shmq.Queue):
+    def __init__(self, *a, **kw):
+        self.log = []
+        super().__init__(*a, **kw)
+
+    def put(self, obj, block=True, timeout=None):
+        self.log.append(("put", obj))
+        return super().put(obj, block, timeout)
+
+    def get(self, block=True, timeout=None):
+        obj = super().get(block, timeout)
+        self.log.append(("get", obj))
+        return obj
+
+
+def test_queue_subclass_put_and_get_overrides_are_called():
+    q = AuditQueue()
+    try:
+        assert "put" not in vars(q) and "get" not in vars(q)
+        q.put({"a": 1})
+        q.put(b"raw", timeout=1.0)
+        assert q.get(timeout=5) == {"a": 1}
+        assert q.get(timeout=5) == b"raw"
+        with pytest.raises(shmq.Empty):
+            q.get(timeout=0.05)
+        assert q.log == [("put", {"a": 1}), ("put", b"raw"), ("get", {"a": 1}), ("get", b"raw")]
+    finally:
+        q.close()
+
+
+def test_plain_queue_binds_its_port():
+    q = shmq.Queue()
+    try:
+        assert vars(q)["put"] == q._port.put and vars(q)["get"] == q._port.get
+        q.put([1, 2])
+        assert shmq.Queue.get(q, timeout=5) == [1, 2]  # the class method: the same port
+    finally:
+        q.close()
+
+
+def test_safety_net_is_handed_to_the_core_as_a_value(monkeypatch):
+    monkeypatch.setattr(_notify, "SAFETY_NET_S", 0.25)  # the module pushes it to the core
+    with pytest.raises(ValueError):
+        _core.set_safety_net(0)  # out of range: refused, not silently clamped
+    with pytest.raises(ValueError):
+        _notify.SAFETY_NET_S = -1.0
+    assert _notify.SAFETY_NET_S == 0.25
+
+
+def _c_sources():
+    for f in sorted(os.listdir(CORE_DIR)):
+        if f.endswith((".c", ".h")):
+            with open(os.path.join(CORE_DIR, f)) as fh:
+                yield f, fh.read()
+
+
+def test_core_calls_no_python_layer_by_name():
+    for f, src in _c_sources():
+        code = re.sub(r"/\*.*?\*/", "", src, flags=re.S)  # comments may name them
+        for name in ("_put_slow", "_get_slow", "SAFETY_NET_S", "set_notify", "qowner", "q_backlog"):
+            assert name not in code, (f, name)
+        # Attribute lookups by name: only the module's own function at init.
+        lookups = re.findall(r"PyObject_GetAttrString\([^;]*;", code)
+        assert all('"_inband"' in x for x in lookups), (f, lookups)
