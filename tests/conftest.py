@@ -54,15 +54,26 @@ def _our_leftovers():
             if n.startswith(("sem.shmq.", f"shmq-test-{SESSION_TAG}-"))}
 
 
-#: Tests that each take tens of seconds (a JVM, a sanitizer build, a chaos run).
-#: They run first, so xdist spreads them over its workers at the start instead
-#: of leaving one worker with a long tail after the quick tests are done.
+#: Tests that each take tens of seconds (a sanitizer build, a chaos run, a Spark
+#: job in a subprocess).  They run first, so xdist spreads them over its workers at
+#: the start instead of leaving one worker with a long tail after the quick tests.
 SLOW_FIRST = ("tests/test_examples.py::test_example_runs[spark_pipeline",
-              "tests/test_spark.py::", "tests/test_sanitize.py::", "tests/test_stress.py::")
+              "tests/test_sanitize.py::", "tests/test_stress.py::")
+#: Tests that start a SparkSession in this process: its py4j threads (gateway,
+#: callback and accumulator servers) live on until the session ends, and a later
+#: fork in this process would fork them too (the fork check below refuses).  They
+#: run last: xdist hands items out in this order, so once a worker got one of them
+#: it gets nothing else after it.
+IN_PROCESS_JVM = ("tests/test_spark.py::",)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))  # stable
+    def rank(item):
+        if item.nodeid.startswith(IN_PROCESS_JVM):
+            return 2
+        return 0 if item.nodeid.startswith(SLOW_FIRST) else 1
+
+    items.sort(key=rank)  # stable
 
 
 # -- fork with threads -------------------------------------------------------------
