@@ -1,13 +1,27 @@
 """Shared fixtures: a private spool directory on /dev/shm, start methods, leak checks."""
 
+import faulthandler
 import multiprocessing as mp
 import os
 import shutil
+import threading
+import time
 import uuid
+import warnings
 
 import pytest
 
 import shmq
+
+# Third-party libraries the tests import start idle thread pools at import time:
+# OpenBLAS (numpy) one worker per extra core, pyarrow's jemalloc a background
+# purging thread.  Either makes this process multi-threaded, and every fork-start
+# test after it would fork a multi-threaded process (what CPython 3.12+ warns
+# about, and what the fork check below refuses).  The tests use neither BLAS nor
+# jemalloc's background purging; set before any test module imports numpy or
+# pyarrow (children inherit the settings, harmlessly).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 
@@ -40,15 +54,108 @@ def _our_leftovers():
             if n.startswith(("sem.shmq.", f"shmq-test-{SESSION_TAG}-"))}
 
 
-#: Tests that each take tens of seconds (a JVM, a sanitizer build, a chaos run).
-#: They run first, so xdist spreads them over its workers at the start instead
-#: of leaving one worker with a long tail after the quick tests are done.
+#: Tests that each take tens of seconds (a sanitizer build, a chaos run, a Spark
+#: job in a subprocess).  They run first, so xdist spreads them over its workers at
+#: the start instead of leaving one worker with a long tail after the quick tests.
 SLOW_FIRST = ("tests/test_examples.py::test_example_runs[spark_pipeline",
-              "tests/test_spark.py::", "tests/test_sanitize.py::", "tests/test_stress.py::")
+              "tests/test_sanitize.py::", "tests/test_stress.py::")
+#: Tests that start a SparkSession in this process: its py4j threads (gateway,
+#: callback and accumulator servers) live on until the session ends, and a later
+#: fork in this process would fork them too (the fork check below refuses).  They
+#: run last: xdist hands items out in this order, so once a worker got one of them
+#: it gets nothing else after it.
+IN_PROCESS_JVM = ("tests/test_spark.py::",)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FIRST))  # stable
+    def rank(item):
+        if item.nodeid.startswith(IN_PROCESS_JVM):
+            return 2
+        return 0 if item.nodeid.startswith(SLOW_FIRST) else 1
+
+    items.sort(key=rank)  # stable
+
+
+# -- fork with threads -------------------------------------------------------------
+#
+# CPython 3.12+ warns "This process (pid=N) is multi-threaded, use of fork() may lead
+# to deadlocks in the child" (a DeprecationWarning, raised in the parent *after* the
+# fork), and pyproject's filterwarnings turns it into an error.  But the harness has
+# threads of its own that would trip CPython's count on every fork: in a pytest-xdist
+# worker execnet's IO thread (started before pytest), and in every run the watchdog
+# thread of pytest's faulthandler_timeout (one per test, started before the test's
+# setup).  So os.fork is checked here instead, on every Python: before forking it
+# counts the process's threads (/proc/self/task, as CPython does) other than the
+# caller, execnet's (those present when pytest configured; none in a plain run) and
+# the current faulthandler watchdog, and raises that same DeprecationWarning (the
+# filter makes it an error) before any child exists.  CPython's own warning is then
+# silenced for that fork: it would only repeat the check with the harness counted.
+
+_FORK_TOLERATED = frozenset()  # thread ids present before any test ran
+_WATCHDOG = set()  # the faulthandler_timeout thread of the running test
+_real_fork = os.fork
+_real_dump_later = faulthandler.dump_traceback_later
+_FORK_MSG = ("This process (pid={pid}) is multi-threaded, use of fork() may lead to "
+             "deadlocks in the child (threads other than the caller: {names})")
+
+
+def _tids():
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _other_threads():
+    return _tids() - {threading.get_native_id()} - _FORK_TOLERATED - _WATCHDOG
+
+
+def _thread_names(tids):
+    names = []
+    for tid in sorted(tids):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f"{tid} {f.read().strip()}")
+        except OSError:
+            names.append(str(tid))
+    return ", ".join(names)
+
+
+def _checked_fork():
+    others = _other_threads()
+    if others:
+        # A thread that Thread.join() has just returned for may still be leaving the
+        # kernel for a few microseconds (3.12's join waits on a lock released before the
+        # OS thread exits), and so may a cancelled faulthandler watchdog: give exiting
+        # threads a bounded moment before blaming them.
+        deadline = time.monotonic() + 1.0
+        while others and time.monotonic() < deadline:
+            time.sleep(0.001)
+            others = _other_threads()
+    if others:
+        warnings.warn(_FORK_MSG.format(pid=os.getpid(), names=_thread_names(others)),
+                      DeprecationWarning, stacklevel=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded",
+                                category=DeprecationWarning)
+        return _real_fork()
+
+
+def _dump_later(*args, **kwargs):
+    """faulthandler.dump_traceback_later, noting the watchdog thread it starts."""
+    before = _tids()
+    _real_dump_later(*args, **kwargs)
+    _WATCHDOG.clear()
+    _WATCHDOG.update(_tids() - before)
+
+
+def pytest_configure(config):
+    global _FORK_TOLERATED
+    _FORK_TOLERATED = frozenset(_tids() - {threading.get_native_id()})
+    os.fork = _checked_fork
+    faulthandler.dump_traceback_later = _dump_later
+
+
+def pytest_unconfigure(config):
+    os.fork = _real_fork
+    faulthandler.dump_traceback_later = _real_dump_later
 
 
 def pytest_sessionstart(session):

@@ -166,3 +166,28 @@ def test_block_writer_never_jumps_past_a_pinned_frame(make_spool):
     view.release()
     sp.put_array(np.full(per, -1, dtype=np.int64), block=False)  # released: room again
     r.close()
+
+
+def test_forking_a_multi_threaded_process_fails_the_suite():
+    """The harness's fork check (tests/conftest.py, pyproject filterwarnings): a fork
+    while another thread of ours runs raises, before any child exists; once the
+    thread has ended, fork works again."""
+    import threading
+
+    release = threading.Event()
+    th = threading.Thread(target=release.wait, args=(30,), name="blocker")
+    th.start()
+    try:
+        with pytest.raises(DeprecationWarning, match="multi-threaded, use of fork"):
+            pid = os.fork()
+            if pid == 0:  # only reached if the check failed to raise
+                os._exit(0)
+            os.waitpid(pid, 0)
+    finally:
+        release.set()
+        th.join(30)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 7
