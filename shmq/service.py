@@ -39,7 +39,7 @@ import signal
 import threading
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from ._lock import holder_word
 from ._mapping import resolve_path
@@ -144,14 +144,19 @@ class Service:
     """
 
     def __init__(self, name_or_path, *, capacity=REQUEST_CAPACITY, max_attempts=MAX_ATTEMPTS,
-                 lease=60.0, trusted=False):
+                 lease=60.0, prefetch=1, trusted=False):
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError("max_attempts must be an int >= 1")
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
             raise ValueError("lease must be a positive number of seconds")
         self.name = os.fspath(name_or_path)
         self.path = resolve_path(name_or_path)
-        self._opts = dict(capacity=capacity, max_attempts=max_attempts, lease=lease, trusted=trusted)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError("prefetch must be an int >= 1")
+        self._opts = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
+                          prefetch=prefetch, trusted=trusted)
+        self.prefetch = prefetch
+        self._held = deque()  # calls leased by get_many, not handed out yet
         self.max_attempts = max_attempts
         self.lease = float(lease)
         self._trusted = trusted
@@ -175,6 +180,7 @@ class Service:
                                  max_attempts=_WQ_MAX_ATTEMPTS, trusted=self._trusted,
                                  liveness_interval=LIVENESS_INTERVAL_S)
             self._replies = OrderedDict()
+            self._held = deque()
             self._pid = os.getpid()
         return self._wq
 
@@ -222,8 +228,10 @@ class Service:
         while True:
             if time.monotonic() >= self._next_sweep:
                 self._sweep()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            msg = wq.get(timeout=left, lease=self.lease)
+            if not self._held:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._held.extend(wq.get_many(self.prefetch, timeout=left, lease=self.lease))
+            msg = self._held.popleft()
             try:
                 cid, reply_to, caller, deadline_ns, request = msg.body
             except (TypeError, ValueError):
