@@ -44,6 +44,7 @@ def _our_leftovers():
 #: They run first, so xdist spreads them over its workers at the start instead
 #: of leaving one worker with a long tail after the quick tests are done.
 SLOW_FIRST = ("tests/test_examples.py::test_example_runs[spark_pipeline",
+              "tests/test_examples.py::test_example_runs[spark_sidecar",
               "tests/test_spark.py::", "tests/test_sanitize.py::", "tests/test_stress.py::")
 
 
