@@ -33,7 +33,7 @@ def __getattr__(name):
 
         return getattr(dispatch, name)
     if name in ("Service", "Client", "Call"):  # request/reply (asyncio, multiprocessing): on use
-        from . import service
+        from . import rpc
 
-        return getattr(service, name)
+        return getattr(rpc, name)
     raise AttributeError(f"module 'shmq' has no attribute {name!r}")
