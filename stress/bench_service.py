@@ -45,6 +45,7 @@ import shmq  # noqa: E402
 
 FORK = mp.get_context("fork")
 LEN = struct.Struct("<I")
+_runs = iter(range(1 << 30))  # a fresh address per run: a killed server leaves its socket file
 
 
 def small_handler(req):
@@ -233,7 +234,7 @@ def small_shmq(d, n):
 
 
 def small_socket(d, n):
-    path = os.path.join(d, "small.sock")
+    path = os.path.join(d, f"small{next(_runs)}.sock")
     p = start(socket_server, path, small_handler)
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -257,7 +258,7 @@ def small_socket(d, n):
 def small_zmq(d, n):
     import zmq
 
-    addr = f"ipc://{d}/small.zmq"
+    addr = f"ipc://{d}/small{next(_runs)}.zmq"
     p = start(zmq_server, addr, small_handler)
     try:
         z = zmq.Context()
@@ -280,7 +281,7 @@ def small_zmq(d, n):
 def small_mpc(d, n):
     from multiprocessing.connection import Client
 
-    addr = os.path.join(d, "small.mpc")
+    addr = os.path.join(d, f"small{next(_runs)}.mpc")
     p = start(mpc_server, addr, small_handler)
     try:
         with Client(addr, "AF_UNIX") as c:
@@ -332,7 +333,7 @@ def pipelined(kind, d, clients, calls, batch, workers, prefetch):
         server.start()
         target = _pipe_shmq
     else:
-        path = os.path.join(d, "pipe.sock")
+        path = os.path.join(d, f"pipe{next(_runs)}.sock")
         server = start(socket_server, path, small_handler)
         target = _pipe_socket
     go, out = FORK.Event(), FORK.Queue()
@@ -380,7 +381,7 @@ def arrow_shmq(d, n, batch):
 def arrow_socket(d, n, batch):
     import pyarrow as pa
 
-    path = os.path.join(d, "arrow.sock")
+    path = os.path.join(d, f"arrow{next(_runs)}.sock")
     p = start(arrow_socket_server, path, arrow_handler)
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

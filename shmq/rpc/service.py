@@ -93,6 +93,13 @@ class Service:
     when they die) or yourself: ``for call in svc: call.reply(...)``.
     A handle works in the process that made it and in its children (it
     re-attaches after ``fork``, and pickles by path).
+
+    ``capacity``: the request ring (a slow service makes callers wait when
+    it is full).  ``max_attempts``: deliveries of a call that kills its
+    worker before it is answered with a ``WorkerCrashed`` error.  ``lease``:
+    seconds a handler may run before its call is delivered to another
+    worker too.  ``prefetch``: calls a worker leases at once when they are
+    waiting (fewer lock round trips; a worker that dies holds more).
     """
 
     def __init__(self, name_or_path, *, capacity=REQUEST_CAPACITY, max_attempts=MAX_ATTEMPTS,
@@ -139,6 +146,11 @@ class Service:
     def close(self) -> None:
         """Detach this process's handles (the request queue stays; see :meth:`destroy`)."""
         if self._pid == os.getpid():
+            while self._held:  # leased by get_many but never handed out: back to the queue
+                try:
+                    self._held.popleft().nack()
+                except LeaseLost:
+                    pass
             for q in self._replies.values():
                 q.close()
             self._replies.clear()
