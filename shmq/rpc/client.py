@@ -59,6 +59,7 @@ class Client:
         self._trusted = trusted
         self._pid = None
         self._closed = False
+        self.duplicates = 0  # replies dropped: a redelivered call's second answer, a late one
 
     def __reduce__(self):
         return (Client, (self.name,), {"window": self.window, "_trusted": self._trusted})
