@@ -5,7 +5,7 @@ See docs/guide.md.  This module only re-exports the public names.
 
 from ._format import FORMAT_VERSION
 from .errors import (
-    Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, ShmqError, SpoolFormatError, Timeout,
+    Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, RemoteError, ShmqError, SpoolFormatError, Timeout,
     TooLarge, UntrustedSpool,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
@@ -21,6 +21,7 @@ __all__ = [
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
     "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
+    "Service", "Client", "Call", "RemoteError",
     "FORMAT_VERSION",
 ]
 
@@ -31,4 +32,8 @@ def __getattr__(name):
         from . import dispatch
 
         return getattr(dispatch, name)
+    if name in ("Service", "Client", "Call"):  # request/reply (asyncio, multiprocessing): on use
+        from . import rpc
+
+        return getattr(rpc, name)
     raise AttributeError(f"module 'shmq' has no attribute {name!r}")

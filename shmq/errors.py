@@ -20,6 +20,7 @@ __all__ = [
     "TooLarge",
     "ReaderBusy",
     "LeaseLost",
+    "RemoteError",
 ]
 
 
@@ -108,3 +109,26 @@ class LeaseLost(ShmqError):
     """A work queue ack/nack/extend carried a stale fencing token (the lease was re-granted)."""
 
     kind = "lease_lost"
+
+
+class RemoteError(ShmqError):
+    """A service's handler raised (or the call could not be answered): re-raised in the caller.
+
+    ``service`` names the service; ``type_name``, ``message`` and
+    ``remote_traceback`` are the handler's exception type (qualified name),
+    its message and its formatted traceback (None when there is none).  The
+    exception itself is not sent, so a class the caller cannot import (or
+    unpickle) never matters.
+    """
+
+    kind = "remote"
+
+    def __init__(self, text="", service=None, type_name=None, message=None, remote_traceback=None):
+        super().__init__(text, service, type_name, message, remote_traceback)
+        self.service = service
+        self.type_name = type_name
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""

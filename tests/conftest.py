@@ -58,6 +58,7 @@ def _our_leftovers():
 #: job in a subprocess).  They run first, so xdist spreads them over its workers at
 #: the start instead of leaving one worker with a long tail after the quick tests.
 SLOW_FIRST = ("tests/test_examples.py::test_example_runs[spark_pipeline",
+              "tests/test_examples.py::test_example_runs[spark_sidecar",
               "tests/test_sanitize.py::", "tests/test_stress.py::")
 #: Tests that start a SparkSession in this process: its py4j threads (gateway,
 #: callback and accumulator servers) live on until the session ends, and a later

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.py")))
-OPTIONAL = {"spark_pipeline.py": "pyspark"}
+OPTIONAL = {"spark_pipeline.py": "pyspark", "spark_sidecar.py": "pyspark"}
 
 
 VARIANTS = [(s, []) for s in EXAMPLES] + [(s, ["--columnar"]) for s in EXAMPLES

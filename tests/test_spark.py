@@ -6,6 +6,7 @@ Needs pyspark (the ``test`` extra installs it) and Java 17; deselect with
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -379,3 +380,36 @@ def test_frames_overwritten_after_planning(make_spool, fail):
             assert list(reader.read(part)) == []  # skipped (and logged), not an error
     finally:
         reader.stop()
+
+
+def _sidecar_handler(batch):
+    import pyarrow.compute as pc
+
+    return pa.record_batch({"id": batch.column("id"),
+                            "score": pc.multiply(batch.column("x"), 2.0)})
+
+
+def _sidecar_serve(path):
+    shmq.Service(path).serve(_sidecar_handler, workers=2)
+
+
+def test_call_sidecar_answers_every_row_once(spark, spool_dir):
+    import multiprocessing as mp
+
+    path = os.path.join(spool_dir, "scorer")
+    shmq.Service(path).close()
+    proc = mp.get_context("fork").Process(target=_sidecar_serve, args=(path,))
+    proc.start()
+    try:
+        df = spark.range(0, 20_000, numPartitions=4).selectExpr("id", "id * 0.5 as x")
+        out = ss.call_sidecar(df, path, "id long, score double", batch_rows=3000)
+        rows = out.collect()
+        assert len(rows) == 20_000
+        assert sorted(r.id for r in rows) == list(range(20_000))
+        assert all(r.score == r.id for r in rows)  # x * 2 == id
+        with pytest.raises(ValueError):
+            ss.call_sidecar(df, path, "id long", batch_rows=0)
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(QUERY_TIMEOUT_S)
+        shmq.Service.destroy(path)

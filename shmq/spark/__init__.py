@@ -28,7 +28,9 @@ spool sequence numbers ``{"seq": n}``.
 
 The package: :mod:`.options` (option parsing, errors), :mod:`.read`
 (partitions, batch and stream readers), :mod:`.write` (encoding, stamping,
-write tasks); this module holds the data source itself.
+write tasks), :mod:`.sidecar` (:func:`call_sidecar`: a DataFrame's batches
+answered by the host's :class:`shmq.Service`); this module holds the data
+source itself.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .options import DataLoss, ReaderOptions, WriterOptions, WrongHost
 from .read import (
     BASE_SCHEMA, READER_BUSY_WAIT_S, STAMP_DDL, ShmqBatchReader, ShmqPartition, ShmqStreamReader,
 )
+from .sidecar import call_sidecar
 from .write import ShmqCommitMessage, ShmqStreamWriter, ShmqWriter, encode_list, record_lists
 
 __all__ = [
@@ -55,7 +58,7 @@ __all__ = [
     "ShmqPartition", "WrongHost", "DataLoss", "STAMP_MAGIC", "STAMP_BYTES", "STAMP_DDL", "NAME",
     "STAMP_LAST", "STAMP_FIELD", "ARROW_STAMP_KEY", "BASE_SCHEMA", "READER_BUSY_WAIT_S",
     "ShmqBatchReader", "ShmqStreamReader", "ShmqWriter", "ShmqStreamWriter", "ReaderOptions",
-    "WriterOptions", "encode_list", "record_lists",
+    "WriterOptions", "encode_list", "record_lists", "call_sidecar",
 ]
 
 NAME = "shmq"

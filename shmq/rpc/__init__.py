@@ -1,0 +1,36 @@
+"""Request/reply on one host: ``Service`` answers calls that ``Client`` makes.
+
+Parts: :mod:`.wire` (what travels), :mod:`.service` (the serving side),
+:mod:`.client` (the calling side).
+
+How it maps onto the layers below (docs/service.md has the full design):
+
+* **Requests** are messages of a :class:`shmq.WorkQueue` at the service's
+  path: ``(call id, reply queue path, caller identity, deadline, request)``.
+  Workers lease them, so a worker SIGKILLed mid-call (or the whole service)
+  leaves the call in the queue, and it is delivered again (at-least-once to
+  handlers) as soon as a consumer sees the holder dead.  The queue is a
+  fixed-size ``block`` spool: a slow service makes callers wait in ``put``
+  (bounded memory), never an unbounded backlog.
+* **Replies** go to one anonymous :class:`shmq.Queue` per client process,
+  named by its path in each request: only that process reads it, so a
+  reply can never reach another caller.  The queue is removed when the
+  client closes, exits, or is SIGKILLed (the multiprocessing resource
+  tracker; and a worker that finds the caller's pid gone removes it).
+* **Exactly one reply per call**: a call id (per client, increasing) is
+  in each reply; the client keeps the calls it waits for and drops a reply
+  whose call is not pending (a duplicate from a redelivery, or a call that
+  timed out).
+* **Trust**: request bodies are unpickled only from a work queue that is
+  ours and private (:func:`shmq.codec.require_trust`), replies only from a
+  queue we created; ``trusted=True`` opts in as elsewhere.
+
+A call whose deadline passed before a worker took it is dropped by the
+service (the caller has raised :class:`shmq.Timeout` already).
+"""
+
+from ..errors import RemoteError
+from .client import Client
+from .service import Call, Service
+
+__all__ = ["Service", "Client", "Call", "RemoteError"]

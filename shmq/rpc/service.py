@@ -1,0 +1,421 @@
+"""The serving side: :class:`Service` takes calls from its request work queue,
+:class:`Call` answers one, ``serve`` runs handlers in supervised worker processes.
+
+See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+
+from .._mapping import resolve_path
+from ..errors import Empty, LeaseLost, ShmqError
+from ..queue import Queue
+from ..spool import Spool
+from ..workqueue import WorkQueue
+from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, error_tuple
+
+__all__ = ["Service", "Call"]
+
+log = logging.getLogger("shmq.service")
+
+#: Workers check lease holders (a SIGKILLed worker's calls) this often.
+LIVENESS_INTERVAL_S = 0.2
+#: A stop request is noticed within this (a worker's get wakes this often).
+STOP_POLL_S = 0.2
+_REPLY_HANDLES = 256  # reply queues a worker keeps open (LRU)
+
+
+class Call:
+    """One delivery of a request to the service: answer it with :meth:`reply` or :meth:`fail`.
+
+    ``request`` is the caller's object, ``id`` its call id (unique per
+    caller), ``attempt`` counts deliveries (above 1: a worker died holding
+    it before, and the handler runs again: at-least-once).  Whatever is
+    answered first reaches the caller; later answers of redelivered copies
+    are dropped by the caller.
+    """
+
+    __slots__ = ("_svc", "_msg", "request", "id", "attempt", "_reply_to", "_caller", "_done")
+
+    def __init__(self, svc, msg, cid, reply_to, caller, request):
+        self._svc = svc
+        self._msg = msg
+        self.request = request
+        self.id = cid
+        self.attempt = msg.attempt
+        self._reply_to = reply_to
+        self._caller = caller
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def reply(self, obj) -> None:
+        """Send ``obj`` to the caller, then settle the call (it is never delivered again).
+
+        An ``obj`` that cannot be pickled, or does not fit the caller's reply
+        queue, is answered with a :class:`shmq.RemoteError` saying so.
+
+        :raises ValueError: the call was answered already.
+        """
+        self._svc._answer(self, OK, obj)
+
+    def fail(self, exc) -> None:
+        """Answer with an error: the caller's ``call`` raises :class:`shmq.RemoteError`
+        with ``exc``'s type name, message and traceback."""
+        if not isinstance(exc, BaseException):
+            exc = ShmqError(str(exc))
+        self._svc._answer(self, ERR, error_tuple(exc))
+
+    def __repr__(self):
+        return f"<shmq.Call id={self.id} attempt={self.attempt} done={self._done}>"
+
+
+class Service:
+    """The serving side of a request/reply service at ``name_or_path``.
+
+    A bare name lives in the private directory (docs/security.md), like a
+    spool's.  The service owns the request work queue at that path (and
+    ``PATH.dead``), created on first use and kept across restarts, so calls
+    in flight when the service stops are answered when it comes back;
+    :meth:`destroy` removes it.
+
+    Drive it with :meth:`serve` (handlers in worker processes, restarted
+    when they die) or yourself: ``for call in svc: call.reply(...)``.
+    A handle works in the process that made it and in its children (it
+    re-attaches after ``fork``, and pickles by path).
+
+    ``capacity``: the request ring (a slow service makes callers wait when
+    it is full).  ``max_attempts``: deliveries of a call that kills its
+    worker before it is answered with a ``WorkerCrashed`` error.  ``lease``:
+    seconds a handler may run before its call is delivered to another
+    worker too.  ``prefetch``: calls a worker leases at once when they are
+    waiting (fewer lock round trips; a worker that dies holds more).
+    """
+
+    def __init__(self, name_or_path, *, capacity=REQUEST_CAPACITY, max_attempts=MAX_ATTEMPTS,
+                 lease=60.0, prefetch=1, trusted=False):
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError("max_attempts must be an int >= 1")
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
+            raise ValueError("lease must be a positive number of seconds")
+        self.name = os.fspath(name_or_path)
+        self.path = resolve_path(name_or_path)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError("prefetch must be an int >= 1")
+        self._opts = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
+                          prefetch=prefetch, trusted=trusted)
+        self.prefetch = prefetch
+        self._held = deque()  # calls leased by get_many, not handed out yet
+        self.max_attempts = max_attempts
+        self.lease = float(lease)
+        self._trusted = trusted
+        self._pid = None
+        self._wq = None
+        self._replies = OrderedDict()  # reply queue path -> Queue handle, LRU
+        self._next_sweep = 0.0
+        self._stopping = False
+        self._wake_w = None
+        self._queue()  # create it now: clients find the service at once
+
+    def __reduce__(self):
+        return (_reopen_service, (self.name, self._opts))
+
+    def __repr__(self):
+        return f"<shmq.Service {self.path}>"
+
+    def _queue(self) -> WorkQueue:
+        if self._pid != os.getpid():  # first use, or a forked child: its own handles
+            self._wq = WorkQueue(self.path, capacity=self._opts["capacity"],
+                                 max_attempts=WQ_MAX_ATTEMPTS, trusted=self._trusted,
+                                 liveness_interval=LIVENESS_INTERVAL_S)
+            self._replies = OrderedDict()
+            self._held = deque()
+            self._pid = os.getpid()
+        return self._wq
+
+    def close(self) -> None:
+        """Detach this process's handles (the request queue stays; see :meth:`destroy`)."""
+        if self._pid == os.getpid():
+            while self._held:  # leased by get_many but never handed out: back to the queue
+                try:
+                    self._held.popleft().nack()
+                except LeaseLost:
+                    pass
+            for q in self._replies.values():
+                q.close()
+            self._replies.clear()
+            self._wq.close()
+        self._pid = self._wq = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @staticmethod
+    def destroy(name_or_path) -> None:
+        """Remove a service's request queue (``PATH`` and ``PATH.dead``); calls in it are lost.
+
+        :raises FileNotFoundError: no service there.
+        """
+        WorkQueue.destroy(resolve_path(name_or_path))
+
+    def stats(self):
+        """The request queue's :class:`shmq.WorkQueueStats`: ``ready`` (queued calls),
+        ``in_flight`` (calls being handled), ``redeliveries`` and more."""
+        return self._queue().stats()
+
+    # -- taking calls ---------------------------------------------------------------
+
+    def get(self, timeout=None) -> Call:
+        """The next call to answer (blocks; no polling).
+
+        Calls whose caller gave up (deadline passed) are dropped here; a call
+        that has taken down its worker ``max_attempts`` times is answered
+        with a :class:`shmq.RemoteError` (``WorkerCrashed``) and skipped.
+
+        :raises shmq.Empty: no call within ``timeout``.
+        """
+        wq = self._queue()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if time.monotonic() >= self._next_sweep:
+                self._sweep()
+            if not self._held:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._held.extend(wq.get_many(self.prefetch, timeout=left, lease=self.lease))
+            msg = self._held.popleft()
+            try:
+                cid, reply_to, caller, deadline_ns, request = msg.body
+            except (TypeError, ValueError):
+                log.warning("%s: dropping message %d: not a call", self.path, msg.id)
+                _settle(msg)
+                continue
+            if deadline_ns and time.time_ns() > deadline_ns:
+                _settle(msg)  # the caller raised Timeout already
+                continue
+            call = Call(self, msg, cid, reply_to, caller, request)
+            if msg.attempt > self.max_attempts:
+                self._answer(call, ERR, (
+                    "WorkerCrashed", f"the call took down its worker {msg.attempt - 1} times "
+                    f"(max_attempts={self.max_attempts}); not retried", None))
+                continue
+            return call
+
+    def __iter__(self):
+        """Calls, forever (until :meth:`stop`, or a signal when serving)."""
+        while not self._stopping:
+            try:
+                yield self.get(timeout=STOP_POLL_S)
+            except Empty:
+                continue
+
+    def _answer(self, call, status, value):
+        if call._done:
+            raise ValueError(f"call {call.id} was answered already")
+        q = self._reply_queue(call._reply_to)
+        if q is not None:
+            try:
+                q.put((call.id, status, value))
+            except Exception as exc:  # unpicklable, or beyond the reply queue's ceiling
+                if status == OK:
+                    err = error_tuple(exc)
+                    msg = f"the reply could not be sent: {err[0]}: {err[1]}"
+                    try:
+                        q.put((call.id, ERR, ("ReplyError", msg, err[2])))
+                    except Exception:
+                        log.exception("%s: reply to call %d lost", self.path, call.id)
+                else:
+                    log.exception("%s: error reply to call %d lost", self.path, call.id)
+            self._check_caller(call._reply_to, call._caller)
+        call._done = True
+        _settle(call._msg)
+
+    def _reply_queue(self, path):
+        q = self._replies.get(path)
+        if q is not None:
+            self._replies.move_to_end(path)
+            return q
+        if not isinstance(path, str):
+            return None
+        try:
+            q = _attach_queue(path, self._trusted)
+        except FileNotFoundError:
+            return None  # the caller is gone and its queue removed: nobody to answer
+        self._replies[path] = q
+        if len(self._replies) > _REPLY_HANDLES:
+            _p, old = self._replies.popitem(last=False)
+            old.close()
+        return q
+
+    def _check_caller(self, path, caller):
+        """A caller whose pid is gone: remove its reply queue (its resource tracker
+        normally does; this covers a tracker killed with it).  0.5 us: ``kill(pid, 0)``."""
+        try:
+            os.kill(caller & 0xFFFFFFFF, 0)
+            return
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, TypeError):
+            return
+        self._forget(path, destroy=True)
+
+    def _forget(self, path, destroy):
+        q = self._replies.pop(path, None)
+        if q is not None:
+            q.close()
+        if destroy:
+            try:
+                Spool.destroy(path)
+            except (FileNotFoundError, ShmqError):
+                pass
+
+    def _sweep(self):
+        """Close reply queues that were removed (their caller exited); once a second."""
+        self._next_sweep = time.monotonic() + 1.0
+        for path, q in list(self._replies.items()):
+            if not os.path.lexists(path):
+                self._forget(path, destroy=False)
+
+    # -- serving --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Make :meth:`serve` (or iteration) return: workers finish the call in hand."""
+        self._stopping = True
+        w = self._wake_w
+        if w is not None:
+            try:
+                os.write(w, b"s")
+            except OSError:
+                pass
+
+    def serve(self, handler, workers=1, *, mp_context=None, grace=10.0) -> None:
+        """Answer calls with ``handler(request) -> reply`` in ``workers`` processes; blocks.
+
+        A handler that raises answers the caller with :class:`shmq.RemoteError`.
+        A worker that dies (SIGKILL, segfault, ``os._exit``) is restarted; its
+        call is delivered again to another worker.  SIGINT or SIGTERM (or
+        :meth:`stop` from another thread) shut down cleanly: workers finish
+        the call they hold (up to ``grace`` seconds, then they are killed and
+        their calls redelivered at the next start) and ``serve`` returns.
+
+        ``mp_context``: a multiprocessing context or start method name
+        (default "fork"; with "spawn" the handler must be picklable).
+        """
+        if not callable(handler):
+            raise TypeError("handler must be callable")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError("workers must be an int >= 1")
+        ctx = mp_context if mp_context is not None else "fork"
+        if isinstance(ctx, str):
+            ctx = multiprocessing.get_context(ctx)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._wake_w, self._stopping = w, False
+        restore = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                restore[sig] = signal.signal(sig, lambda *_a: self.stop())
+        procs = {}
+        try:
+            for i in range(workers):
+                procs[i] = self._start_worker(ctx, handler, i)
+            while not self._stopping:
+                sentinels = {p.sentinel: i for i, p in procs.items()}
+                ready = multiprocessing.connection.wait(list(sentinels) + [r])
+                for s in ready:
+                    if s in sentinels and not self._stopping:
+                        i = sentinels[s]
+                        procs[i].join()
+                        log.warning("%s: worker %d (pid %d) exited with %s; restarting",
+                                    self.path, i, procs[i].pid, procs[i].exitcode)
+                        procs[i] = self._start_worker(ctx, handler, i)
+        finally:
+            self._stopping = True
+            for p in procs.values():
+                if p.is_alive():
+                    try:
+                        os.kill(p.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            end = time.monotonic() + grace
+            for p in procs.values():
+                p.join(max(0.0, end - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            for sig, old in restore.items():
+                signal.signal(sig, old)
+            self._wake_w = None
+            os.close(r)
+            os.close(w)
+
+    def _start_worker(self, ctx, handler, index):
+        p = ctx.Process(target=_worker_main, args=(self.name, self._opts, handler, os.getpid()),
+                        name=f"shmq-service-{os.path.basename(self.path)}-{index}", daemon=True)
+        p.start()
+        return p
+
+
+def _settle(msg):
+    try:
+        msg.ack()
+    except LeaseLost:
+        pass  # redelivered meanwhile (our lease expired): the copy answers too; dedup drops it
+
+
+def _parent_death_signal(sig):
+    """Linux: deliver ``sig`` to this process when its parent dies (the supervisor)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(name, opts, handler, parent):
+    _parent_death_signal(signal.SIGTERM)
+    svc = _reopen_service(name, opts)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_a: setattr(svc, "_stopping", True))
+    if os.getppid() != parent:  # the supervisor died before we set the death signal
+        return
+    try:
+        for call in svc:
+            try:
+                out = handler(call.request)
+            except Exception as exc:
+                call.fail(exc)
+            else:
+                call.reply(out)
+            if os.getppid() != parent:
+                break
+    finally:
+        svc.close()
+
+
+def _reopen_service(name, opts):
+    return Service(name, **opts)
+
+
+def _attach_queue(path, trusted):
+    """Attach to an existing reply queue (never create one).
+
+    :raises FileNotFoundError: it is gone.
+    """
+    q = Queue.__new__(Queue)
+    q.__setstate__({"path": path, "trusted": trusted})  # what unpickling a Queue does
+    return q

@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""Request/reply: ``shmq.Service``/``shmq.Client`` against named peers, in one run.
+
+Three measurements, each against the same handler behind its peers
+(interleaved repeats; medians and ratios printed at the end):
+
+* ``small``: round trip of a small call (a dict in, a dict out), one client,
+  one worker: p50 and p99 of single calls.  Peers: a Unix stream socket
+  (length-prefixed pickle), pyzmq REQ/REP over ``ipc://``, and
+  ``multiprocessing.connection`` (AF_UNIX).
+* ``pipelined``: 8 client processes each calling ``call_many`` in batches
+  of ``--batch`` small calls; calls/s for all of them.  Peer: the socket
+  server (one process, selectors), each client writing a batch of
+  requests then reading the batch of replies.  The service has one worker
+  (``--workers``), the socket server one process.
+* ``arrow``: 64k rows x 10 float64 columns in, one column (their row sum)
+  out, one client, one worker: calls/s.  Peer: a Unix socket carrying Arrow
+  IPC streams both ways.
+
+    python stress/bench_service.py --quick
+    python stress/bench_service.py --repeats 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import shmq  # noqa: E402
+
+FORK = mp.get_context("fork")
+LEN = struct.Struct("<I")
+_runs = iter(range(1 << 30))  # a fresh address per run: a killed server leaves its socket file
+
+
+def small_handler(req):
+    return {"id": req["id"], "ok": True, "score": req["x"] * 2}
+
+
+def small_request(i):
+    return {"id": i, "x": 1.5, "name": "row"}
+
+
+def arrow_handler(batch):
+    import numpy as np
+    import pyarrow as pa
+
+    total = np.zeros(batch.num_rows)
+    for col in batch.columns:
+        total += col.to_numpy(zero_copy_only=False)
+    return pa.record_batch({"sum": total})
+
+
+def arrow_request(rows, cols):
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(1)
+    return pa.record_batch({f"c{i}": rng.random(rows) for i in range(cols)})
+
+
+# ------------------------------------------------------------------ servers
+
+
+def _recv_exact(sock, n):
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError
+        got += k
+    return buf
+
+
+def socket_server(path, handler, ready):
+    """One process, many connections (selectors): length-prefixed pickles."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    ready.set()
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    bufs = {}
+    while True:
+        for key, _ in sel.select():
+            s = key.fileobj
+            if s is srv:
+                c, _ = srv.accept()
+                sel.register(c, selectors.EVENT_READ)
+                bufs[c] = bytearray()
+                continue
+            data = s.recv(1 << 20)
+            if not data:
+                sel.unregister(s)
+                s.close()
+                del bufs[s]
+                continue
+            b = bufs[s]
+            b += data
+            out = []
+            while len(b) >= 4:
+                (n,) = LEN.unpack_from(b)
+                if len(b) < 4 + n:
+                    break
+                req = pickle.loads(b[4:4 + n])
+                del b[:4 + n]
+                rep = pickle.dumps(handler(req), 5)
+                out.append(LEN.pack(len(rep)) + rep)
+            if out:
+                s.sendall(b"".join(out))
+
+
+def arrow_socket_server(path, handler, ready):
+    import pyarrow as pa
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    ready.set()
+    while True:
+        c, _ = srv.accept()
+        try:
+            while True:
+                (n,) = LEN.unpack(_recv_exact(c, 4))
+                buf = _recv_exact(c, n)
+                batch = pa.ipc.open_stream(pa.py_buffer(buf)).read_next_batch()
+                rep = handler(batch)
+                sink = pa.BufferOutputStream()
+                with pa.ipc.new_stream(sink, rep.schema) as w:
+                    w.write_batch(rep)
+                out = sink.getvalue()
+                c.sendall(LEN.pack(out.size))
+                c.sendall(out)
+        except EOFError:
+            c.close()
+
+
+def zmq_server(addr, handler, ready):
+    import zmq
+
+    z = zmq.Context()
+    s = z.socket(zmq.REP)
+    s.bind(addr)
+    ready.set()
+    while True:
+        s.send(pickle.dumps(handler(pickle.loads(s.recv())), 5))
+
+
+def mpc_server(addr, handler, ready):
+    from multiprocessing.connection import Listener
+
+    with Listener(addr, "AF_UNIX") as ln:
+        ready.set()
+        while True:
+            conn = ln.accept()
+            try:
+                while True:
+                    conn.send(handler(conn.recv()))
+            except EOFError:
+                conn.close()
+
+
+def service_server(path, handler, workers, prefetch=1):
+    shmq.Service(path, prefetch=prefetch).serve(handler, workers=workers)
+
+
+def start(target, *args):
+    ready = FORK.Event()
+    p = FORK.Process(target=target, args=args + (ready,), daemon=True)
+    p.start()
+    assert ready.wait(30), f"{target.__name__} did not start"
+    return p
+
+
+def stop(p):
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGTERM)
+    p.join(30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+
+
+# ------------------------------------------------------------------ clients
+
+
+def percentiles(lat):
+    lat = sorted(lat)
+    return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def time_calls(call, n, warm=200):
+    for i in range(warm):
+        call(small_request(i))
+    lat = []
+    clock = time.perf_counter_ns
+    for i in range(n):
+        req = small_request(i)
+        t = clock()
+        call(req)
+        lat.append((clock() - t) / 1000)
+    return percentiles(lat)
+
+
+def small_shmq(d, n):
+    path = os.path.join(d, "small")
+    shmq.Service(path).close()
+    p = FORK.Process(target=service_server, args=(path, small_handler, 1))
+    p.start()
+    try:
+        with shmq.Client(path) as cl:
+            cl.call(small_request(0), timeout=30)
+            return time_calls(lambda r: cl.call(r, timeout=30), n)
+    finally:
+        stop(p)
+        shmq.Service.destroy(path)
+
+
+def small_socket(d, n):
+    path = os.path.join(d, f"small{next(_runs)}.sock")
+    p = start(socket_server, path, small_handler)
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+
+        def call(req):
+            data = pickle.dumps(req, 5)
+            s.sendall(LEN.pack(len(data)) + data)
+            (m,) = LEN.unpack(_recv_exact(s, 4))
+            return pickle.loads(_recv_exact(s, m))
+
+        try:
+            return time_calls(call, n)
+        finally:
+            s.close()
+    finally:
+        stop(p)
+        os.unlink(path)
+
+
+def small_zmq(d, n):
+    import zmq
+
+    addr = f"ipc://{d}/small{next(_runs)}.zmq"
+    p = start(zmq_server, addr, small_handler)
+    try:
+        z = zmq.Context()
+        s = z.socket(zmq.REQ)
+        s.connect(addr)
+
+        def call(req):
+            s.send(pickle.dumps(req, 5))
+            return pickle.loads(s.recv())
+
+        try:
+            return time_calls(call, n)
+        finally:
+            s.close(0)
+            z.term()
+    finally:
+        stop(p)
+
+
+def small_mpc(d, n):
+    from multiprocessing.connection import Client
+
+    addr = os.path.join(d, f"small{next(_runs)}.mpc")
+    p = start(mpc_server, addr, small_handler)
+    try:
+        with Client(addr, "AF_UNIX") as c:
+            def call(req):
+                c.send(req)
+                return c.recv()
+
+            return time_calls(call, n)
+    finally:
+        stop(p)
+
+
+def _pipe_shmq(path, calls, batch, go, out):
+    with shmq.Client(path) as cl:
+        cl.call(small_request(0), timeout=30)
+        go.wait(60)
+        t = time.perf_counter()
+        for i in range(0, calls, batch):
+            got = cl.call_many([small_request(j) for j in range(i, i + batch)], timeout=120)
+            assert got[-1]["id"] == i + batch - 1
+        out.put(time.perf_counter() - t)
+
+
+def _pipe_socket(path, calls, batch, go, out):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    go.wait(60)
+    t = time.perf_counter()
+    for i in range(0, calls, batch):
+        parts = []
+        for j in range(i, i + batch):
+            data = pickle.dumps(small_request(j), 5)
+            parts.append(LEN.pack(len(data)) + data)
+        s.sendall(b"".join(parts))
+        for _ in range(batch):
+            (m,) = LEN.unpack(_recv_exact(s, 4))
+            rep = pickle.loads(_recv_exact(s, m))
+        assert rep["id"] == i + batch - 1
+    out.put(time.perf_counter() - t)
+    s.close()
+
+
+def pipelined(kind, d, clients, calls, batch, workers, prefetch):
+    """Calls/s of ``clients`` processes, from a common start to the last one done."""
+    if kind == "shmq":
+        path = os.path.join(d, "pipe")
+        shmq.Service(path).close()
+        server = FORK.Process(target=service_server, args=(path, small_handler, workers, prefetch))
+        server.start()
+        target = _pipe_shmq
+    else:
+        path = os.path.join(d, f"pipe{next(_runs)}.sock")
+        server = start(socket_server, path, small_handler)
+        target = _pipe_socket
+    go, out = FORK.Event(), FORK.Queue()
+    procs = [FORK.Process(target=target, args=(path, calls, batch, go, out)) for _ in range(clients)]
+    try:
+        for p in procs:
+            p.start()
+        t = time.perf_counter()
+        go.set()
+        for _ in procs:
+            out.get(timeout=300)
+        elapsed = time.perf_counter() - t
+        for p in procs:
+            p.join(30)
+        return clients * calls / elapsed
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        stop(server)
+        if kind == "shmq":
+            shmq.Service.destroy(path)
+        else:
+            os.unlink(path)
+
+
+def arrow_shmq(d, n, batch):
+    path = os.path.join(d, "arrow")
+    shmq.Service(path, capacity="64MiB").close()
+    p = FORK.Process(target=service_server, args=(path, arrow_handler, 1))
+    p.start()
+    try:
+        with shmq.Client(path) as cl:
+            rep = cl.call(batch, timeout=60)
+            assert rep.num_rows == batch.num_rows
+            t = time.perf_counter()
+            for _ in range(n):
+                cl.call(batch, timeout=60)
+            return n / (time.perf_counter() - t)
+    finally:
+        stop(p)
+        shmq.Service.destroy(path)
+
+
+def arrow_socket(d, n, batch):
+    import pyarrow as pa
+
+    path = os.path.join(d, f"arrow{next(_runs)}.sock")
+    p = start(arrow_socket_server, path, arrow_handler)
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+
+        def call(b):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, b.schema) as w:
+                w.write_batch(b)
+            buf = sink.getvalue()
+            s.sendall(LEN.pack(buf.size))
+            s.sendall(buf)
+            (m,) = LEN.unpack(_recv_exact(s, 4))
+            return pa.ipc.open_stream(pa.py_buffer(_recv_exact(s, m))).read_next_batch()
+
+        try:
+            assert call(batch).num_rows == batch.num_rows
+            t = time.perf_counter()
+            for _ in range(n):
+                call(batch)
+            return n / (time.perf_counter() - t)
+        finally:
+            s.close()
+    finally:
+        stop(p)
+        os.unlink(path)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer calls, 1 repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=5000, help="small calls per round-trip run")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--pipe-calls", type=int, default=4000, help="calls per pipelining client")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=1, help="Service(prefetch=) when pipelining")
+    ap.add_argument("--arrow-calls", type=int, default=60)
+    ap.add_argument("--rows", type=int, default=65536)
+    ap.add_argument("--only", choices=["small", "pipelined", "arrow"], action="append")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.repeats, a.calls, a.pipe_calls, a.arrow_calls = 1, 1000, 512, 10
+    only = a.only or ["small", "pipelined", "arrow"]
+    d = tempfile.mkdtemp(prefix="shmq-bench-svc-", dir="/dev/shm")
+    runs = {}
+
+    def add(key, val):
+        runs.setdefault(key, []).append(val)
+
+    try:
+        batch = None
+        if "arrow" in only:
+            batch = arrow_request(a.rows, 10)
+        for r in range(a.repeats):
+            if "small" in only:
+                for name, fn in (("shmq", small_shmq), ("socket", small_socket),
+                                 ("pyzmq", small_zmq), ("mp.connection", small_mpc)):
+                    p50, p99 = fn(d, a.calls)
+                    add(("small", name, "p50"), p50)
+                    add(("small", name, "p99"), p99)
+                    print(f"  [{r}] small {name:14s} p50 {p50:7.1f} us  p99 {p99:7.1f} us", flush=True)
+            if "pipelined" in only:
+                for name in ("shmq", "socket"):
+                    v = pipelined(name, d, a.clients, a.pipe_calls, a.batch, a.workers, a.prefetch)
+                    add(("pipelined", name, "calls/s"), v)
+                    print(f"  [{r}] pipelined {name:10s} {v:10.0f} calls/s", flush=True)
+            if "arrow" in only:
+                for name, fn in (("shmq", arrow_shmq), ("socket+arrow-ipc", arrow_socket)):
+                    v = fn(d, a.arrow_calls, batch)
+                    add(("arrow", name, "calls/s"), v)
+                    print(f"  [{r}] arrow {name:16s} {v:8.1f} calls/s "
+                          f"({v * a.rows / 1e6:.2f} M rows/s)", flush=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\nmedians of {a.repeats} interleaved run(s); machine: {platform.processor() or platform.machine()} "
+          f"x{os.cpu_count()}, Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}")
+    lines = []
+    if "small" in only:
+        s50, s99 = med[("small", "shmq", "p50")], med[("small", "shmq", "p99")]
+        lines.append(f"small call, 1 client, 1 worker: shmq p50 {s50:.1f} us, p99 {s99:.1f} us")
+        for peer in ("socket", "pyzmq", "mp.connection"):
+            p50, p99 = med[("small", peer, "p50")], med[("small", peer, "p99")]
+            lines.append(f"  {peer:14s} p50 {p50:7.1f} us (shmq {p50 / s50:.2f}x)   "
+                         f"p99 {p99:7.1f} us (shmq {p99 / s99:.2f}x)")
+    if "pipelined" in only:
+        s, k = med[("pipelined", "shmq", "calls/s")], med[("pipelined", "socket", "calls/s")]
+        lines.append(f"pipelined, {a.clients} clients x call_many({a.batch}): shmq {s:,.0f} calls/s, "
+                     f"socket {k:,.0f} calls/s: shmq {s / k:.2f}x (target >= 3x)")
+    if "arrow" in only:
+        s, k = med[("arrow", "shmq", "calls/s")], med[("arrow", "socket+arrow-ipc", "calls/s")]
+        lines.append(f"arrow {a.rows} rows x 10 cols in, 1 col out: shmq {s:.1f} calls/s, socket+IPC "
+                     f"{k:.1f} calls/s: shmq {s / k:.2f}x (target >= 1.5x)")
+    print("\n".join(lines))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"medians": {"/".join(k): v for k, v in med.items()},
+                       "runs": {"/".join(k): v for k, v in runs.items()},
+                       "summary": lines, "args": vars(a)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

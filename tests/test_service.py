@@ -1,0 +1,457 @@
+"""shmq.Service / shmq.Client: request/reply across processes, crashes, timeouts, cleanup.
+
+Services run in their own processes (``Service.serve`` in a forked child);
+clients run in this process, in threads, and in child processes.  Waits are
+bounded and synchronized on events and replies, never on sleeps.
+"""
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import shmq
+from conftest import join_all
+
+FORK = mp.get_context("fork")
+T = 30  # bound for any single wait in these tests
+
+
+def handler(req):
+    """The test service: echoes, fails, crashes once, or blocks until told, by request."""
+    if isinstance(req, dict):
+        op = req.get("op")
+        if op == "fail":
+            raise KeyError(req.get("msg", "nope"))
+        if op == "crash_once":  # the first delivery takes its worker down
+            try:
+                fd = os.open(req["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            except FileExistsError:
+                return {"survived": req["n"], "pid": os.getpid()}
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if op == "block":  # tell the test we started, wait until it lets us go
+            with open(req["started"], "w") as f:  # a FIFO the test reads
+                f.write(f"{os.getpid()}\n")
+            with open(req["go"], "rb") as f:  # a FIFO: opens once the test opens it for writing
+                f.read()
+            return {"released": req["n"]}
+        if op == "unpicklable":
+            return lambda: None
+    return {"echo": req, "pid": os.getpid()}
+
+
+def _serve(path, workers, opts):
+    shmq.Service(path, **opts).serve(handler, workers=workers)
+
+
+def start_service(path, workers=1, **opts):
+    p = FORK.Process(target=_serve, args=(path, workers, opts))
+    p.start()
+    return p
+
+
+def stop_service(p):
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGTERM)
+    join_all([p], timeout=T)
+
+
+@pytest.fixture
+def svc_path(spool_dir):
+    path = os.path.join(spool_dir, "svc")
+    yield path
+    try:
+        shmq.Service.destroy(path)
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def service(svc_path):
+    procs = []
+
+    def run(workers=1, **opts):
+        p = start_service(svc_path, workers, **opts)
+        procs.append(p)
+        return p
+
+    yield run
+    for p in procs:
+        stop_service(p)
+
+
+def test_round_trip_order_and_many(service, svc_path):
+    service(workers=2)
+    with shmq.Client(svc_path) as cl:
+        assert cl.call({"a": 1}, timeout=T)["echo"] == {"a": 1}
+        out = cl.call_many(range(500), timeout=T)
+        assert [r["echo"] for r in out] == list(range(500))
+        big = bytes(range(256)) * 4096  # 1 MiB each way
+        assert cl.call(big, timeout=T)["echo"] == big
+        assert cl.call_many([], timeout=T) == []
+
+
+def test_window_smaller_than_batch(service, svc_path):
+    service(workers=2)
+    with shmq.Client(svc_path, window=7) as cl:
+        assert [r["echo"] for r in cl.call_many(range(50), timeout=T)] == list(range(50))
+
+
+def test_numpy_and_arrow_payloads(service, svc_path):
+    np = pytest.importorskip("numpy")
+    pa = pytest.importorskip("pyarrow")
+    service()
+    with shmq.Client(svc_path) as cl:
+        arr = np.arange(100_000, dtype=np.float64)
+        assert np.array_equal(cl.call(arr, timeout=T)["echo"], arr)
+        batch = pa.record_batch({"x": pa.array(range(1000)), "y": pa.array(["s"] * 1000)})
+        assert cl.call(batch, timeout=T)["echo"].equals(batch)
+
+
+def test_remote_error_carries_type_message_traceback(service, svc_path):
+    service()
+    with shmq.Client(svc_path) as cl:
+        with pytest.raises(shmq.RemoteError) as ei:
+            cl.call({"op": "fail", "msg": "no such row"}, timeout=T)
+        e = ei.value
+        assert isinstance(e, shmq.ShmqError)
+        assert (e.type_name, e.message) == ("KeyError", "'no such row'")
+        assert "raise KeyError" in e.remote_traceback and "svc" in str(e)
+        again = pickle.loads(pickle.dumps(e))
+        assert (type(again), again.type_name, again.remote_traceback) == (
+            shmq.RemoteError, "KeyError", e.remote_traceback)
+        # one failing call among many: the others are answered, the error raised
+        with pytest.raises(shmq.RemoteError):
+            cl.call_many([1, {"op": "fail"}, 3], timeout=T)
+        assert cl.call(4, timeout=T)["echo"] == 4  # the client is still usable
+        with pytest.raises(shmq.RemoteError, match="could not be sent"):
+            cl.call({"op": "unpicklable"}, timeout=T)
+
+
+def test_timeout_without_service_names_it(spool_dir):
+    path = os.path.join(spool_dir, "nobody")
+    with shmq.Client(path) as cl:
+        with pytest.raises(shmq.Timeout, match="nobody.*is not running"):
+            cl.call(1, timeout=0.2)
+    assert not os.path.exists(path)  # a client creates nothing at the service's path
+
+
+def test_timeout_with_stopped_service_and_expired_calls_dropped(svc_path, service):
+    shmq.Service(svc_path).close()  # the queue exists, no worker runs
+    with shmq.Client(svc_path) as cl:
+        with pytest.raises(shmq.Timeout, match="svc.*queued, none being handled"):
+            cl.call("late", timeout=0.2)
+        service()  # the late call is dropped (its caller gave up), never answered
+        # one worker, FIFO: an answer to "late" would have arrived first, as a duplicate
+        assert cl.call("now", timeout=T)["echo"] == "now"
+        assert cl.duplicates == 0
+
+
+def test_drive_it_yourself(svc_path):
+    svc = shmq.Service(svc_path)
+    cl = shmq.Client(svc_path)
+    try:
+        res = {}
+        def caller():
+            try:
+                cl.call_many(["x", "y"], timeout=T)
+            except shmq.RemoteError as e:
+                res["e"] = e
+
+        t = threading.Thread(target=caller)
+        t.start()
+        got = []
+        for call in svc:
+            got.append(call)
+            if call.request == "x":
+                call.reply("X")
+            else:
+                call.fail(ValueError("bad y"))
+            if len(got) == 2:
+                break
+        t.join(T)
+        assert res["e"].type_name == "ValueError"  # the whole batch raised
+        with pytest.raises(ValueError, match="answered already"):
+            got[0].reply("again")
+        assert got[0].attempt == 1 and got[0].done
+    finally:
+        cl.close()
+        svc.close()
+
+
+def test_worker_killed_mid_call_redelivered_once(service, svc_path, spool_dir):
+    service(workers=2)
+    marker = os.path.join(spool_dir, "crashed")
+    with shmq.Client(svc_path) as cl:
+        r = cl.call({"op": "crash_once", "marker": marker, "n": 7}, timeout=T)
+        assert r["survived"] == 7
+        assert cl.call_many(range(20), timeout=T)[-1]["echo"] == 19  # restarted, still serving
+        assert cl.duplicates == 0
+        st = shmq.Service(svc_path)
+        try:
+            assert st.stats().redeliveries >= 1
+        finally:
+            st.close()
+
+
+def _blocking_call(spool_dir, n):
+    started = os.path.join(spool_dir, f"started{n}")
+    go = os.path.join(spool_dir, f"go{n}")
+    os.mkfifo(go)
+    os.mkfifo(started)
+    return {"op": "block", "started": started, "go": go, "n": n}, started, go
+
+
+class Started:
+    """Reads the pids handlers write to the FIFO ``path`` when they start (bounded waits).
+
+    Holding a write end too keeps the FIFO from reporting end-of-file between
+    handlers (a killed handler, then its redelivery).
+    """
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self.keep = os.open(path, os.O_WRONLY)
+        self.buf = b""
+
+    def next(self):
+        while b"\n" not in self.buf:
+            ready, _w, _x = select.select([self.fd], [], [], T)
+            assert ready, "the handler did not start in time"
+            self.buf += os.read(self.fd, 64)
+        line, self.buf = self.buf.split(b"\n", 1)
+        return int(line)
+
+    def close(self):
+        os.close(self.fd)
+        os.close(self.keep)
+
+
+def wait_started(fifo):
+    s = Started(fifo)
+    try:
+        return s.next()
+    finally:
+        s.close()
+
+
+def release(go):
+    fd = os.open(go, os.O_WRONLY)  # the handler opens it for reading right after starting
+    os.close(fd)
+
+
+def test_whole_service_killed_and_restarted_mid_call(svc_path, spool_dir):
+    req, started, go = _blocking_call(spool_dir, 1)
+    st = Started(started)
+    # the service in its own process group: kill it all at once, workers too
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_service import handler
+        import shmq
+        shmq.Service({svc_path!r}).serve(handler, workers=2)
+    """)], start_new_session=True)
+    res = {}
+    try:
+        with shmq.Client(svc_path) as cl:
+            t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
+            t.start()
+            first = st.next()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(T)
+            proc2 = start_service(svc_path, workers=1)
+            try:
+                second = st.next()  # delivered again to the new service
+                assert second != first
+                release(go)
+                t.join(T)
+                assert res["r"] == {"released": 1}  # handled twice, answered once
+                assert cl.call("after", timeout=T)["echo"] == "after"
+                assert cl.duplicates == 0
+            finally:
+                stop_service(proc2)
+    finally:
+        st.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(T)
+
+
+CLIENT = """
+import os, sys, shmq
+cl = shmq.Client({path!r})
+cl._check()
+print(cl._reply_path, flush=True)
+cl.call({req!r}, timeout=60)
+"""
+
+
+def test_client_killed_mid_call_leaves_nothing(service, svc_path, spool_dir):
+    service(workers=1)
+    req, started, go = _blocking_call(spool_dir, 2)
+    # its own interpreter, so its own resource tracker (as a real client has)
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT.format(path=svc_path, req=req)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        reply_path = proc.stdout.readline().strip()
+        assert reply_path.startswith("/dev/shm/shmq-q-") and os.path.exists(reply_path)
+        with shmq.Spool.open(reply_path) as sp:
+            sems = f"sem.shmq.{sp.sem_prefix}."
+        assert any(n.startswith(sems) for n in os.listdir("/dev/shm"))
+        wait_started(started)
+        proc.kill()
+        proc.wait(T)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(T)
+    release(go)  # let the handler answer the dead client
+    with shmq.Client(svc_path) as cl:  # one worker: this call is handled after that one
+        assert cl.call("next", timeout=T)["echo"] == "next"
+        assert cl.duplicates == 0
+    assert not os.path.exists(reply_path)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(sems)] == []
+
+
+def _client_proc(path, n, seed, out):
+    with shmq.Client(path) as cl:
+        reqs = [(seed, i) for i in range(n)]
+        got = [cl.call(r, timeout=T)["echo"] for r in reqs[: n // 2]]
+        got += [r["echo"] for r in cl.call_many(reqs[n // 2:], timeout=T)]
+        out.put((seed, got == reqs, cl.duplicates))
+
+
+def test_32_clients_processes_and_threads(service, svc_path):
+    service(workers=2)
+    out = FORK.Queue()
+    procs = [FORK.Process(target=_client_proc, args=(svc_path, 40, s, out)) for s in range(16)]
+    for p in procs:
+        p.start()
+    shared = shmq.Client(svc_path)
+    results = {}
+
+    def thread(seed):
+        reqs = [(seed, i) for i in range(40)]
+        results[seed] = [shared.call(r, timeout=T)["echo"] for r in reqs] == reqs
+
+    threads = [threading.Thread(target=thread, args=(100 + s,)) for s in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(T)
+    got = [out.get(timeout=T) for _ in procs]
+    assert join_all(procs) == [0] * 16
+    assert sorted(s for s, ok, _d in got if ok) == list(range(16))
+    assert results == {100 + s: True for s in range(16)}
+    shared.close()
+
+
+def _call_with(cl, out):
+    out.put(cl.call("from child", timeout=T)["echo"])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_client_handed_to_child_process(service, svc_path, method):
+    service()
+    ctx = mp.get_context(method)
+    with shmq.Client(svc_path) as cl:
+        assert cl.call("parent", timeout=T)["echo"] == "parent"
+        out = ctx.Queue()
+        p = ctx.Process(target=_call_with, args=(cl, out))
+        p.start()
+        assert out.get(timeout=T) == "from child"
+        assert join_all([p]) == [0]
+        assert cl.call("parent again", timeout=T)["echo"] == "parent again"
+
+
+def test_call_async(service, svc_path):
+    service(workers=2)
+
+    async def main(cl):
+        many = await asyncio.gather(*[cl.call_async(i, timeout=T) for i in range(100)])
+        with pytest.raises(shmq.RemoteError):
+            await cl.call_async({"op": "fail"}, timeout=T)
+        return [r["echo"] for r in many]
+
+    with shmq.Client(svc_path) as cl:
+        # a thread calls at the same time: both kinds of waiter share the reply queue
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=cl.call_many(range(200), timeout=T)))
+        t.start()
+        assert asyncio.run(main(cl)) == list(range(100))
+        t.join(T)
+        assert [r["echo"] for r in res["r"]] == list(range(200))
+
+
+def test_async_timeout_without_service(spool_dir):
+    with shmq.Client(os.path.join(spool_dir, "none")) as cl:
+        with pytest.raises(shmq.Timeout):
+            asyncio.run(cl.call_async(1, timeout=0.1))
+
+
+def test_backpressure_slow_service_makes_callers_wait(service, svc_path, spool_dir):
+    service(workers=1, capacity="256KiB")
+    req, started, go = _blocking_call(spool_dir, 3)
+    with shmq.Client(svc_path) as cl:
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
+        t.start()
+        wait_started(started)  # the only worker is busy
+        blob = b"x" * (60 << 10)
+        with pytest.raises(shmq.Timeout, match="request queue is full"):
+            cl.call_many([blob] * 10, timeout=0.5)  # 600 KiB cannot queue behind a stuck worker
+        release(go)
+        t.join(T)
+        assert res["r"] == {"released": 3}
+        assert cl.call("ok", timeout=T)["echo"] == "ok"
+
+
+def test_untrusted_request_queue_refused(svc_path):
+    shmq.Service(svc_path).close()
+    os.chmod(svc_path, 0o660)
+    with pytest.raises(shmq.UntrustedSpool):
+        shmq.Service(svc_path)
+    with pytest.raises(shmq.UntrustedSpool):
+        shmq.Client(svc_path).call(1, timeout=1)
+
+
+def test_bad_arguments(svc_path):
+    with pytest.raises(ValueError):
+        shmq.Service(svc_path, max_attempts=0)
+    with pytest.raises(ValueError):
+        shmq.Client(svc_path, window=0)
+    svc = shmq.Service(svc_path)
+    try:
+        with pytest.raises(TypeError):
+            svc.serve(42)
+        with pytest.raises(ValueError):
+            svc.serve(handler, workers=0)
+    finally:
+        svc.close()
+    with shmq.Client(svc_path) as cl:
+        with pytest.raises(ValueError):
+            cl.call(1, timeout=-1)
+    cl.close()
+    with pytest.raises(ValueError, match="closed"):
+        cl.call(1)
+
+
+def test_chaos_quick(tmp_path):
+    out = tmp_path / "chaos.json"
+    stress = os.path.join(os.path.dirname(__file__), "..", "stress", "service_chaos.py")
+    proc = subprocess.run([sys.executable, stress, "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["violations"] == 0 and res["kills"] > 0
+    assert res["replies"] == res["calls"] > 0
+    print(proc.stdout)
