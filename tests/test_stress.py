@@ -51,3 +51,16 @@ def test_soak_quick(tmp_path):
     s = rep["samples"][-1]
     assert s["processes"] > 10 and s["rss"] > 0 and s["fds"] > 0 and s["sem_files"] > 0
     print(proc.stdout)
+
+
+def test_hostile_quick(tmp_path):
+    """stress/hostile.py --quick: a co-writer flips control, slot and frame-header words
+    while writers, readers, stats and verify run: no crash, no hang, only shmq errors."""
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "hostile.py"), "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["crashes"] == [] and rep["hangs"] == [] and rep["non_shmq_exceptions"] == 0
+    assert all(rep["flips"][k] > 0 for k in ("control", "slot", "header"))
+    assert all(v["ops"] > 0 for v in rep["victims"].values()) and len(rep["victims"]) == 8
