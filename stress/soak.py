@@ -16,8 +16,10 @@ Every ``--sample`` seconds, for every process of the run: RSS, open file
 descriptors, mappings, mapped shmq semaphores and mapped /dev/shm bytes;
 and in total: those sums, the ``sem.shmq.*`` files of this run's spools and
 queues, and the bytes of this run's /dev/shm files.  Writes ``soak.json``
-(every sample, and per metric the growth after warm-up as % per 10 minutes,
-from a least-squares line) and ``soak.png`` (if matplotlib is installed).
+(every sample, and per metric the growth after warm-up as % per 10 minutes:
+between the medians of the first and last thirds of the samples, which a
+queue's transient backlog does not move, and the least-squares slope, which
+it does) and ``soak.png`` (if matplotlib is installed).
 Exits 1 if a process of the load failed, if the run left files behind, or
 (not with ``--quick``, too short to judge a slope) if a long-lived metric,
 the semaphore files or the /dev/shm bytes grew more than ``--max-growth`` %
@@ -33,6 +35,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import sys
 import time
 
@@ -260,6 +263,23 @@ def growth_per_10min(ts, ys, warmup):
     return 100.0 * slope * 600 / my
 
 
+def median_drift_per_10min(ts, ys, warmup):
+    """Change between the medians of the first and last thirds of the samples after
+    ``warmup`` s, as % of the first per 10 minutes: transient spikes (a queue's
+    backlog growing and draining) move a least-squares line, not a median."""
+    pts = [(t, y) for t, y in zip(ts, ys) if t >= warmup]
+    if len(pts) < 6:
+        return None
+    k = len(pts) // 3
+    a, b = pts[:k], pts[-k:]
+    ma = statistics.median(y for _, y in a)
+    mb = statistics.median(y for _, y in b)
+    dt = statistics.median(t for t, _ in b) - statistics.median(t for t, _ in a)
+    if not ma or dt <= 0:
+        return 0.0
+    return 100.0 * (mb - ma) / ma * 600 / dt
+
+
 # -- the run ---------------------------------------------------------------------
 
 
@@ -398,15 +418,19 @@ def main(argv=None):
         leftovers += [n for n in os.listdir("/dev/shm")
                       if n.startswith("sem.shmq.") and n.split(".")[2] in seen_prefixes]
     ts = [s["t"] for s in samples]
-    metrics = {}
-    for key in ("rss", "fds", "maps", "sems_mapped", "shm_mapped"):
-        metrics[f"long_lived.{key}"] = growth_per_10min(ts, [s["long_lived"][key] for s in samples], warmup)
-    for key in ("rss", "fds", "maps", "sem_files", "shm_bytes"):
-        metrics[f"total.{key}"] = growth_per_10min(ts, [s[key] for s in samples], warmup)
+    metrics, slopes = {}, {}
+    series = {f"long_lived.{k}": [s["long_lived"][k] for s in samples]
+              for k in ("rss", "fds", "maps", "sems_mapped", "shm_mapped")}
+    series.update({f"total.{k}": [s[k] for s in samples]
+                   for k in ("rss", "fds", "maps", "sem_files", "shm_bytes")})
+    for name, ys in series.items():
+        metrics[name] = median_drift_per_10min(ts, ys, warmup)
+        slopes[name] = growth_per_10min(ts, ys, warmup)
     last = samples[-1] if samples else {}
     report = {"duration_s": a.duration, "warmup_s": warmup, "sample_s": a.sample, "kills": kills,
               "restarts": restarts, "failures": failures, "work": work, "leftover_files": leftovers,
-              "growth_pct_per_10min": metrics, "samples": samples}
+              "growth_pct_per_10min": metrics, "slope_pct_per_10min": slopes,
+              "samples": samples}
     with open(os.path.join(a.out, "soak.json"), "w") as f:
         json.dump(report, f)
     _plot(samples, warmup, os.path.join(a.out, "soak.png"))
@@ -418,8 +442,10 @@ def main(argv=None):
               f"{last['shm_bytes'] / 2**20:.1f} MiB on /dev/shm")
     bad = []
     for k, v in metrics.items():
+        sl = slopes[k]
         print(f"  growth after warm-up {k}: "
-              + ("n/a" if v is None else f"{v:+.3f} % per 10 min"))
+              + ("n/a" if v is None else f"{v:+.3f} % per 10 min (medians)")
+              + ("" if sl is None else f"; least-squares slope {sl:+.3f} %"))
         if v is not None and v > a.max_growth and k.startswith("long_lived") or (
                 v is not None and v > a.max_growth and k in ("total.sem_files", "total.shm_bytes")):
             bad.append(k)
