@@ -5,7 +5,9 @@ A process that can write the spool file (a group member, say) maps it and
 stores hostile values (0, 1, 2**31-1, 2**32-1, 2**62, 2**63-1, 2**64-1,
 the file size, twice it, random words) into control words, reader-table
 words and frame headers (found by walking the ring from ``FIRST_POS``),
-usually putting the old value back a moment later.  Meanwhile the victims
+usually putting the old value back a moment later; every ``--epoch``
+seconds the file is replaced by a fresh one (victims and the co-writer
+reopen it), so damage that lasts does not mask the rest of the run.  Meanwhile the victims
 run: two writers (``put``, ``put_many``), a named reader, two group members,
 an anonymous reader, a process calling ``stats()``/``readers()`` and one
 running ``shmq.verify``.
@@ -48,7 +50,8 @@ def _victim(role, path, stop, counter, conn, seed):
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rnd = random.Random(seed)
-    stats = {"role": role, "ops": 0, "ok": 0, "shmq_errors": {}, "non_shmq": [], "slow": []}
+    stats = {"role": role, "ops": 0, "ok": 0, "shmq_errors": {}, "non_shmq": [], "slow": [],
+             "replaced": 0}
     sp = reader = None
 
     def ensure():
@@ -73,7 +76,16 @@ def _victim(role, path, stop, counter, conn, seed):
                 pass
         sp = reader = None
 
+    ino = None
     while not stop.is_set():
+        if stats["ops"] % 50 == 0:  # a new epoch's file: reopen
+            try:
+                now_ino = os.stat(path).st_ino
+            except OSError:
+                now_ino = None
+            if now_ino != ino:
+                drop()
+                ino = now_ino
         t0 = time.monotonic()
         try:
             if role == "verify":
@@ -101,6 +113,9 @@ def _victim(role, path, stop, counter, conn, seed):
             name = type(exc).__name__
             stats["shmq_errors"][name] = stats["shmq_errors"].get(name, 0) + 1
             drop()  # reopen: a fresh handle re-reads everything
+        except FileNotFoundError:
+            stats["replaced"] += 1  # opened the old file as a new epoch replaced it
+            drop()
         except Exception as exc:
             if len(stats["non_shmq"]) < 5:
                 stats["non_shmq"].append("".join(traceback.format_exception(exc))[-2000:])
@@ -124,16 +139,24 @@ def _hostile(path, stop, conn, seed, rate):
     from shmq import _format as F
 
     rnd = random.Random(seed)
-    fd = os.open(path, os.O_RDWR)
-    size = os.fstat(fd).st_size
-    mm = mmap.mmap(fd, size)
-    words = memoryview(mm).cast("Q")
-    geo = F.unpack_geometry(bytes(mm[:F.GEOMETRY.size]), size, path)
-    ring_off, ring_bytes = geo["ring_offset"], geo["ring_bytes"]
-    slot_off, slots = geo["slot_offset"], geo["slot_count"]
-    values = HOSTILE + [size, 2 * size]
     flips = {"control": 0, "slot": 0, "header": 0}
+    fd = mm = words = None
+    n = 0
     while not stop.is_set():
+        if n % 100 == 0 and (fd is None or os.stat(path).st_ino != os.fstat(fd).st_ino):
+            if words is not None:  # the file was replaced (a new epoch): map the new one
+                words.release()
+                mm.close()
+                os.close(fd)
+            fd = os.open(path, os.O_RDWR)
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+            words = memoryview(mm).cast("Q")
+            geo = F.unpack_geometry(bytes(mm[:F.GEOMETRY.size]), size, path)
+            ring_off, ring_bytes = geo["ring_offset"], geo["ring_bytes"]
+            slot_off, slots = geo["slot_offset"], geo["slot_count"]
+            values = HOSTILE + [size, 2 * size]
+        n += 1
         where = rnd.choice(("control", "slot", "header"))
         if where == "control":
             w = rnd.randrange(16, 512)
@@ -159,12 +182,27 @@ def _hostile(path, stop, conn, seed, rate):
         flips[where] += 1
         if rate:
             time.sleep(rnd.random() * 2 / rate)
-        if rnd.random() < 0.9:
+        if rnd.random() < 0.97:
             words[w] = old  # mostly a transient flip: the victims keep being exercised
-    del words
+    words.release()
     mm.close()
     os.close(fd)
     conn.send(flips)
+
+
+old_prefixes = []
+
+
+def _new_epoch(path):
+    """Replace the spool at ``path`` by a fresh one (atomically); its old semaphores go
+    once the run ends (handles still open on the old file keep using them)."""
+    import shmq
+    from shmq._mapping import sem_prefix_of
+
+    old_prefixes.append(sem_prefix_of(os.stat(path)))
+    tmp = path + ".next"
+    shmq.Spool.create(tmp, capacity="256KiB", on_full="overwrite", readers=8).close()
+    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -174,12 +212,15 @@ def main(argv=None):
     ap.add_argument("--rate", type=float, default=500.0, help="flips per second (about)")
     ap.add_argument("--stall", type=float, default=15.0,
                     help="a victim whose call counter stops this long is a hang")
+    ap.add_argument("--epoch", type=float, default=5.0,
+                    help="seconds between fresh files (lasting damage stops masking the rest)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="write the report here")
     a = ap.parse_args(argv)
     if a.quick:
         a.duration = 10.0
     import shmq
+    from shmq._mapping import unlink_semaphores
 
     ctx = mp.get_context("fork")
     work = tempfile.mkdtemp(prefix="shmq-hostile-", dir="/dev/shm")
@@ -201,10 +242,15 @@ def main(argv=None):
     hangs, crashes = [], []
     t0 = time.monotonic()
     last = {r: (0, t0) for r in roles}
+    next_epoch, epochs = t0 + a.epoch, 1
     try:
         while time.monotonic() - t0 < a.duration:
             time.sleep(0.5)
             now = time.monotonic()
+            if now >= next_epoch:  # a fresh file: damage done so far stops masking the rest
+                _new_epoch(path)
+                epochs += 1
+                next_epoch = now + a.epoch
             for role in roles:
                 p = procs[role]
                 if not p.is_alive():
@@ -240,10 +286,12 @@ def main(argv=None):
         hostile.kill()
         hostile.join(5)
     shmq.Spool.destroy(path)
+    for prefix in old_prefixes:
+        unlink_semaphores(prefix, 8)
     shutil.rmtree(work, ignore_errors=True)
     non_shmq = sum(len(r["non_shmq"]) for r in results.values())
     slow = {r: v["slow"] for r, v in results.items() if v["slow"]}
-    rep = {"duration_s": a.duration, "flips": flips, "crashes": crashes, "hangs": hangs,
+    rep = {"duration_s": a.duration, "epochs": epochs, "flips": flips, "crashes": crashes, "hangs": hangs,
            "non_shmq_exceptions": non_shmq, "slow_calls": slow,
            "victims": {r: {k: v for k, v in res.items() if k != "slow"} for r, res in results.items()}}
     if a.json:
@@ -251,7 +299,7 @@ def main(argv=None):
             json.dump(rep, f, indent=1)
     ops = sum(r["ops"] for r in results.values())
     errs = sum(sum(r["shmq_errors"].values()) for r in results.values())
-    print(f"hostile: {a.duration:.0f} s, {sum(flips.values())} flips {flips}, {ops} victim calls "
+    print(f"hostile: {a.duration:.0f} s, {epochs} files, {sum(flips.values())} flips {flips}, {ops} victim calls "
           f"({errs} shmq errors), {len(crashes)} crashes, {len(hangs)} hangs, "
           f"{non_shmq} non-shmq exceptions, slow calls {slow or 'none'}")
     for role, res in results.items():
