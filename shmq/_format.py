@@ -87,6 +87,7 @@ CTL_WORDS = HEADER_BYTES // 8
 DOORBELL_BYTE = 4000  # pwrite target: mmap stores raise no inotify event
 RECOVERY_LOCK_BYTE = 4064  # fcntl region lock: one process recovers the writer lock
 TABLE_LOCK_BYTE = 4065  # fcntl region lock: reader table allocation
+REPLAY_LOCK_BYTE = 4066  # fcntl region lock: one replayer of a dead-letter spool
 
 # --- reader / group table ------------------------------------------------
 

@@ -380,6 +380,58 @@ def no_space_to_grow(path: str, segment: int, allocated: int, ceiling: int) -> O
                    "remount,size=...)", path)
 
 
+#: Under :func:`default_dir`: one small file per spool created outside /dev/shm
+#: itself, named after its semaphore prefix, holding its path (and the temporary
+#: name it is created under), so ``shmq gc`` (:mod:`shmq.gc`) can tell the
+#: semaphores of a spool nobody has open from those of a removed one.
+REGISTRY_DIR = ".spools"
+
+
+def registry_dir() -> str:
+    return os.path.join(default_dir(), REGISTRY_DIR)
+
+
+def register_spool(prefix: str, path: str, tmp: str) -> None:
+    """Record that the spool with semaphore ``prefix`` lives at ``path`` (best effort).
+
+    Spools directly in /dev/shm (anonymous queues) are found by ``shmq gc``'s
+    scan of /dev/shm and are not recorded.  Written before the semaphores
+    exist, so gc never sees them unrecorded.
+    """
+    if os.path.dirname(path) == SEM_DIR:
+        return
+    for _ in range(3):  # unregister_spool may rmdir the empty directory meanwhile
+        try:
+            check_private_dir(default_dir(), create=True)
+            try:
+                os.mkdir(registry_dir(), 0o700)
+            except FileExistsError:
+                pass
+            fd = os.open(os.path.join(registry_dir(), prefix),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, f"{path}\n{tmp}\n".encode())
+            finally:
+                os.close(fd)
+            return
+        except FileNotFoundError:
+            continue
+        except (OSError, ShmqError):
+            return  # an unsafe private directory or a full /dev/shm: gc then keeps less
+
+
+def unregister_spool(prefix: str) -> None:
+    """Forget the spool with semaphore ``prefix`` (its file and semaphores are gone)."""
+    try:
+        os.unlink(os.path.join(registry_dir(), prefix))
+    except OSError:
+        return
+    try:
+        os.rmdir(registry_dir())  # only when empty: a private directory left clean
+    except OSError:
+        pass
+
+
 def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: int,
                 leases: int, checksum: bool, start_bytes: int | None = None) -> None:
     """Create a fully initialized, pre-allocated spool file at ``path``.
@@ -400,6 +452,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(6)}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))
+    register_spool(prefix, path, tmp)
     # Our semaphores with this prefix can only be debris of a spool removed
     # without Spool.destroy (plain rm) whose inode number this file now reuses:
     # no live file has this inode.  Another user's are left alone (and make
@@ -449,6 +502,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
         os.unlink(tmp)
         if not linked:
             unlink_semaphores(prefix, 0)
+            unregister_spool(prefix)
 
 
 class Mapping:
@@ -596,6 +650,8 @@ def destroy_file(path: str) -> None:
     for prefix in dict.fromkeys(prefixes):
         unlink_semaphores(prefix, slots, owners)
     os.unlink(path)
+    for prefix in dict.fromkeys(prefixes):
+        unregister_spool(prefix)
 
 
 def open_by(path: str) -> list[int]:

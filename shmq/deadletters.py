@@ -10,11 +10,14 @@ ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 
 from . import _format as F
 from . import codec
+from ._lock import ofd_lock, ofd_unlock
 from .spool import Spool
 
 __all__ = ["DeadLetter", "DeadLetters"]
@@ -41,8 +44,9 @@ class DeadLetter:
 class DeadLetters:
     """The dead letters of one work queue, over an open spool handle ``spool``.
 
-    Reads are lock-free; replaying and purging serialize on the dead-letter
-    spool's writer lock (one replayer at a time).  The trust check for
+    Reads are lock-free; tombstones (replay, purge) are set under the
+    dead-letter spool's writer lock, held only for the store; replayers take
+    turns on a replay lock of their own (see :meth:`replay`).  The trust check for
     unpickling is made again on each read (``trusted`` as the work queue was
     opened): the owner may have widened the file's mode since.
     """
@@ -50,6 +54,7 @@ class DeadLetters:
     def __init__(self, spool, trusted=False):
         self.spool = spool
         self._trusted = trusted
+        self._thread_lock = threading.Lock()
 
     @classmethod
     def create(cls, path, capacity, trusted=False) -> "DeadLetters":
@@ -109,21 +114,54 @@ class DeadLetters:
 
     def replay(self, ids, put) -> int:
         """``put(obj, key=, headers=)`` each letter (all, or those whose id is in ``ids``),
-        then tombstone it; return how many.  A crash in between replays it twice
-        (at least once), never loses it."""
+        then tombstone it; return how many.
+
+        One letter at a time, and ``put`` runs holding no lock of this spool
+        that anyone else waits for: it may wait for room in the work queue,
+        and the consumers that would make room dead-letter into this spool
+        (docs/guarantees.md, "Lock order").  Replayers are serialized by an
+        fcntl lock on :data:`~shmq._format.REPLAY_LOCK_BYTE` (only replayers
+        take it; the kernel drops it if the holder dies), so two concurrent
+        replays do not put the same letter twice.  A crash between the put
+        and the tombstone replays that letter again on the next replay (at
+        least once, a duplicate), never loses it.  A letter purged while its
+        put waited is still put once (and counted).
+        """
         wanted = None if ids is None else set(ids)
         trust = self._trust()
         n = 0
-        with self.spool.writer_lock:  # one replayer at a time; tombstones under the DLQ's lock
+        with self._replaying():
             for f, hit in list(self.frames()):
                 if wanted is not None and f.seq not in wanted:
                     continue
+                if not self._live(f.seq, hit):  # purged or overwritten since the listing
+                    continue
                 rec = codec.decode_dead(f.data, trust)
                 obj, headers, key = rec["message"]
-                put(obj, key=key, headers=headers)
-                self.spool.ring.set_flags(hit, F.FLAG_SUPERSEDED)
+                put(obj, key=key, headers=headers)  # may wait for room: no lock held here
+                with self.spool.writer_lock:  # tombstones serialize with writers (short)
+                    if self._live(f.seq, hit):
+                        self.spool.ring.set_flags(hit, F.FLAG_SUPERSEDED)
                 n += 1
         return n
+
+    def _live(self, seq, hit) -> bool:
+        """True while letter ``seq`` (header hit ``hit``) is in the ring and not tombstoned."""
+        ring = self.spool.ring
+        now = ring.header_at(hit[1])
+        return (now is not None and now[0] == seq and not now[6] & F.FLAG_SUPERSEDED
+                and ring.still_there(hit[1]))
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """Hold the replay lock: this handle's threads, then the fcntl byte across processes."""
+        with self._thread_lock:
+            fd = self.spool.mapping.fd
+            ofd_lock(fd, F.REPLAY_LOCK_BYTE, wait=True)
+            try:
+                yield
+            finally:
+                ofd_unlock(fd, F.REPLAY_LOCK_BYTE)
 
     def purge(self, older_than=None) -> int:
         """Tombstone letters (all, or those failed more than ``older_than`` seconds ago)."""

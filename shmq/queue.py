@@ -24,13 +24,15 @@ import secrets
 import stat as _stat
 import weakref
 from multiprocessing import resource_tracker
+from multiprocessing import util as _mp_util
 
 import posix_ipc
 
 from . import _core
 from . import _format as F
 from . import codec as _codec
-from ._mapping import SEM_UNFINISHED, sem_name
+from ._lock import holder_word, process_alive
+from ._mapping import SEM_UNFINISHED, destroy_file, open_by, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool
 from .waiting import check_block_timeout, retry_async
@@ -44,8 +46,10 @@ GROUP = "queue"
 DEFAULT_CAPACITY = "1MiB"
 #: The default ceiling: half the filesystem holding the queue (``/dev/shm``), at most this.
 MAX_DEFAULT_CEILING = 4 << 30
-#: Where a Queue made without ``path`` lives: ``/dev/shm/shmq-q-<random>``
-#: (created exclusively, mode 0600, removed by its creator).
+#: Where a Queue made without ``path`` lives: ``/dev/shm/shmq-q-<pid>-<start>-<random>``
+#: (created exclusively, mode 0600, removed by its creator; the creator's pid and
+#: start time let a survivor reclaim it once the creator is dead, see
+#: :func:`reclaim_if_orphan`).
 ANONYMOUS_DIR = "/dev/shm"
 ANONYMOUS_PREFIX = "shmq-q-"
 _TRACKED_SEMS = ("w", "r", "f", "u")
@@ -98,7 +102,10 @@ class Queue:
                                            else os.path.dirname(os.path.abspath(path)) or ".",
                                            capacity)
         if path is None:
-            path = os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX + secrets.token_hex(8))
+            reclaim_orphans()  # bounded: queues of dead creators nobody maps any more
+            me = holder_word()
+            path = os.path.join(ANONYMOUS_DIR, f"{ANONYMOUS_PREFIX}{me & 0xFFFFFFFF}-{me >> 32:x}-"
+                                f"{secrets.token_hex(8)}")
             spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
                                  on_full="block", readers=1, leases=0)
             spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
@@ -111,6 +118,7 @@ class Queue:
                 spool.ring.ctl[F.W_QUEUE_MAXSIZE] = maxsize
         self._attach(spool, trusted)
         if self._owner is not None:
+            _mp_util.register_after_fork(self, Queue._watch_creator)
             # Removes the file and semaphores when the creator is done with it.
             self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool.sem_prefix,
                                                self._owner)
@@ -162,6 +170,18 @@ class Queue:
     def __setstate__(self, state):
         self._owner = None
         self._attach(Spool.open(state["path"]), state["trusted"])
+        _mp_util.register_after_fork(self, Queue._watch_creator)
+        self._watch_creator()
+
+    def _watch_creator(self):
+        """In a process other than the creator: the last handle to close after the
+        creator died removes the queue (:func:`reclaim_if_orphan`).  multiprocessing's
+        Finalize runs at close, garbage collection, and the exit of a child process
+        (which skips atexit); a fork child re-arms it (``register_after_fork``)."""
+        if self._closed or self._owner == os.getpid() or queue_creator(self._spool.path) is None:
+            return
+        self._reclaimer = _mp_util.Finalize(self, reclaim_if_orphan,
+                                            args=(self._spool.path, self._spool), exitpriority=0)
 
     # -- the stdlib surface ---------------------------------------------------
 
@@ -264,6 +284,9 @@ class Queue:
         fin = getattr(self, "_finalizer", None)
         if fin is not None and self._owner == os.getpid():
             fin()
+        rec = getattr(self, "_reclaimer", None)
+        if rec is not None:
+            rec()
 
     def join_thread(self) -> None:
         """No feeder thread exists: items are in shared memory when put() returns."""
@@ -374,6 +397,92 @@ def anonymous_paths() -> list[str]:
         if _stat.S_ISREG(st.st_mode) and st.st_uid == uid:
             out.append(full)
     return out
+
+
+def queue_creator(path):
+    """``(pid, start)`` of the creator of the anonymous queue at ``path``, from its name
+    (``start``: low 32 bits of its start time, as :func:`shmq._lock.process_alive` takes);
+    None for another name (a named queue, or one named by an older shmq)."""
+    name = os.path.basename(path)
+    if os.path.dirname(path) != ANONYMOUS_DIR or not name.startswith(ANONYMOUS_PREFIX):
+        return None
+    parts = name[len(ANONYMOUS_PREFIX):].split("-")
+    if len(parts) != 3:
+        return None
+    try:
+        pid, start = int(parts[0]), int(parts[1], 16)
+    except ValueError:
+        return None
+    return (pid, start) if 0 < pid and 0 <= start < 1 << 32 else None
+
+
+def _mapped_here(path):
+    """True if this process still maps ``path`` (another handle to the same queue)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) >= 5 and parts[4] == str(st.st_ino) and parts[3] == dev:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def reclaim_if_orphan(path, spool=None) -> bool:
+    """Remove the anonymous queue at ``path`` if its creator is dead and no live process
+    maps it (closing ``spool``, this handle's, first); return True if removed.
+
+    Called when a non-creator handle closes or its process exits, and by
+    :func:`reclaim_orphans`.  A queue whose creator lives, that some process
+    maps, or whose name does not carry its creator is left alone.
+    """
+    if spool is not None:
+        try:
+            spool.close()
+        except Exception:
+            pass
+    creator = queue_creator(path)
+    if creator is None or process_alive(*creator):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if _mapped_here(path) or open_by(path):
+        return False
+    try:
+        destroy_file(path)
+    except (OSError, ShmqError):
+        return False
+    return True
+
+
+#: At most this many dead creators' queues are checked per :func:`reclaim_orphans` call.
+RECLAIM_BATCH = 4
+
+
+def reclaim_orphans(limit=RECLAIM_BATCH) -> int:
+    """Reclaim up to ``limit`` anonymous queues of this user whose creator is dead and
+    that no live process maps (run at each anonymous ``Queue()`` creation: bounded
+    work, a ``kill(pid, 0)`` per queue unless its creator is dead); return how many."""
+    n = checked = 0
+    for p in anonymous_paths():
+        creator = queue_creator(p)
+        if creator is None or process_alive(*creator):
+            continue
+        checked += 1
+        n += reclaim_if_orphan(p)
+        if checked >= limit:
+            break
+    return n
 
 
 def _destroy_owned(path, prefix, owner):

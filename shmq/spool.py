@@ -124,11 +124,19 @@ class Spool:
         read_waiters = self.open_semaphore(sem_name(prefix, SEM_READ_WAITERS), 0)
         space_waiters = self.open_semaphore(sem_name(prefix, SEM_SPACE_WAITERS), 0)
         # the core opens the same three names, which open_semaphore has just checked
-        self.core = _core.Ring(
-            m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
-            geo["slot_count"], F.POLICIES.index(self._policy), self.checksum,
-            sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
-            sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
+        try:
+            self.core = _core.Ring(
+                m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
+                geo["slot_count"], F.POLICIES.index(self._policy), self.checksum,
+                sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
+                sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
+        except ValueError as exc:
+            if isinstance(exc, SpoolFormatError):
+                raise
+            # The core re-reads words another writer may have changed since the
+            # checks above (W_SEGMENT): a refusal of the file, said as one.
+            raise SpoolFormatError(f"{m.path}: refused by the ring core: {exc} (control word "
+                                   f"SEGMENT = {m.ctl[F.W_SEGMENT]}); {RING_ADVICE}") from None
         # One-way: the core hands what its put leaves over to this class's
         # _put_slow (a subclass's override included), never looks it up by name.
         self.core.bind(self, type(self)._put_slow, not self._sync)

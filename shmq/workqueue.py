@@ -539,15 +539,20 @@ class WorkQueue:
         self._check()
         delay = 0.0 if delay is None else check_block_timeout(True, delay)
         rec = _error_record(error)
+        dead = False
         with self._lock:
             self._leases.owned(slot, token, msg_id)
             if self._leases.out_of_attempts(slot):
                 self._dead_letter(slot, self._frame_payload(slot), rec)
                 self._update_low()
+                dead = True
             else:
                 self._leases.delay(slot, time.time_ns() + int(delay * _NS), LEASE_RETRY)
         sp = self._spool
-        sp.core.ring_data()  # a consumer may be waiting for exactly this
+        if dead:
+            sp.core.ring_space()  # its frame no longer holds the ring: a blocked put may go on
+        else:
+            sp.core.ring_data()  # a consumer may be waiting for exactly this
 
     def _extend(self, msg, seconds):
         self._check()

@@ -36,3 +36,31 @@ def test_fuzz_quick(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["outcomes"]["violation"] == 0
     assert rep["outcomes"]["ok"] > 0 and rep["outcomes"]["shmq_error"] > 0  # both paths exercised
+
+
+def test_soak_quick(tmp_path):
+    """stress/soak.py --quick: the mixed load with SIGKILLs runs, samples, cleans up."""
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "soak.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "soak.json").read_text())
+    assert rep["failures"] == [] and rep["leftover_files"] == []
+    assert rep["kills"] > 0 and len(rep["samples"]) >= 5
+    work = rep["work"]
+    assert work["spool_frames"] > 0 and work["wq_acked"] > 0 and work["dispatcher_acked"] > 0
+    s = rep["samples"][-1]
+    assert s["processes"] > 10 and s["rss"] > 0 and s["fds"] > 0 and s["sem_files"] > 0
+    print(proc.stdout)
+
+
+def test_hostile_quick(tmp_path):
+    """stress/hostile.py --quick: a co-writer flips control, slot and frame-header words
+    while writers, readers, stats and verify run: no crash, no hang, only shmq errors."""
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "hostile.py"), "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["crashes"] == [] and rep["hangs"] == [] and rep["non_shmq_exceptions"] == 0
+    assert all(rep["flips"][k] > 0 for k in ("control", "slot", "header"))
+    assert all(v["ops"] > 0 for v in rep["victims"].values()) and len(rep["victims"]) == 8

@@ -134,10 +134,14 @@ def _anonymous_rows(damaged):
     """Rows for this user's anonymous queues, each with the pids that have it open."""
     from ..queue import anonymous_paths
 
+    from ..gc import orphaned_queues
+
     rows = _peek_rows(anonymous_paths(), None, damaged)
+    orphans = set(orphaned_queues())
     for p in rows:
         p["anonymous"] = True
         p["open_by"] = _mapping.open_by(p["path"])
+        p["orphan"] = p["path"] in orphans  # creator dead, open by nobody: shmq gc removes it
     return rows
 
 
@@ -181,6 +185,13 @@ def cmd_ls(a) -> int:
         rows += _anonymous_rows(damaged)
     for path, exc in damaged:  # stderr: the listing (and its JSON) keeps its shape
         print(f"shmq ls: damaged: {one_line(exc)}", file=sys.stderr)
+    if a.anonymous:
+        from ..gc import sweep
+
+        found = sweep()
+        for prefix, names in sorted(found.semaphores.items()):
+            print(f"shmq ls: orphaned semaphores of a removed spool: {', '.join(names)} "
+                  "('shmq gc --yes' removes them)", file=sys.stderr)
     if a.json:
         for p in rows:
             p["write_rate"] = [list(x) for x in p["write_rate"]]
@@ -205,7 +216,8 @@ def cmd_ls(a) -> int:
     if a.anonymous:  # who has each anonymous queue open (its creator, usually)
         headers.append("OPEN BY")
         for p, row in zip(rows, body):
-            row.append(",".join(map(str, p["open_by"])) or "-" if p.get("anonymous") else "")
+            row.append(("orphan (creator dead)" if p.get("orphan") else
+                        ",".join(map(str, p["open_by"])) or "-") if p.get("anonymous") else "")
         align += "l"
     out = table(headers, body, align)
     print("\n".join(out))
@@ -264,7 +276,8 @@ def register(add):
     p.add_argument("dir", nargs="?", metavar="DIR")
     p.add_argument("-a", "--anonymous", action="store_true",
                    help="also list your anonymous queues (shmq.Queue() without a path, "
-                   "/dev/shm/shmq-q-*) with the pids that have each open")
+                   "/dev/shm/shmq-q-*) with the pids that have each open (orphans: creator "
+                   "dead, open by nobody), and on stderr your orphaned semaphores (see shmq gc)")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.set_defaults(func=cmd_ls)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench, frames, manage, metrics, net, readers, recover, stat, tail, tee, top
+from . import bench, frames, gc, manage, metrics, net, readers, recover, stat, tail, tee, top
 from .args import EPILOG, formatter
 
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=epilog, formatter_class=formatter)
 
     manage.register(add)
+    gc.register(add)
     stat.register(add)
     top.register(add)
     tail.register(add)

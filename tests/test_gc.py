@@ -1,0 +1,227 @@
+"""shmq gc: orphaned semaphores and anonymous queues are found (and removed with --yes);
+semaphores of spools that exist, open or not, on /dev/shm or on disk, are never touched.
+Anonymous queues whose creator was SIGKILLed are reclaimed once nobody maps them."""
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import shmq
+from shmq._mapping import registry_dir, semaphore_names
+from shmq.queue import queue_creator
+
+DEADLINE_S = 10.0
+
+
+def _sem_files(prefix):
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
+
+
+def _gc(*args):
+    proc = subprocess.run([sys.executable, "-m", "shmq", "gc", "--json", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _make(path, **kw):
+    sp = shmq.Spool.create(path, capacity="64KiB", **kw)
+    g = sp.reader("grp", group=True)  # a group semaphore too
+    sp.put(b"hello")
+    g.close()
+    prefix = sp.sem_prefix
+    sp.close()
+    assert len(_sem_files(prefix)) >= 4
+    return prefix
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    d = tmp_path / "spools"
+    d.mkdir()
+    yield str(d)
+    for n in os.listdir(d):
+        try:
+            shmq.Spool.destroy(os.path.join(d, n))
+        except Exception:
+            pass
+
+
+def test_gc_removes_exactly_the_removed_spools_semaphores(spool_dir, disk_dir):
+    doomed = os.path.join(spool_dir, "doomed")
+    os.mkdir(doomed)
+    gone = [_make(os.path.join(doomed, f"s{i}")) for i in range(3)]
+    shm_keep = _make(os.path.join(spool_dir, "keep"))  # /dev/shm, not open
+    disk_path = os.path.join(disk_dir, "keep")
+    disk_keep = _make(disk_path)  # a disk path, not open: known from the registry only
+    assert os.stat(disk_dir).st_dev != os.stat("/dev/shm").st_dev or True
+    kept_before = {p: _sem_files(p) for p in (shm_keep, disk_keep)}
+    shutil.rmtree(doomed)  # the files go, their semaphores stay
+    gone_sems = {p: _sem_files(p) for p in gone}
+    assert all(gone_sems.values())
+
+    dry = _gc("--min-age", "0")  # the default: a dry run
+    assert not dry["removed"]
+    for p in gone:
+        assert set(dry["semaphores"][p]) == gone_sems[p]
+    assert shm_keep not in dry["semaphores"] and disk_keep not in dry["semaphores"]
+    assert {p: _sem_files(p) for p in gone} == gone_sems  # nothing changed
+
+    done = _gc("--yes", "--min-age", "0")
+    assert done["removed"] and all(p in done["semaphores"] for p in gone)
+    assert all(not _sem_files(p) for p in gone)
+    assert {p: _sem_files(p) for p in (shm_keep, disk_keep)} == kept_before
+    for path in (os.path.join(spool_dir, "keep"), disk_path):  # still work
+        with shmq.Spool.open(path) as sp:
+            g = sp.reader("grp", group=True)
+            assert g.get(timeout=1).data == b"hello"
+            sp.put(b"again")
+            assert g.get(timeout=1).data == b"again"
+            g.close()
+
+
+def test_min_age_and_in_use_semaphores_are_kept(spool_dir):
+    path = os.path.join(spool_dir, "open")
+    sp = shmq.Spool.create(path, capacity="64KiB")
+    os.unlink(path)  # removed while open: its semaphores are in use
+    try:
+        assert sp.sem_prefix not in _gc("--min-age", "0")["semaphores"]
+    finally:
+        sp.close()
+    assert sp.sem_prefix in _gc("--min-age", "0")["semaphores"]  # now an orphan
+    assert sp.sem_prefix not in _gc("--min-age", "3600")["semaphores"]  # too young
+    _gc("--yes", "--min-age", "0")
+    assert not _sem_files(sp.sem_prefix)
+
+
+def test_registry_is_untrusted_and_cleaned(spool_dir, disk_dir):
+    """A registry entry protects only the spool it names (by inode): junk there
+    changes nothing, and entries of removed spools go with --yes."""
+    path = os.path.join(disk_dir, "s")
+    prefix = _make(path)
+    entry = os.path.join(registry_dir(), prefix)
+    assert open(entry).read().split("\n")[0] == path
+    os.unlink(path)  # removed with rm: the entry and the semaphores stay
+    junk = os.path.join(registry_dir(), "0123456789ab")
+    with open(junk, "w") as f:
+        f.write("/etc/passwd\n\x00garbage\n")
+    try:
+        found = _gc("--min-age", "0")
+        assert prefix in found["semaphores"] and prefix in found["stale_registry_entries"]
+        _gc("--yes", "--min-age", "0")
+        assert not _sem_files(prefix) and not os.path.exists(entry)
+    finally:
+        for p in (junk, entry):
+            if os.path.exists(p):
+                os.unlink(p)
+        try:
+            os.rmdir(registry_dir())
+        except OSError:
+            pass
+
+
+def test_destroy_forgets_the_registry_entry(disk_dir):
+    path = os.path.join(disk_dir, "s")
+    prefix = _make(path)
+    assert os.path.exists(os.path.join(registry_dir(), prefix))
+    shmq.Spool.destroy(path)
+    assert not os.path.exists(os.path.join(registry_dir(), prefix))
+    assert not _sem_files(prefix)
+
+
+# -- anonymous queues whose creator was SIGKILLed ------------------------------------
+
+
+def _consumer(q, conn, go):
+    q.put("from the consumer")
+    conn.send(q.get(timeout=10))
+    if go.wait(30):
+        conn.send(q.get(timeout=10))
+    # exits normally: its handle's finalizer runs
+
+
+def _creator(conn, go, method):
+    q = shmq.Queue()
+    ctx = mp.get_context(method)
+    r, w = ctx.Pipe(duplex=False)
+    b = ctx.Process(target=_consumer, args=(q, w, go))
+    b.start()
+    conn.send((q._spool.path, b.pid, r.recv()))
+    q.put("for the consumer")
+    conn.send("ready")
+    conn.recv()  # until SIGKILLed (bounded by the test's join)
+    b.join(30)
+
+
+def _wait_gone(path, timeout):
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_killed_creators_queue_is_reclaimed_after_last_unmap(method):
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    go = mp.get_context(method).Event()
+    c = ctx.Process(target=_creator, args=(child_end, go, method))
+    c.start()
+    try:
+        assert parent_end.poll(60)
+        path, bpid, first = parent_end.recv()
+        assert first == "from the consumer" and queue_creator(path)[0] == c.pid
+        prefix = shmq.Spool.open(path)
+        sem_prefix = prefix.sem_prefix
+        prefix.close()
+        assert parent_end.poll(30) and parent_end.recv() == "ready"
+        os.kill(c.pid, signal.SIGKILL)
+        c.join(10)
+        # the consumer still has it open: kept
+        assert os.path.exists(path)
+        assert path not in _gc("--min-age", "0")["queues"]
+        go.set()  # the consumer takes its item and exits
+        assert _wait_gone(path, DEADLINE_S), f"{path} still there {DEADLINE_S} s after the last unmap"
+        assert not _sem_files(sem_prefix)
+    finally:
+        if c.is_alive():
+            c.kill()
+        c.join(10)
+
+
+def _creator_then_wait(conn):
+    q = shmq.Queue()
+    q.put(1)
+    conn.send(q._spool.path)
+    conn.recv()
+
+
+def test_queue_of_dead_creator_nobody_maps_is_reclaimed_by_next_queue():
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    c = ctx.Process(target=_creator_then_wait, args=(b,))
+    c.start()
+    assert a.poll(30)
+    path = a.recv()
+    alive_one = shmq.Queue()  # our own live queue: never reclaimed
+    try:
+        os.kill(c.pid, signal.SIGKILL)
+        c.join(10)
+        assert os.path.exists(path)  # the resource tracker would remove it only at its exit
+        assert path in _gc("--min-age", "0")["queues"]
+        shmq.Queue().close()  # a new queue reclaims (bounded work)
+        assert not os.path.exists(path)
+        assert os.path.exists(alive_one._spool.path)
+    finally:
+        alive_one.close()
+        if os.path.exists(path):
+            shmq.Spool.destroy(path)
