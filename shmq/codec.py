@@ -186,7 +186,7 @@ def _with_buffers(data: bytes, buffers: list[pickle.PickleBuffer]) -> tuple[tupl
     return tuple(parts), F.CODEC_PICKLE_OOB
 
 
-def encode_workq(obj: object, headers: dict[str, Any] | None, key: str | None,
+def encode_workq(obj: object, headers: dict[str, Any] | None, key: str | bytes | None,
                  head: bytes) -> tuple[bytes, bytes]:
     """A work queue message payload: the packed ``WQ_HEADER`` ``head``, then the pickled body."""
     return head, _dumps((obj, headers, key), PROTOCOL)
@@ -252,7 +252,7 @@ def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
     raise ShmqError(f"unknown codec {codec} (a newer shmq, or a damaged frame header)")
 
 
-def decode_workq(data: ReadableBuffer, trust: Trust) -> tuple[Any, dict[str, Any], str | None]:
+def decode_workq(data: ReadableBuffer, trust: Trust) -> tuple[Any, dict[str, Any] | None, str | bytes | None]:
     """``(body, headers, key)`` of a work queue message payload.
 
     :raises shmq.UntrustedSpool: ``trust`` does not allow unpickling.
