@@ -215,3 +215,24 @@ def test_public_names_are_annotated():
                  "shmq.columnar.PinnedView.release", "shmq.dedupe.Deduper.seen"):
         assert name in _checked, name
     assert len(_checked) > 150, len(_checked)
+
+
+def test_type_only_imports_are_not_layer_edges(tmp_path):
+    # Annotations make lower layers name upper layers' classes (codec -> Spool, reader ->
+    # Spool): under `if TYPE_CHECKING:` that is no runtime dependency, and the structure
+    # check (stress/structure.py, "Import cycles") does not count it; a real import does.
+    sys.path.insert(0, str(ROOT / "stress"))
+    try:
+        import structure
+    finally:
+        sys.path.remove(str(ROOT / "stress"))
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                "    from .high import High\n\n\ndef f(h: High) -> None:\n"
+                                "    pass\n")
+    (pkg / "high.py").write_text("from .low import f\n\n\nclass High:\n    pass\n")
+    assert structure.analyse(str(pkg))["cycles"] == []
+    (pkg / "low.py").write_text("from .high import High\n")
+    assert len(structure.analyse(str(pkg))["cycles"]) == 1
