@@ -23,11 +23,11 @@ import os
 import secrets
 import stat as _stat
 import weakref
+from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker
+from typing import Any
 
 import posix_ipc
-from collections.abc import Callable, Iterable
-from typing import Any
 
 from . import _core
 from . import _format as F
