@@ -3,6 +3,8 @@
 See docs/guide.md.  This module only re-exports the public names.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._format import FORMAT_VERSION
 from .errors import (
     Empty, FrameLost, Full, LeaseLost, NotASpool, ReaderBusy, RemoteError, ShmqError, SpoolFormatError, Timeout,
@@ -13,6 +15,9 @@ from .reader import GroupReader, NamedReader, Reader
 from .spool import Frame, Reservation, Spool
 from .stats import ReaderStats, SpoolStats
 from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
+
+if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them here
+    from .dispatch import Context, Dispatcher
 
 __version__ = "0.1.0"
 
@@ -26,7 +31,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # The dispatcher (threads, sockets, multiprocessing) loads only when used.
     if name in ("Dispatcher", "Context"):
         from . import dispatch

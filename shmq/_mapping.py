@@ -531,7 +531,7 @@ class Mapping:
         self.st_mode = st.st_mode
         self.size = st.st_size
         self.write = write
-        self.mm = None
+        self.mm: mmap.mmap | None = None
         try:
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
             if geometry:
@@ -559,7 +559,7 @@ class Mapping:
     def slot_name(self, i: int):
         """The name stored in slot ``i``, or None if it does not decode."""
         off = self.slot_byte(i, F.NAME_OFFSET)
-        return F.unpack_name(self.mm[off:off + F.NAME_MAX_BYTES + 1])
+        return F.unpack_name(self.mm[off:off + F.NAME_MAX_BYTES + 1])  # type: ignore[index]  # mapped
 
     def reopen_fd(self) -> None:
         """After fork: get a private open file description for the same inode.

@@ -27,9 +27,16 @@ import json
 import os
 import pickle
 import stat
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from . import _format as F
 from .errors import ShmqError, UntrustedSpool
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from .spool import Spool
 
 __all__ = ["Trust", "TRUSTED", "PICKLED", "trust_of", "require_trust", "encode", "decode",
            "decode_item", "encode_workq", "decode_workq", "encode_dead", "decode_dead"]
@@ -60,8 +67,10 @@ class Trust:
     """
 
     __slots__ = ("path", "uid", "mode", "opted_in", "reason")
+    reason: str | None
 
-    def __init__(self, path, st, opted_in=False, network=False):
+    def __init__(self, path: str, st: os.stat_result, opted_in: bool = False,
+                 network: bool = False) -> None:
         self.path = path
         self.uid = st.st_uid
         self.mode = stat.S_IMODE(st.st_mode)
@@ -94,14 +103,14 @@ class Trust:
         if not self.ok:
             raise self.error()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<shmq.codec.Trust {self.path} ok={self.ok}>"
 
 
 class _Opted(Trust):
     """The caller vouched for the bytes (``--unsafe-pickle``, a frame it wrote itself)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.path, self.uid, self.mode, self.opted_in, self.reason = "(caller)", -1, 0, True, None
 
 
@@ -109,13 +118,13 @@ class _Opted(Trust):
 TRUSTED = _Opted()
 
 
-def trust_of(spool, trusted=False) -> Trust:
+def trust_of(spool: Spool, trusted: bool = False) -> Trust:
     """The :class:`Trust` of an open spool handle, from ``fstat`` of its mapped descriptor."""
     m = spool.mapping
     return Trust(m.path, os.fstat(m.fd), trusted, network=F.from_network(m.geo))
 
 
-def require_trust(spool, trusted=False) -> Trust:
+def require_trust(spool: Spool, trusted: bool = False) -> Trust:
     """:func:`trust_of`, raising at once if pickles from ``spool`` must not be loaded.
 
     :raises shmq.UntrustedSpool: another user owns the file or can write it, and
@@ -129,7 +138,7 @@ def require_trust(spool, trusted=False) -> Trust:
 # --- encoding -------------------------------------------------------------------
 
 
-def encode(obj):
+def encode(obj: object) -> tuple[Any, int]:
     """``(frame item, codec)`` for a queue item: ``bytes`` as they are (raw), else a pickle.
 
     Out-of-band buffers (numpy arrays, PickleBuffer) stay uncopied: the item
@@ -139,19 +148,19 @@ def encode(obj):
     """
     if type(obj) is bytes:
         return obj, F.CODEC_RAW
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     data = _dumps(obj, PROTOCOL, buffer_callback=buffers.append)
     if not buffers:
         return data, F.CODEC_PICKLE
     return _with_buffers(data, buffers)
 
 
-def encode_many(objs) -> list:
+def encode_many(objs: Iterable[object]) -> list[tuple[Any, int]]:
     """:func:`encode` of each object, with one buffer list for the whole batch
     (a batch of small objects spends a fifth of its time on per-item set-up)."""
-    out = []
+    out: list[tuple[Any, int]] = []
     append = out.append
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     collect = buffers.append
     raw, pickled = F.CODEC_RAW, F.CODEC_PICKLE
     for obj in objs:
@@ -167,22 +176,23 @@ def encode_many(objs) -> list:
     return out
 
 
-def _with_buffers(data, buffers):
+def _with_buffers(data: bytes, buffers: list[pickle.PickleBuffer]) -> tuple[tuple[Any, ...], int]:
     """A pickle with out-of-band buffers as one frame item: header, pickle, buffers."""
     raws = [b.raw() for b in buffers]
     lens = [r.nbytes for r in raws]
-    parts = [F.pack_oob_header(len(data), lens), data, F.oob_padding(len(data))]
+    parts: list[Any] = [F.pack_oob_header(len(data), lens), data, F.oob_padding(len(data))]
     for r, n in zip(raws, lens):
         parts += [r, F.oob_padding(n)]
     return tuple(parts), F.CODEC_PICKLE_OOB
 
 
-def encode_workq(obj, headers, key, head: bytes):
+def encode_workq(obj: object, headers: dict[str, Any] | None, key: str | bytes | None,
+                 head: bytes) -> tuple[bytes, bytes]:
     """A work queue message payload: the packed ``WQ_HEADER`` ``head``, then the pickled body."""
     return head, _dumps((obj, headers, key), PROTOCOL)
 
 
-def encode_dead(record: dict) -> bytes:
+def encode_dead(record: dict[str, Any]) -> bytes:
     """A dead-letter record (a dict with the failed message's ``payload`` bytes)."""
     return _dumps(record, PROTOCOL)
 
@@ -190,7 +200,7 @@ def encode_dead(record: dict) -> bytes:
 # --- decoding -------------------------------------------------------------------
 
 
-def decode_item(data, codec):
+def decode_item(data: ReadableBuffer, codec: int) -> Any:
     """A ``Queue`` item from its payload, for a queue whose :class:`Trust` was required
     when it attached (``Queue`` and its subclasses refuse an untrusted spool at once).
 
@@ -207,7 +217,7 @@ def decode_item(data, codec):
                     "something other than shmq.Queue?)")
 
 
-def decode(data, codec, trust: Trust):
+def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
     """Any frame's payload as an object, by its codec tag.
 
     raw: the bytes; utf8: str; json: the parsed value; numpy: a read-only
@@ -242,7 +252,7 @@ def decode(data, codec, trust: Trust):
     raise ShmqError(f"unknown codec {codec} (a newer shmq, or a damaged frame header)")
 
 
-def decode_workq(data, trust: Trust):
+def decode_workq(data: ReadableBuffer, trust: Trust) -> tuple[Any, dict[str, Any] | None, str | bytes | None]:
     """``(body, headers, key)`` of a work queue message payload.
 
     :raises shmq.UntrustedSpool: ``trust`` does not allow unpickling.
@@ -251,7 +261,7 @@ def decode_workq(data, trust: Trust):
     return _loads(memoryview(data)[F.WQ_HEADER.size:])
 
 
-def decode_dead(data, trust: Trust, body=True) -> dict:
+def decode_dead(data: ReadableBuffer, trust: Trust, body: bool = True) -> dict[str, Any]:
     """A dead-letter record; with ``body``, its ``payload`` decoded into
     ``record["message"] = (body, headers, key)``.
 

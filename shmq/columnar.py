@@ -25,23 +25,32 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _format as F
 from .errors import Empty, ShmqError
 from .waiting import check_block_timeout
 from .writer import Deferred
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from .reader import Reader
+    from .spool import Spool
+
 __all__ = ["PinnedView", "encode_array", "decode_array", "put_array", "put_records", "put_arrow",
            "get_array", "get_arrow", "get_records"]
 
 _HEAD = struct.Struct("<II")
-_HEADS = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
-_DESCS = {}  # descriptor bytes -> (dtype, shape)
+_HEADS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
+_DESCS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...]]] = {}  # descriptor bytes -> (dtype, shape)
 
 
-def encode_array(arr) -> tuple:
+def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview | bytes]:
     """Frame segments for ``arr``: ``(header, data)``; the data is not copied if contiguous.
 
     :raises TypeError: not an array, or an object dtype (it would need pickling).
@@ -64,11 +73,11 @@ def encode_array(arr) -> tuple:
             _HEADS.clear()
         _HEADS[key] = head
     # as bytes: some dtypes (datetime64, ...) do not export the buffer protocol
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""  # type: ignore[arg-type,unused-ignore]
     return head, data
 
 
-def decode_array(buf, writable=False):
+def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any]:
     """The array stored in a numpy frame's payload ``buf`` (a view over it, no copy).
 
     :raises shmq.ShmqError: not a numpy frame payload, or inconsistent sizes.
@@ -112,16 +121,17 @@ class PinnedView:
     """
 
     __slots__ = ("obj", "seq", "_spool", "_pos", "_view", "__weakref__")
+    _spool: Spool | None
 
-    def __init__(self, obj, seq, spool, pos, view):
+    def __init__(self, obj: Any, seq: int, spool: Spool, pos: int, view: memoryview) -> None:
         self.obj, self.seq, self._spool, self._pos, self._view = obj, seq, spool, pos, view
 
     @property
-    def array(self):
+    def array(self) -> Any:
         return self.obj
 
     @property
-    def batch(self):
+    def batch(self) -> Any:
         return self.obj
 
     def release(self) -> None:
@@ -135,19 +145,19 @@ class PinnedView:
                 pass  # still referenced (e.g. by Arrow arrays the caller kept): drop ours only
             sp.pins.unpin(self._pos)
 
-    def __enter__(self):
+    def __enter__(self) -> PinnedView:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.release()
         except Exception:
             pass
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "released" if self._spool is None else "pinned"
         return f"<shmq.PinnedView seq={self.seq} {state}>"
 
@@ -158,13 +168,15 @@ class PinnedView:
 # module imports neither spool nor reader.
 
 
-def put_array(spool, arr, *, block=True, timeout=None):
+def put_array(spool: Spool, arr: npt.NDArray[Any], *, block: bool = True,
+              timeout: float | None = None) -> int:
     """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
     head, data = encode_array(arr)
     return _append(spool, ((head, data),), block, timeout)
 
 
-def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
+def put_records(spool: Spool, arr: npt.NDArray[Any], *, max_frame_bytes: int | None = None,
+                block: bool = True, timeout: float | None = None) -> int:
     """Append a structured (or any 1-d) array as consecutive frames of whole records, atomically.
 
     Frames hold at most ``max_frame_bytes`` of records (default: a quarter of
@@ -178,13 +190,14 @@ def put_records(spool, arr, *, max_frame_bytes=None, block=True, timeout=None):
     return _append(spool, parts, block, timeout)
 
 
-def _append(spool, frames, block, timeout, codec=F.CODEC_NUMPY):
+def _append(spool: Spool, frames: tuple[Any, ...], block: bool, timeout: float | None,
+            codec: int = F.CODEC_NUMPY) -> int:
     timeout = check_block_timeout(block, timeout)
     spool.check_open()
     return spool.writer.append(frames, timeout, codec)
 
 
-def _arrow():
+def _arrow() -> Any:
     try:
         import pyarrow as pa
     except ImportError:  # optional dependency
@@ -192,7 +205,7 @@ def _arrow():
     return pa
 
 
-def put_arrow(spool, data, *, block=True, timeout=None):
+def put_arrow(spool: Spool, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
     pa = _arrow()
     if isinstance(data, pa.Table):
@@ -203,7 +216,7 @@ def put_arrow(spool, data, *, block=True, timeout=None):
     else:
         raise TypeError(f"put_arrow() takes a pyarrow RecordBatch or Table, not {type(data).__name__}")
 
-    def write(sink):
+    def write(sink: Any) -> None:
         with pa.ipc.new_stream(sink, schema) as writer:
             for b in batches:
                 writer.write_batch(b)
@@ -212,7 +225,7 @@ def put_arrow(spool, data, *, block=True, timeout=None):
     write(mock)
     size = mock.size()
 
-    def fill(view):  # under the writer lock: the IPC stream goes straight into the ring
+    def fill(view: memoryview) -> None:  # under the writer lock: the IPC stream goes straight into the ring
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(view))
         write(sink)
         if sink.tell() != size:
@@ -221,7 +234,7 @@ def put_arrow(spool, data, *, block=True, timeout=None):
     return _append(spool, (Deferred(size, fill),), block, timeout, F.CODEC_ARROW)
 
 
-def decode_arrow(buf):
+def decode_arrow(buf: ReadableBuffer) -> Any:
     pa = _arrow()
     try:
         return pa.ipc.open_stream(pa.py_buffer(buf)).read_all()
@@ -229,7 +242,8 @@ def decode_arrow(buf):
         raise ShmqError(f"corrupt Arrow frame: {exc}") from None
 
 
-def next_frame(reader, block, timeout, copy, want_codec):
+def next_frame(reader: Reader, block: bool, timeout: float | None, copy: bool,
+               want_codec: int) -> tuple[int, Any, int, int | None]:
     """The next frame of ``reader`` as ``(seq, payload, codec, pos)``; pinned if ``copy=False``.
 
     With ``copy=False`` the payload is a memoryview into the mapping and
@@ -253,7 +267,8 @@ def next_frame(reader, block, timeout, copy, want_codec):
         deadline = reader.wait(timeout, deadline)
 
 
-def _get(reader, block, timeout, copy, codec, decode):
+def _get(reader: Reader, block: bool, timeout: float | None, copy: bool, codec: int,
+         decode: Callable[[Any], Any]) -> Any:
     """Next frame of ``codec``, decoded: over a private copy, or a PinnedView if ``copy=False``."""
     seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, codec)
     if pos is None:
@@ -266,18 +281,21 @@ def _get(reader, block, timeout, copy, codec, decode):
     return PinnedView(obj, seq, reader.spool, pos, payload)
 
 
-def get_array(reader, block=True, timeout=None, copy=True):
+def get_array(reader: Reader, block: bool = True, timeout: float | None = None,
+              copy: bool = True) -> Any:
     """The next frame as a numpy array: a writable copy, or (``copy=False``) a PinnedView."""
     return _get(reader, block, timeout, copy, F.CODEC_NUMPY,
                 lambda buf: decode_array(buf, writable=isinstance(buf, bytearray)))
 
 
-def get_arrow(reader, block=True, timeout=None, copy=True):
+def get_arrow(reader: Reader, block: bool = True, timeout: float | None = None,
+              copy: bool = True) -> Any:
     """The next frame as a pyarrow Table: over a private copy, or (``copy=False``) a PinnedView."""
     return _get(reader, block, timeout, copy, F.CODEC_ARROW, decode_arrow)
 
 
-def get_records(reader, max_frames=100, block=True, timeout=None):
+def get_records(reader: Reader, max_frames: int = 100, block: bool = True,
+                timeout: float | None = None) -> npt.NDArray[Any]:
     """Concatenate up to ``max_frames`` consecutive numpy frames of one dtype into one array.
 
     Blocks only for the first frame; stops early at a frame of another dtype
@@ -306,7 +324,8 @@ def get_records(reader, max_frames=100, block=True, timeout=None):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _records_run(reader, max_frames, dtype):
+def _records_run(reader: Reader, max_frames: int,
+                 dtype: np.dtype[Any] | None) -> npt.NDArray[Any] | None:
     """Copy a run of plain numpy frames at the cursor into one array; None if none.
 
     Lock-free like the core's reads: views over the mapping are concatenated
@@ -315,7 +334,8 @@ def _records_run(reader, max_frames, dtype):
     ring = reader.spool.ring
     seq, pos = reader.cursor()
     nxt = ring.next_seq
-    arrays, start = [], None
+    arrays: list[npt.NDArray[Any]] = []
+    start = None
     while len(arrays) < max_frames and seq < nxt:
         hit = ring.frame_at(seq, pos)
         if hit is None or hit[7] != F.CODEC_NUMPY:
@@ -341,7 +361,7 @@ def _records_run(reader, max_frames, dtype):
     return out
 
 
-def _peek_dtype(reader):
+def _peek_dtype(reader: Reader) -> np.dtype[Any]:
     """dtype of the next frame, without consuming it."""
     ring = reader.spool.ring
     seq, pos = reader.cursor()
@@ -353,7 +373,7 @@ def _peek_dtype(reader):
     return _dtype_of(ring.payload(hit))
 
 
-def _dtype_of(mv):
+def _dtype_of(mv: memoryview) -> np.dtype[Any]:
     """dtype from a numpy frame's descriptor alone (the data is not touched)."""
     try:
         n, _r = _HEAD.unpack_from(mv)

@@ -14,6 +14,7 @@ import json
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Stamp", "Deduper", "split_stamp", "pop_stamp", "arrow_stamp", "STAMP_MAGIC",
            "STAMP_BYTES", "STAMP_LAST", "STAMP_FIELD", "ARROW_STAMP_KEY"]
@@ -58,17 +59,17 @@ class Stamp:
     rows: int = 1  # rows in the frame (Arrow frames carry many; ``row`` is the first)
 
     @property
-    def key(self):
+    def key(self) -> tuple[str, int, int, int]:
         """``(writer, batch, partition, row)``: equal for duplicates of one row."""
         return (self.writer, self.batch, self.partition, self.row)
 
     @property
-    def task(self):
+    def task(self) -> tuple[str, int, int]:
         """``(writer, batch, partition)``: the logical task (all its attempts)."""
         return (self.writer, self.batch, self.partition)
 
-    def to_json(self) -> dict:
-        d = {"w": self.writer, "b": self.batch, "p": self.partition, "a": self.attempt, "i": self.row}
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"w": self.writer, "b": self.batch, "p": self.partition, "a": self.attempt, "i": self.row}
         if self.rows != 1:
             d["n"] = self.rows
         if self.last:
@@ -76,7 +77,7 @@ class Stamp:
         return d
 
     @classmethod
-    def from_json(cls, d) -> "Stamp":
+    def from_json(cls, d: dict[str, Any]) -> "Stamp":
         return cls(str(d["w"]), int(d["b"]), int(d["p"]), int(d["a"]), int(d["i"]),
                    bool(d.get("last", False)), int(d.get("n", 1)))
 
@@ -85,7 +86,8 @@ class Stamp:
                            min(self.attempt, 0xFFFF), STAMP_LAST if self.last else 0, self.row)
 
 
-def split_stamp(data):
+def split_stamp(data: bytes | bytearray | memoryview
+                ) -> tuple[Stamp | None, bytes | bytearray | memoryview]:
     """Return ``(Stamp or None, payload)`` for a frame's bytes.
 
     Understands the 40-byte prefix stamp (``stamp="prefix"``); for JSON or
@@ -100,7 +102,7 @@ def split_stamp(data):
     return None, data
 
 
-def pop_stamp(record):
+def pop_stamp(record: object) -> Stamp | None:
     """Remove and return the :class:`Stamp` of a decoded JSON/pickle row dict (None if unstamped)."""
     d = record.pop(STAMP_FIELD, None) if isinstance(record, dict) else None
     return Stamp.from_json(d) if d else None
@@ -109,7 +111,7 @@ def pop_stamp(record):
 ARROW_STAMP_KEY = b"shmq.stamp"  # Arrow frames: the stamp is schema metadata
 
 
-def arrow_stamp(table):
+def arrow_stamp(table: Any) -> Stamp | None:
     """The :class:`Stamp` of an Arrow frame (``Reader.get_arrow()``), or None."""
     meta = table.schema.metadata or {}
     raw = meta.get(ARROW_STAMP_KEY)
@@ -124,12 +126,12 @@ class Deduper:
     stretch over which a retry can land (a few micro-batches).
     """
 
-    def __init__(self, max_keys=1_000_000):
-        self._keys = OrderedDict()
+    def __init__(self, max_keys: int = 1_000_000) -> None:
+        self._keys: OrderedDict[tuple[str, int, int, int], None] = OrderedDict()
         self._max = max_keys
         self.duplicates = 0
 
-    def seen(self, stamp) -> bool:
+    def seen(self, stamp: Stamp | None) -> bool:
         if stamp is None:
             return False
         k = stamp.key

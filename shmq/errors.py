@@ -6,6 +6,8 @@ catches them unchanged.  All errors survive pickling (they are raised in
 worker processes and re-raised in parents).
 """
 
+from __future__ import annotations
+
 import queue
 
 __all__ = [
@@ -33,7 +35,7 @@ class ShmqError(Exception):
 
     kind = "error"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ShmqError], tuple[object, ...]]:
         # Exceptions with extra attributes or keyword-only constructors do
         # not round-trip through pickle by default; rebuild from args.
         return (type(self), self.args)
@@ -89,7 +91,7 @@ class UntrustedSpool(ShmqError, PermissionError):
 
     kind = "untrusted"
 
-    def __str__(self):
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 

@@ -14,9 +14,17 @@ from __future__ import annotations
 import os
 import stat as _stat
 import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import _format as F
 from ._lock import holder_pid
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
+
+    from .leases import WorkQueueStats
+    from .stats import SpoolStats
 
 __all__ = ["prometheus_text", "ShmqCollector", "SPOOL_METRICS", "READER_METRICS",
            "spool_paths", "peek", "rate_at", "series_window"]
@@ -82,17 +90,17 @@ def _escape(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _labels(pairs) -> str:
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
 
 
-def _num(v) -> str:
+def _num(v: float) -> str:
     if isinstance(v, float):
         return repr(v) if v == v and v not in (float("inf"), float("-inf")) else str(v)
     return str(int(v))
 
 
-def prometheus_text(stats_list) -> str:
+def prometheus_text(stats_list: Iterable[SpoolStats]) -> str:
     """The Prometheus text exposition (format 0.0.4) of some :class:`shmq.SpoolStats`.
 
     One ``# HELP``/``# TYPE`` pair per metric, then one sample per spool
@@ -100,7 +108,7 @@ def prometheus_text(stats_list) -> str:
     Pure: reads only the snapshots given.
     """
     stats_list = list(stats_list)
-    out = []
+    out: list[str] = []
     for name, kind, doc, get in SPOOL_METRICS:
         out.append(f"# HELP {name} {doc}")
         out.append(f"# TYPE {name} {kind}")
@@ -133,17 +141,17 @@ class ShmqCollector:
     :raises ImportError: prometheus_client is not installed (at construction).
     """
 
-    def __init__(self, paths):
+    def __init__(self, paths: StrPath | Iterable[StrPath]) -> None:
         import importlib
 
         importlib.import_module("prometheus_client.core")  # optional dependency: fail early
 
         self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
-    def describe(self):
+    def describe(self) -> list[Any]:
         return []  # do not scrape at registration time
 
-    def _snapshots(self):
+    def _snapshots(self) -> tuple[list[SpoolStats], list[str]]:
         from .spool import Spool
 
         out, failed = [], []
@@ -155,7 +163,7 @@ class ShmqCollector:
                 failed.append(path)
         return out, failed
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         snaps, failed = self._snapshots()
@@ -166,7 +174,7 @@ class ShmqCollector:
             up.add_metric([path], 0)
         yield up
 
-        def family(name, kind, doc, labels):
+        def family(name: str, kind: str, doc: str, labels: list[str]) -> Any:
             if kind == "counter":
                 return CounterMetricFamily(name[:-len("_total")], doc, labels=labels)
             return GaugeMetricFamily(name, doc, labels=labels)
@@ -192,7 +200,7 @@ class ShmqCollector:
 # --- finding spools and reading their header without attaching ------------
 
 
-def spool_paths(paths):
+def spool_paths(paths: Iterable[StrPath]) -> list[str]:
     """Expand ``paths`` (spool files or directories) into spool file paths.
 
     Directory entries are kept when they are regular files (not symlinks,
@@ -225,7 +233,7 @@ def spool_paths(paths):
     return out
 
 
-def peek(path) -> dict:
+def peek(path: str) -> dict[str, Any]:
     """Geometry and control words of a spool, read with ``pread`` (no mapping, no semaphores).
 
     Works on spools the caller can read but not write.  The words are a
@@ -265,7 +273,7 @@ def peek(path) -> dict:
     }
 
 
-def rate_at(series, second) -> int:
+def rate_at(series: Iterable[tuple[int, int]], second: int) -> int:
     """Frames counted in unix ``second`` by a ``(second, frames)`` series (0 if absent)."""
     for s, n in series:
         if s == second:
@@ -273,7 +281,8 @@ def rate_at(series, second) -> int:
     return 0
 
 
-def series_window(series, seconds, now=None) -> list:
+def series_window(series: Iterable[tuple[int, int]], seconds: int,
+                  now: float | None = None) -> list[int]:
     """Per-second counts for the ``seconds`` complete seconds before ``now``, oldest first."""
     now = int(time.time() if now is None else now)
     d = dict(series)
@@ -294,9 +303,9 @@ WORKQUEUE_METRICS = (
 )
 
 
-def workqueue_prometheus_text(path, wq) -> str:
+def workqueue_prometheus_text(path: str, wq: WorkQueueStats) -> str:
     """Prometheus text exposition of a :class:`shmq.WorkQueueStats` for spool ``path``."""
-    out = []
+    out: list[str] = []
     labels = _labels([("spool", path)])
     for field, help_ in WORKQUEUE_METRICS:
         name = f"shmq_workqueue_{field}"

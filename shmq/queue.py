@@ -23,8 +23,13 @@ import os
 import secrets
 import stat as _stat
 import weakref
+from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker
+<<<<<<< HEAD
 from multiprocessing import util as _mp_util
+=======
+from typing import Any
+>>>>>>> typing
 
 import posix_ipc
 
@@ -60,7 +65,7 @@ _encode = _codec.encode
 _decode = _codec.decode_item  # only after _codec.require_trust() at attach
 
 
-def default_ceiling(directory: str, capacity) -> int:
+def default_ceiling(directory: str, capacity: int | str) -> int:
     """A queue's default ``max_capacity``: half of ``directory``'s filesystem, at most
     4 GiB, never below ``capacity``."""
     vfs = os.statvfs(directory)
@@ -89,11 +94,12 @@ class Queue:
     fork, spawn and forkserver.
     """
 
-    _unfinished = None
+    _unfinished: Any = None  # JoinableQueue: the unfinished-items semaphore
     _counts_items = False  # JoinableQueue: put counts the item first, in Python
 
-    def __init__(self, maxsize=0, *, capacity=DEFAULT_CAPACITY, max_capacity=None, path=None,
-                 trusted=False, ctx=None):
+    def __init__(self, maxsize: int = 0, *, capacity: int | str = DEFAULT_CAPACITY,
+                 max_capacity: int | str | None = None, path: str | None = None,
+                 trusted: bool = False, ctx: Any = None) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
             raise TypeError(f"maxsize must be an int, not {type(maxsize).__name__}")
         self._owner = None
@@ -123,7 +129,7 @@ class Queue:
             self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool.sem_prefix,
                                                self._owner)
 
-    def _attach(self, spool, trusted):
+    def _attach(self, spool: Spool, trusted: bool) -> None:
         if spool.on_full != "block":
             spool.close()
             raise ShmqError(f"{spool.path} is a '{spool.on_full}' spool; a queue needs on_full='block'")
@@ -154,7 +160,7 @@ class Queue:
         self._closed = False
 
     @staticmethod
-    def _track(spool):
+    def _track(spool: Spool) -> None:
         # The resource tracker unlinks these if we die without closing.
         resource_tracker.register("/" + os.path.basename(spool.path), "shared_memory")
         for which in _TRACKED_SEMS + (f"g{0}",):
@@ -162,12 +168,12 @@ class Queue:
 
     # -- pickling: by path, reattach ------------------------------------------
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         return {"path": self._spool.path, "trusted": self._trusted}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self._owner = None
         self._attach(Spool.open(state["path"]), state["trusted"])
         _mp_util.register_after_fork(self, Queue._watch_creator)
@@ -185,7 +191,7 @@ class Queue:
 
     # -- the stdlib surface ---------------------------------------------------
 
-    def put(self, obj, block=True, timeout=None):
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj`` into the queue; it is in shared memory when this returns.
 
         Blocks while the queue holds ``maxsize`` items, for at most
@@ -227,11 +233,17 @@ class Queue:
                 self._unfinished.acquire(0)
             raise
 
+<<<<<<< HEAD
     def _put_slow(self, obj, block, timeout):
         """What the core's put leaves to Python: waiting, timeouts, out-of-band buffers."""
         return Queue._put_general(self, obj, block, timeout)
+=======
+    def _put_slow(self, obj: Any, block: bool, timeout: float | None) -> None:
+        """What the core's put_obj_api leaves to Python: waiting, timeouts, out-of-band buffers."""
+        return Queue.put(self, obj, block, timeout)
+>>>>>>> typing
 
-    def get(self, block=True, timeout=None):
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return the next item (FIFO across producers, by commit order).
 
         :raises queue.Empty: (as shmq.Empty) nothing arrived in time.
@@ -241,7 +253,7 @@ class Queue:
         # lock, unpickle); the port hands the rest to type(self)._get_slow.
         return self._port.get(block, timeout)
 
-    def _get_slow(self, block, timeout, got):
+    def _get_slow(self, block: bool, timeout: float | None, got: object) -> Any:
         """Waiting, other codecs, a stuck group lock: what the core's get leaves to Python."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
@@ -249,12 +261,12 @@ class Queue:
             f = self._reader.core_cursor.last
         else:
             f = self._reader.get(block, timeout)
-        return _decode(f[2], f.codec)
+        return _decode(f[2], f.codec)  # type: ignore[index,union-attr]  # last: set by UNDECODED
 
-    def put_nowait(self, obj):
+    def put_nowait(self, obj: Any) -> None:
         return self.put(obj, False)
 
-    def get_nowait(self):
+    def get_nowait(self) -> Any:
         return self.get(False)
 
     def qsize(self) -> int:
@@ -297,7 +309,7 @@ class Queue:
 
     # -- beyond the stdlib -----------------------------------------------------
 
-    def put_many(self, items, block=True, timeout=None) -> None:
+    def put_many(self, items: Iterable[Any], block: bool = True, timeout: float | None = None) -> None:
         """Put several objects as one batch: atomic (consumers see all or none) when
         the items are of one kind (all ``bytes``, or all pickled in-band, or all
         with out-of-band buffers); a mixed batch is put item by item."""
@@ -313,7 +325,7 @@ class Queue:
             # A frame header has one codec: a batch of one kind (all pickles, all
             # bytes, all out-of-band) is one atomic append; a mixed one goes item by item.
             encoded = _codec.encode_many(items)
-            codec = encoded[0][1] if encoded else None
+            codec = encoded[0][1] if encoded else None  # type: ignore[assignment]
             if all(c == codec for _i, c in encoded):
                 appends = [(tuple([i for i, _c in encoded]), codec)] if encoded else []
             else:
@@ -332,7 +344,8 @@ class Queue:
                     self._unfinished.acquire(0)
             raise
 
-    def get_many(self, max_items=100, block=True, timeout=None) -> list:
+    def get_many(self, max_items: int = 100, block: bool = True,
+                 timeout: float | None = None) -> list[Any]:
         """Remove and return 1..``max_items`` items, blocking only for the first."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
@@ -342,9 +355,9 @@ class Queue:
             out, undecoded = out
             for i in undecoded:
                 out[i] = _decode(out[i][2], out[i].codec)
-        return out
+        return out  # type: ignore[return-value]  # a list either way
 
-    async def get_async(self, timeout=None):
+    async def get_async(self, timeout: float | None = None) -> Any:
         """``await`` the next item; the event loop parks on the spool's inotify fd."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
@@ -352,11 +365,11 @@ class Queue:
         return await retry_async(lambda: self.get(block=False), Empty, self._spool.data_bell,
                                  lambda: self._reader.available, timeout)
 
-    async def put_async(self, obj, timeout=None):
+    async def put_async(self, obj: Any, timeout: float | None = None) -> None:
         """``await`` room, then put ``obj``."""
         writer = self._spool.writer
 
-        def room_moved():
+        def room_moved() -> Callable[[], bool]:
             marker = writer.room_marker()
             return lambda: writer.room_marker() != marker
 
@@ -368,7 +381,7 @@ class Queue:
         """The spool file behind this queue."""
         return self._spool.path
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.path}"
         return f"<shmq.{type(self).__name__} {state}>"
 
@@ -380,7 +393,7 @@ def anonymous_paths() -> list[str]:
     a link.  What each one is, is for the caller to validate (``shmq ls`` reads
     its header).
     """
-    out = []
+    out: list[str] = []
     try:
         names = sorted(os.listdir(ANONYMOUS_DIR))
     except OSError:
@@ -399,6 +412,7 @@ def anonymous_paths() -> list[str]:
     return out
 
 
+<<<<<<< HEAD
 def queue_creator(path):
     """``(pid, start)`` of the creator of the anonymous queue at ``path``, from its name
     (``start``: low 32 bits of its start time, as :func:`shmq._lock.process_alive` takes);
@@ -486,6 +500,9 @@ def reclaim_orphans(limit=RECLAIM_BATCH) -> int:
 
 
 def _destroy_owned(path, prefix, owner):
+=======
+def _destroy_owned(path: str, prefix: str, owner: int) -> None:
+>>>>>>> typing
     if os.getpid() != owner:
         return  # a fork child inherited the finalizer: only the creator removes it
     from ._mapping import unlink_semaphores
@@ -513,7 +530,7 @@ class JoinableQueue(Queue):
 
     _counts_items = True
 
-    def _attach(self, spool, trusted):
+    def _attach(self, spool: Spool, trusted: bool) -> None:
         super()._attach(spool, trusted)
         self._unfinished = spool.open_semaphore(sem_name(spool.sem_prefix, SEM_UNFINISHED), 0)
 
@@ -532,7 +549,7 @@ class JoinableQueue(Queue):
         if not self._unfinished.value and sp.space_bell.has_waiters():
             sp.space_bell.ring()
 
-    def join(self, timeout=None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Block until every item put has been marked ``task_done()``.
 
         ``timeout`` (an extension) bounds the wait; returns True when done.
@@ -546,13 +563,13 @@ class JoinableQueue(Queue):
 class SimpleQueue(Queue):
     """An unbounded :class:`Queue` with the ``multiprocessing.SimpleQueue`` surface."""
 
-    def __init__(self, *, capacity=DEFAULT_CAPACITY, max_capacity=None, path=None, trusted=False,
-                 ctx=None):
+    def __init__(self, *, capacity: int | str = DEFAULT_CAPACITY, max_capacity: int | str | None = None,
+                 path: str | None = None, trusted: bool = False, ctx: Any = None) -> None:
         super().__init__(0, capacity=capacity, max_capacity=max_capacity, path=path,
                          trusted=trusted)
 
-    def get(self):
+    def get(self) -> Any:  # type: ignore[override]  # as multiprocessing's SimpleQueue
         return super().get()
 
-    def put(self, obj):
+    def put(self, obj: Any) -> None:  # type: ignore[override]
         return super().put(obj)

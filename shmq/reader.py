@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Self, overload
 
 from . import _core
 from . import _format as F
@@ -27,6 +29,12 @@ from ._lock import RecoverableLock
 from ._mapping import group_sem_name
 from .errors import Empty, ReaderBusy
 from .waiting import check_block_timeout, retry_async, retry_stuck
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from .columnar import PinnedView
+    from .spool import Spool
 
 Frame = _core.Frame
 
@@ -41,7 +49,7 @@ TRIM_IDLE_S = 0.01
 _K_ANON, _K_NAMED, _K_GROUP = 0, 1, 2
 
 
-def _check_max_frames(max_frames):
+def _check_max_frames(max_frames: int) -> None:
     if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
         raise ValueError(f"max_frames must be a positive int, not {max_frames!r}")
 
@@ -53,14 +61,14 @@ class Reader:
     sharing a reader never receive the same frame twice.
     """
 
-    name = None
-    _slot = None
+    name: str | None = None
+    _slot: Any = None  # int once attached (named readers and groups)
     _kind = _K_ANON
 
     #: True for a group member: the cursor is shared (lives in the reader table).
     shared = False
 
-    def __init__(self, spool, *, start="earliest", verify=False):
+    def __init__(self, spool: Spool, *, start: str | int = "earliest", verify: bool = False) -> None:
         self._spool = spool
         self._verify = verify
         self._closed = False
@@ -76,13 +84,13 @@ class Reader:
             self.get = self._cur.get_api
         spool.add_reader(self)
 
-    def _initial_cursor(self, start):
+    def _initial_cursor(self, start: str | int) -> tuple[int, int]:
         return self._spool.ring.cursor_for(start)
 
-    def _auto_commit(self):
+    def _auto_commit(self) -> bool:
         return False
 
-    def _lock_name(self):
+    def _lock_name(self) -> str | None:
         return None
 
     # -- state ----------------------------------------------------------
@@ -92,17 +100,17 @@ class Reader:
         return self._closed
 
     @property
-    def spool(self):
+    def spool(self) -> Spool:
         """The :class:`shmq.Spool` handle this reader reads."""
         return self._spool
 
     @property
-    def core_cursor(self):
+    def core_cursor(self) -> _core.Cursor:
         """The compiled cursor (:class:`shmq._core.Cursor`) doing this reader's reads."""
         return self._cur
 
     @property
-    def slot(self):
+    def slot(self) -> int | None:
         """Index of this reader's slot in the reader table (None: anonymous)."""
         return self._slot
 
@@ -134,7 +142,7 @@ class Reader:
 
     # -- reading --------------------------------------------------------
 
-    def get(self, block=True, timeout=None):
+    def get(self, block: bool = True, timeout: float | None = None) -> Frame:
         """Return the next frame as ``shmq.Frame(seq, timestamp_ns, data)``.
 
         Blocks (without spinning, beyond a few microseconds) until a frame is
@@ -149,7 +157,7 @@ class Reader:
         # type(self)._get_slow.
         return self._cur.get_api(block, timeout)
 
-    def _get_slow(self, block, timeout, f):
+    def _get_slow(self, block: bool, timeout: float | None, f: Any) -> Frame:
         """What the core's get could not finish: wait for a frame, recover a group's lock."""
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
@@ -162,7 +170,7 @@ class Reader:
             deadline = self.wait(timeout, deadline)
             f = self._cur.get()
 
-    def wait(self, timeout, deadline):
+    def wait(self, timeout: float | None, deadline: float | None) -> float | None:
         """Park until the cursor has something to read (or was told to re-check).
 
         ``timeout`` is the caller's whole budget (0: do not wait, None:
@@ -194,7 +202,18 @@ class Reader:
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
-    def get_many(self, max_frames=100, block=True, timeout=None, as_array=False):
+    @overload
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
+                 as_array: Literal[False] = False) -> list[Frame]: ...
+    @overload
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None, *,
+                 as_array: Literal[True]) -> NDArray[Any]: ...
+    @overload
+    def get_many(self, max_frames: int, block: bool, timeout: float | None,
+                 as_array: Literal[True]) -> NDArray[Any]: ...
+
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
+                 as_array: bool = False) -> list[Frame] | NDArray[Any]:
         """Return a list of 1..``max_frames`` frames, blocking only for the first.
 
         ``as_array=True`` (record-stream mode): concatenate up to
@@ -219,7 +238,7 @@ class Reader:
             if type(out) is list and out:
                 return out
 
-    async def get_async(self, timeout=None):
+    async def get_async(self, timeout: float | None = None) -> Frame:
         """``await`` the next frame: the event loop watches the same inotify fd.
 
         :raises shmq.Empty: nothing arrived within ``timeout``.
@@ -232,12 +251,22 @@ class Reader:
         except Empty:
             raise Empty(f"no frame within {timeout} s") from None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Frame]:
         """Blocking iteration: yields frames forever (until the reader is closed)."""
         while not self._closed:
             yield self.get()
 
-    def get_array(self, block=True, timeout=None, copy=True):
+    @overload
+    def get_array(self, block: bool = True, timeout: float | None = None,
+                  copy: Literal[True] = True) -> NDArray[Any]: ...
+    @overload
+    def get_array(self, block: bool = True, timeout: float | None = None, *,
+                  copy: Literal[False]) -> PinnedView: ...
+    @overload
+    def get_array(self, block: bool, timeout: float | None, copy: Literal[False]) -> PinnedView: ...
+
+    def get_array(self, block: bool = True, timeout: float | None = None,
+                  copy: bool = True) -> NDArray[Any] | PinnedView:
         """The next frame as a numpy array (it must be a numpy frame).
 
         ``copy=True``: a writable array over one private copy.  ``copy=False``:
@@ -252,14 +281,14 @@ class Reader:
 
         return get_array(self, block, timeout, copy)
 
-    def get_arrow(self, block=True, timeout=None, copy=True):
+    def get_arrow(self, block: bool = True, timeout: float | None = None, copy: bool = True) -> Any:
         """The next frame as a pyarrow Table (zero-copy over the mapping with ``copy=False``,
         as a PinnedView); see :meth:`get_array`."""
         from .columnar import get_arrow
 
         return get_arrow(self, block, timeout, copy)
 
-    def seek(self, where) -> None:
+    def seek(self, where: str | int) -> None:
         """Move the cursor to "earliest", "latest" or a seq (the next frame returned).
 
         :raises shmq.FrameLost: that seq was already overwritten.
@@ -268,20 +297,20 @@ class Reader:
         self.check()
         self._set_cursor(*self._spool.ring.cursor_for(where))
 
-    def _set_cursor(self, seq, pos):
+    def _set_cursor(self, seq: int, pos: int) -> None:
         self._cur.pos = pos
         self._cur.seq = seq
 
-    def cursor(self):
+    def cursor(self) -> tuple[int, int]:
         """This reader's cursor ``(seq, pos)``: the next frame it will return."""
         return self._cur.seq, self._cur.pos
 
-    def advance(self, seq, pos) -> None:
+    def advance(self, seq: int, pos: int) -> None:
         """Move the cursor to ``(seq, pos)`` past frames read outside the core (zero-copy
         columnar reads); a named reader with auto-commit commits it."""
         self._set_cursor(seq, pos)
 
-    def take(self, copy, timeout):
+    def take(self, copy: bool, timeout: float | None) -> tuple[int, Any, int, int | None] | None:
         """The next frame as ``(seq, payload, codec, pos)``, or None if there is none yet.
 
         With ``copy=False`` a plain frame is pinned and ``payload`` is a
@@ -309,12 +338,12 @@ class Reader:
 
     # -- hooks for subclasses --------------------------------------------
 
-    def count_lost(self, n) -> None:
+    def count_lost(self, n: int) -> None:
         """Add ``n`` frames skipped outside this reader (e.g. by a Spark source that
         jumped over overwritten offsets) to its loss counter."""
         self._cur.add_lost(n)
 
-    def _before_wait(self):
+    def _before_wait(self) -> None:
         pass
 
     def flush_stats(self) -> None:
@@ -324,7 +353,7 @@ class Reader:
         """Called by the spool in a fork child.  An anonymous reader needs nothing: its
         cursor is private memory, copied with the process."""
 
-    def _locked(self, call, timeout):
+    def _locked(self, call: Callable[[float], Any], timeout: float | None) -> Any:
         raise NotImplementedError  # only a group's cursor has a lock
 
     # -- lifecycle --------------------------------------------------------
@@ -336,16 +365,16 @@ class Reader:
             self._cur.close()
             self._spool.discard_reader(self)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Reader], tuple[Any, ...]]:
         return (_reattach, (self._spool, None, False, self._cur.seq, self._verify))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<shmq.{type(self).__name__} {self.name!r} at seq {self.position}>"
 
 
@@ -355,7 +384,8 @@ class _SlotReader(Reader):
     _kind = _K_NAMED
     _slot_state = F.SLOT_READER
 
-    def __init__(self, spool, name, *, start="earliest", verify=False):
+    def __init__(self, spool: Spool, name: str, *, start: str | int = "earliest",
+                 verify: bool = False) -> None:
         self.name = name
         self._slot = None
         slot = spool.slots.attach(name, self._slot_state, start)
@@ -367,7 +397,7 @@ class _SlotReader(Reader):
             self._detach(spool)
             raise
 
-    def _attach(self, spool, slot):
+    def _attach(self, spool: Spool, slot: int) -> None:
         slots = spool.slots
         exclusive = self._slot_state == F.SLOT_READER
         if exclusive and slots.holds(slot):
@@ -377,7 +407,7 @@ class _SlotReader(Reader):
                              f"process (pid {slots.word(slot, F.S_PID)})")
         slots.set_word(slot, F.S_PID, os.getpid())
 
-    def _detach(self, spool):
+    def _detach(self, spool: Spool) -> None:
         if self._slot is not None:
             spool.slots.let_go(self._slot)
 
@@ -393,7 +423,7 @@ class _SlotReader(Reader):
         self.flush_stats()
         return self._spool.slots.word(self._slot, F.S_LOST)
 
-    def _before_wait(self):
+    def _before_wait(self) -> None:
         self.flush_stats()
 
     def close(self) -> None:
@@ -421,14 +451,15 @@ class NamedReader(_SlotReader):
     after a crash, frames read since the last commit are delivered again.
     """
 
-    def __init__(self, spool, name, *, start="earliest", auto_commit=True, verify=False):
+    def __init__(self, spool: Spool, name: str, *, start: str | int = "earliest", auto_commit: bool = True,
+                 verify: bool = False) -> None:
         self._auto = auto_commit
         super().__init__(spool, name, start=start, verify=verify)
 
-    def _auto_commit(self):
+    def _auto_commit(self) -> bool:
         return bool(self._auto)
 
-    def _initial_cursor(self, start):
+    def _initial_cursor(self, start: str | int) -> tuple[int, int]:
         seq, pos = self._spool.slots.cursor(self._slot)
         self._spool.ring.check_cursor(self.name, seq, pos)
         return seq, pos
@@ -442,7 +473,7 @@ class NamedReader(_SlotReader):
         if not self._closed:
             self._cur.flush()
 
-    def advance(self, seq, pos) -> None:
+    def advance(self, seq: int, pos: int) -> None:
         self._set_cursor(seq, pos)
         if self._auto:
             self._cur.commit()
@@ -453,12 +484,12 @@ class NamedReader(_SlotReader):
         self.check()
         self._cur.commit()
 
-    def seek(self, where) -> None:
+    def seek(self, where: str | int) -> None:
         super().seek(where)
         if self._auto:
             self.commit()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Reader], tuple[Any, ...]]:
         return (_reattach, (self._spool, self.name, False, None, self._verify, self._auto))
 
 
@@ -477,7 +508,8 @@ class GroupReader(_SlotReader):
     _kind = _K_GROUP
     shared = True
 
-    def __init__(self, spool, name, *, start="earliest", verify=False):
+    def __init__(self, spool: Spool, name: str, *, start: str | int = "earliest",
+                 verify: bool = False) -> None:
         super().__init__(spool, name, start=start, verify=verify)
         try:
             spool.ring.check_cursor(name, *spool.slots.cursor(self._slot))
@@ -486,13 +518,13 @@ class GroupReader(_SlotReader):
             self.close()
             raise
 
-    def _lock_name(self):
+    def _lock_name(self) -> str:
         name = group_sem_name(self._spool.sem_prefix, self._slot)
         # create it on the group's first use; one another user squatted is refused
         self._spool.open_semaphore(name, 1).close()
         return name
 
-    def _make_lock(self):
+    def _make_lock(self) -> RecoverableLock:
         sp = self._spool
         sem = sp.open_semaphore(group_sem_name(sp.sem_prefix, self._slot), 1)
         w = self._slot * F.SLOT_WORDS
@@ -500,7 +532,7 @@ class GroupReader(_SlotReader):
                                sp.mapping, sp.slots.byte(self._slot, F.SLOT_RECOVERY_BYTE),
                                recovery_timeout=sp.recovery_timeout)
 
-    def _initial_cursor(self, start):
+    def _initial_cursor(self, start: str | int) -> tuple[int, int]:
         return 0, 0  # the cursor lives in the slot
 
     @property
@@ -508,12 +540,12 @@ class GroupReader(_SlotReader):
         return self._spool.slots.word(self._slot, F.S_SEQ)
 
     @property
-    def lock(self):
+    def lock(self) -> RecoverableLock:
         """The group's :class:`shmq._lock.RecoverableLock` (the work queue runs its
         state changes under it)."""
         return self._lock
 
-    def _locked(self, call, timeout):
+    def _locked(self, call: Callable[[float], Any], timeout: float | None) -> Any:
         """Run a core call that takes the group lock; recover a dead holder's lock.
 
         Even a non-blocking get waits for a member that is copying
@@ -523,7 +555,7 @@ class GroupReader(_SlotReader):
         limit = None if timeout is None else time.monotonic() + max(timeout, self._lock.recovery_timeout)
         return retry_stuck(call, self._lock, limit, _is_int, _group_stuck)
 
-    def take(self, copy, timeout):
+    def take(self, copy: bool, timeout: float | None) -> tuple[int, Any, int, int | None] | None:
         """See :meth:`Reader.take`: here under the group's lock, which is held for the copy
         (or the pin) only."""
         if copy:
@@ -549,14 +581,26 @@ class GroupReader(_SlotReader):
         finally:
             lock.release_if_held()
 
-    def get_many(self, max_frames=100, block=True, timeout=None, as_array=False):
+    @overload
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
+                 as_array: Literal[False] = False) -> list[Frame]: ...
+    @overload
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None, *,
+                 as_array: Literal[True]) -> NDArray[Any]: ...
+    @overload
+    def get_many(self, max_frames: int, block: bool, timeout: float | None,
+                 as_array: Literal[True]) -> NDArray[Any]: ...
+
+    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
+                 as_array: bool = False) -> list[Frame] | NDArray[Any]:
         if as_array:
             from .columnar import get_records
 
             return get_records(self, max_frames, block, timeout)
         return self._take_many(self._cur.get_many, max_frames, block, timeout)
 
-    def get_objects(self, max_items=100, block=True, timeout=None, *, unpickle=False):
+    def get_objects(self, max_items: int = 100, block: bool = True, timeout: float | None = None, *,
+                    unpickle: bool = False) -> list[Any] | tuple[list[Any], list[int]]:
         """:meth:`get_many` for ``shmq.Queue``: the payloads themselves, in one core call
         and without a :class:`Frame` per item: raw payloads as they are and, with
         ``unpickle=True``, in-band pickles unpickled after the group lock is released.
@@ -571,7 +615,8 @@ class GroupReader(_SlotReader):
         return self._take_many(lambda n, wait: self._cur.get_obj_many(n, wait, unpickle),
                                max_items, block, timeout)
 
-    def _take_many(self, take, max_frames, block, timeout):
+    def _take_many(self, take: Callable[[int, float], Any], max_frames: int, block: bool,
+                   timeout: float | None) -> Any:
         _check_max_frames(max_frames)
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
@@ -591,17 +636,17 @@ class GroupReader(_SlotReader):
         if not self._closed and not self._spool.closed and self._cur.pending:
             self._locked(lambda wait: None if self._cur.flush(wait) else 0, None)
 
-    def seek(self, where) -> None:
+    def seek(self, where: str | int) -> None:
         """Move the group's shared cursor (affects every member)."""
         self.check()
         seq, pos = self._spool.ring.cursor_for(where)
         with self._lock:
             self._spool.slots.set_cursor(self._slot, seq, pos)
 
-    def _set_cursor(self, seq, pos):
+    def _set_cursor(self, seq: int, pos: int) -> NoReturn:
         raise NotImplementedError  # the cursor lives in the slot: use seek()
 
-    def cursor(self):
+    def cursor(self) -> tuple[int, int]:
         """The group's shared cursor ``(seq, pos)`` (another member may move it at once)."""
         return self._spool.slots.cursor(self._slot)
 
@@ -624,19 +669,20 @@ class GroupReader(_SlotReader):
             self._closed = True
             self._cur.close("could not re-attach group member after fork")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Reader], tuple[Any, ...]]:
         return (_reattach, (self._spool, self.name, True, None, self._verify))
 
 
-def _is_int(out):
+def _is_int(out: object) -> bool:
     return type(out) is int
 
 
-def _group_stuck():
+def _group_stuck() -> NoReturn:
     raise Empty("the group's lock is held by a live member that does not release it")
 
 
-def _reattach(spool, name, group, seq, verify, auto_commit=True):
+def _reattach(spool: Spool, name: str | None, group: bool, seq: Any, verify: bool,
+              auto_commit: bool = True) -> Reader:
     if name is None:
         return spool.reader(start=seq, verify=verify)
     if group:

@@ -32,6 +32,8 @@ import os
 import pickle
 import time
 import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 from . import _core
 from . import _format as F
@@ -56,6 +58,13 @@ from .waiting import check_block_timeout
 from .writer import RING_ADVICE, Deferred, Writer
 from . import writer as _writer
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, StrPath
+    from numpy.typing import NDArray
+    from posix_ipc import Semaphore
+
+    from .reader import GroupReader, NamedReader, Reader
+
 # (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
 _core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty)
 # The core mirrors the layout of _format: refuse to run if they ever disagree.
@@ -70,7 +79,7 @@ __all__ = ["Spool", "Frame", "Deferred", "check_block_timeout", "RING_ADVICE"]
 _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 
 
-def set_crash_hook(hook) -> None:
+def set_crash_hook(hook: Callable[..., Any] | None) -> None:
     """Install the fault-injection hook in the core and the general path (tests only;
     see :data:`shmq.writer.crash_hook`)."""
     _writer.set_crash_hook(hook, _core)
@@ -92,7 +101,8 @@ class Spool:
     should not be used by several threads at once.
     """
 
-    def __init__(self, path, *, sync=False, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S):
+    def __init__(self, path: StrPath, *, sync: bool = False,
+                 recovery_timeout: float = LOCK_RECOVERY_TIMEOUT_S) -> None:
         """Attach to an existing spool: prefer :meth:`open`."""
         path = resolve_path(path)
         self.mapping = Mapping(path)
@@ -103,7 +113,7 @@ class Spool:
             raise
         _open_spools.add(self)
 
-    def _setup(self, sync, recovery_timeout):
+    def _setup(self, sync: bool, recovery_timeout: float) -> None:
         m = self.mapping
         geo = m.geo
         self.path = m.path
@@ -163,29 +173,29 @@ class Spool:
         self.writer = Writer(self, self.ring, self.slots, self.pins, self.writer_lock,
                              self.data_bell, self.space_bell, policy=self._policy,
                              checksum=self.checksum, sync=self._sync)
-        self._readers = weakref.WeakSet()
+        self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         self.holder = holder_word()
 
-    def open_semaphore(self, name, initial):
+    def open_semaphore(self, name: str, initial: int) -> Semaphore:
         """Open (or create) named semaphore ``name`` with this spool's mode, refusing one
         that another user squatted (see :func:`shmq._mapping.open_semaphore`)."""
         m = self.mapping
         return open_semaphore(name, initial, self._sem_mode, owner=m.st_uid, group=m.st.st_gid)
 
     @property
-    def geometry(self) -> dict:
+    def geometry(self) -> dict[str, Any]:
         """The file's immutable geometry (ring/slot/lease offsets and counts, policy,
         checksum, creation time...), as decoded when it was opened."""
         return self.mapping.geo
 
-    def lease_region(self):
+    def lease_region(self) -> memoryview:
         """The lease region (the work queue's table) as u64 words: a memoryview the
         caller releases when done."""
         geo = self.mapping.geo
         lo = geo["lease_offset"]
         return self.mapping.view[lo:lo + geo["lease_count"] * F.LEASE_BYTES].cast("Q")
 
-    def identity(self) -> list:
+    def identity(self) -> list[int]:
         """``[st_dev, st_ino, created_ns]``: tells this spool from another at the same path."""
         st = os.fstat(self.mapping.fd)
         return [st.st_dev, st.st_ino, self.mapping.geo["created_ns"]]
@@ -193,9 +203,10 @@ class Spool:
     # ------------------------------------------------------------ lifecycle
 
     @classmethod
-    def create(cls, path, capacity="64MiB", on_full="overwrite", mode=0o600, *, readers=F.DEFAULT_SLOTS,
-               leases=F.DEFAULT_LEASES, checksum=False, exist_ok=False, sync=False,
-               recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, max_capacity=None) -> "Spool":
+    def create(cls, path: StrPath, capacity: int | str = "64MiB", on_full: str = "overwrite",
+               mode: int = 0o600, *, readers: int = F.DEFAULT_SLOTS,
+               leases: int = F.DEFAULT_LEASES, checksum: bool = False, exist_ok: bool = False, sync: bool = False,
+               recovery_timeout: float = LOCK_RECOVERY_TIMEOUT_S, max_capacity: int | str | None = None) -> Self:
         """Create a spool file and return a handle to it.
 
         ``capacity`` is the data ring's size in bytes (int or "64MiB"; rounded
@@ -254,7 +265,8 @@ class Spool:
         return cls(resolved, sync=sync, recovery_timeout=recovery_timeout)
 
     @classmethod
-    def open(cls, path, *, sync=False, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S) -> "Spool":
+    def open(cls, path: StrPath, *, sync: bool = False,
+             recovery_timeout: float = LOCK_RECOVERY_TIMEOUT_S) -> Self:
         """Attach to an existing spool.
 
         ``sync=True`` makes every put ``msync`` the pages it wrote (for spools
@@ -266,7 +278,7 @@ class Spool:
         return cls(path, sync=sync, recovery_timeout=recovery_timeout)
 
     @staticmethod
-    def destroy(path) -> None:
+    def destroy(path: StrPath) -> None:
         """Remove a spool file and its semaphores, whatever state the file is in
         (truncated or header-corrupt spools too).
 
@@ -299,20 +311,20 @@ class Spool:
     def closed(self) -> bool:
         return self.mapping.mm is None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Spool], tuple[Any, ...]]:
         return (_reopen, (self.path, self._sync, self.recovery_timeout))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self.closed else f"seq {self.first_seq}..{self.next_seq}"
         return f"<shmq.Spool {self.path!r} {self._policy} {self.capacity} B {state}>"
 
-    def _after_fork_in_child(self):
+    def _after_fork_in_child(self) -> None:
         # The inherited descriptor shares the parent's OFD locks and inotify
         # instance; take private ones so liveness and wake-ups stay per process.
         self.mapping.reopen_fd()
@@ -325,11 +337,11 @@ class Spool:
         for r in list(self._readers):
             r.after_fork_in_child()
 
-    def add_reader(self, reader) -> None:
+    def add_reader(self, reader: Reader) -> None:
         """Track ``reader`` as opened through this handle (closed with it, told of forks)."""
         self._readers.add(reader)
 
-    def discard_reader(self, reader) -> None:
+    def discard_reader(self, reader: Reader) -> None:
         """Stop tracking ``reader`` (it closed)."""
         self._readers.discard(reader)
 
@@ -378,7 +390,8 @@ class Spool:
 
     # ------------------------------------------------------------ writing
 
-    def put(self, data, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
+    def put(self, data: ReadableBuffer, *, block: bool = True, timeout: float | None = None,
+            codec: int = F.CODEC_RAW) -> int:
         """Append one frame; return its seq.
 
         Atomic: readers see the whole frame or nothing, also if this process
@@ -395,13 +408,14 @@ class Spool:
         # directly); the core hands anything else to type(self)._put_slow.
         return self.core.put_api(data, block, timeout, codec)
 
-    def _put_slow(self, data, block, timeout, codec):
+    def _put_slow(self, data: ReadableBuffer, block: bool, timeout: float | None, codec: int) -> int:
         """Everything the core's put could not finish: validation, waits, recovery."""
         timeout = None if block and timeout is None else check_block_timeout(block, timeout)
         self.check_open()
         return self.writer.append((data,), timeout, codec)
 
-    def put_many(self, items, *, block=True, timeout=None, codec=F.CODEC_RAW) -> int:
+    def put_many(self, items: Iterable[ReadableBuffer], *, block: bool = True,
+                 timeout: float | None = None, codec: int = F.CODEC_RAW) -> int:
         """Append several frames as one atomic, contiguous batch; return the first seq.
 
         Readers see all of the batch or none of it, with consecutive seqs and
@@ -414,7 +428,7 @@ class Spool:
         if type(items).__module__ == "numpy" and getattr(items, "ndim", 0) == 1:
             from .columnar import put_records
 
-            return put_records(self, items, block=block, timeout=timeout)
+            return put_records(self, items, block=block, timeout=timeout)  # type: ignore[arg-type]
         if type(items) is not list and type(items) is not tuple:
             items = list(items)
         if not items:
@@ -423,7 +437,8 @@ class Spool:
         self.check_open()
         return self.writer.append(items, timeout, codec)
 
-    def reserve(self, nbytes, *, codec=F.CODEC_RAW, timeout=None) -> "Reservation":
+    def reserve(self, nbytes: int, *, codec: int = F.CODEC_RAW,
+                timeout: float | None = None) -> Reservation:
         """Room for one frame of exactly ``nbytes``, written in place (zero-copy)::
 
             with sp.reserve(len(payload)) as buf:   # a writable memoryview
@@ -450,7 +465,7 @@ class Spool:
             raise ValueError(f"nbytes must be non-negative, not {nbytes}")
         return self.writer.reserve(nbytes, codec, timeout)
 
-    def put_array(self, arr, *, block=True, timeout=None) -> int:
+    def put_array(self, arr: NDArray[Any], *, block: bool = True, timeout: float | None = None) -> int:
         """Append a numpy array as one frame (dtype and shape travel in a descriptor).
 
         The data is copied once, into the ring; a non-contiguous array is made
@@ -463,7 +478,7 @@ class Spool:
 
         return put_array(self, arr, block=block, timeout=timeout)
 
-    def put_arrow(self, data, *, block=True, timeout=None) -> int:
+    def put_arrow(self, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
         """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).
 
         :raises ImportError: pyarrow is not installed.
@@ -480,7 +495,7 @@ class Spool:
 
     # ------------------------------------------------------------ reading
 
-    def read_at(self, seq, *, verify=False) -> Frame:
+    def read_at(self, seq: int, *, verify: bool = False) -> Frame:
         """Read frame ``seq`` without a lock and without moving any cursor.
 
         Cost grows with the distance from the oldest frame (or from the
@@ -497,7 +512,21 @@ class Spool:
 
     # ------------------------------------------------------------ readers
 
-    def reader(self, name=None, *, group=False, start="earliest", auto_commit=True, verify=False):
+    @overload
+    def reader(self, name: None = None, *, group: Literal[False] = False, start: str | int = "earliest",
+               auto_commit: bool = True, verify: bool = False) -> Reader: ...
+    @overload
+    def reader(self, name: str, *, group: Literal[False] = False, start: str | int = "earliest",
+               auto_commit: bool = True, verify: bool = False) -> NamedReader: ...
+    @overload
+    def reader(self, name: str, *, group: Literal[True], start: str | int = "earliest",
+               auto_commit: bool = True, verify: bool = False) -> GroupReader: ...
+    @overload
+    def reader(self, name: str | None = None, *, group: bool = False, start: str | int = "earliest",
+               auto_commit: bool = True, verify: bool = False) -> Reader: ...
+
+    def reader(self, name: str | None = None, *, group: bool = False, start: str | int = "earliest",
+               auto_commit: bool = True, verify: bool = False) -> Reader:
         """Return a reader: anonymous (``name=None``), named and durable, or a group member.
 
         * anonymous: a private cursor, never holds writers back, forgotten on close;
@@ -525,7 +554,7 @@ class Spool:
             return GroupReader(self, name, start=start, verify=verify)
         return NamedReader(self, name, start=start, auto_commit=auto_commit, verify=verify)
 
-    def remove_reader(self, name) -> None:
+    def remove_reader(self, name: str) -> None:
         """Forget a named reader or group (its cursor stops holding writers back).
 
         :raises KeyError: no such reader.
@@ -584,7 +613,7 @@ class Spool:
             write_rate=tuple((s, p) for s, p, _g in series),
             read_rate=tuple((s, g) for s, _p, g in series), readers=tuple(readers))
 
-    def trim(self, lock_wait=0.0) -> int | None:
+    def trim(self, lock_wait: float = 0.0) -> int | None:
         """Give back a drained growable spool's memory now; return the bytes released.
 
         Frames every named reader and group has consumed are evicted; if
@@ -621,14 +650,14 @@ class Spool:
         survives process crashes but not a reboot.
         """
         self.check_open()
-        self.mapping.mm.flush()
+        self.mapping.mm.flush()  # type: ignore[union-attr]  # check_open: mapped
 
 
-def _reopen(path, sync, recovery_timeout):
+def _reopen(path: str, sync: bool, recovery_timeout: float) -> Spool:
     return Spool(path, sync=sync, recovery_timeout=recovery_timeout)
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     for sp in list(_open_spools):
         if not sp.closed:
             try:

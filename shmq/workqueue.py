@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Self
 
 from . import _format as F
 from . import codec
@@ -35,6 +37,9 @@ from .errors import Empty, ShmqError
 from .leases import KeyIndex, LeaseTable, WorkQueueStats, lease_stats
 from .spool import Spool
 from .waiting import check_block_timeout
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
 
 __all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
 
@@ -56,7 +61,8 @@ class Message:
     __slots__ = ("_wq", "_slot", "body", "id", "attempt", "key", "headers", "enqueued_at", "token",
                  "lease_deadline", "_done")
 
-    def __init__(self, wq, slot, body, msg_id, attempt, key, headers, enqueued_at, token, deadline):
+    def __init__(self, wq: WorkQueue, slot: int, body: Any, msg_id: int, attempt: int, key: str | bytes | None,
+                 headers: dict[str, Any], enqueued_at: float, token: int, deadline: float) -> None:
         self._wq = wq
         self._slot = slot
         self.body = body
@@ -77,7 +83,7 @@ class Message:
         self._wq._ack(self)
         self._done = True
 
-    def nack(self, delay=None, error=None) -> None:
+    def nack(self, delay: float | None = None, error: BaseException | str | None = None) -> None:
         """Give the message back: delivered again after ``delay`` seconds (attempt + 1),
         or dead-lettered if it has used up its attempts.
 
@@ -94,19 +100,19 @@ class Message:
         :meth:`WorkQueue.release` needs to give it back from another handle."""
         return self._slot
 
-    def extend(self, seconds) -> None:
+    def extend(self, seconds: float) -> None:
         """Push the lease deadline to ``seconds`` from now.
 
         :raises shmq.LeaseLost: the lease was re-granted (stale token).
         """
         self.lease_deadline = self._wq._extend(self, seconds)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"<shmq.Message id={self.id} attempt={self.attempt} key={self.key!r} "
                 f"token={self.token}>")
 
 
-def _error_record(error):
+def _error_record(error: BaseException | str | None) -> dict[str, str | None]:
     if error is None:
         return {"type": None, "message": None, "traceback": None}
     if isinstance(error, BaseException):
@@ -123,8 +129,9 @@ class WorkQueue:
     existing one.  Handles pickle to their path.
     """
 
-    def __init__(self, path, *, capacity="64MiB", max_attempts=5, leases=1024, keys=4096,
-                 dead_capacity="16MiB", trusted=False, liveness_interval=LIVENESS_INTERVAL_S):
+    def __init__(self, path: StrPath, *, capacity: int | str = "64MiB", max_attempts: int = 5, leases: int = 1024,
+                 keys: int = 4096, dead_capacity: int | str = "16MiB", trusted: bool = False,
+                 liveness_interval: float = LIVENESS_INTERVAL_S) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError("max_attempts must be an int >= 1")
         for name, v in (("leases", leases), ("keys", keys)):
@@ -151,7 +158,7 @@ class WorkQueue:
         self._liveness_interval = liveness_interval
         self._next_liveness = 0.0
 
-    def _attach(self, sp, max_attempts, leases, keys, trusted):
+    def _attach(self, sp: Spool, max_attempts: int, leases: int, keys: int, trusted: bool) -> None:
         if sp.on_full != "block":
             raise ShmqError(f"{sp.path} is a '{sp.on_full}' spool; a work queue needs on_full='block'")
         self._trust = codec.require_trust(sp, trusted)  # fstat of the mapped fd
@@ -177,7 +184,7 @@ class WorkQueue:
         self._lock.on_recover = self._recover
 
     @classmethod
-    def open(cls, path, **kw):
+    def open(cls, path: StrPath, **kw: Any) -> Self:
         """Attach to an existing work queue.
 
         :raises FileNotFoundError: nothing at ``path``.
@@ -194,10 +201,10 @@ class WorkQueue:
         self._take.close()
         self._spool.close()
         self._dead.close()
-        self._spool = None
+        self._spool = None  # type: ignore[assignment]  # closed: _check() raises
 
     @staticmethod
-    def destroy(path) -> None:
+    def destroy(path: StrPath) -> None:
         """Remove a work queue's spool and its dead-letter spool.
 
         Every side file is checked before anything is removed: if one is not
@@ -219,27 +226,28 @@ class WorkQueue:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., WorkQueue], tuple[Any, ...]]:
         return (_reopen, (self.path, self._opts))
 
-    def options(self) -> dict:
+    def options(self) -> dict[str, Any]:
         """The options this handle was opened with (a copy), as keyword arguments."""
         return dict(self._opts)
 
-    def _check(self):
+    def _check(self) -> None:
         if self._spool is None:
             raise ValueError("work queue handle is closed")
 
     # -- producing ----------------------------------------------------------------
 
-    def put(self, obj, key=None, delay=None, headers=None, *, not_before=None, max_attempts=None,
-            timeout=None) -> int:
+    def put(self, obj: Any, key: str | bytes | None = None, delay: float | None = None,
+            headers: dict[str, Any] | None = None, *, not_before: float | None = None,
+            max_attempts: int | None = None, timeout: float | None = None) -> int:
         """Enqueue ``obj``; return its message id (its seq in the spool).
 
         ``key``: a newer message replaces an older one with the same key
@@ -256,8 +264,9 @@ class WorkQueue:
         return self.put_many([obj], key=key, delay=delay, headers=headers, not_before=not_before,
                              max_attempts=max_attempts, timeout=timeout)
 
-    def put_many(self, objs, key=None, delay=None, headers=None, *, not_before=None,
-                 max_attempts=None, timeout=None) -> int:
+    def put_many(self, objs: Iterable[Any], key: str | bytes | None | list[str | bytes | None] = None, delay: float | None = None,
+                 headers: dict[str, Any] | None = None, *, not_before: float | None = None,
+                 max_attempts: int | None = None, timeout: float | None = None) -> int:
         """Enqueue several messages atomically (all with the same options); return the first id.
 
         ``key`` may be a list (one key per message).
@@ -293,11 +302,11 @@ class WorkQueue:
                                   before_commit=(lambda s, placed: index(s, placed, hashes)) if index else None)
         return seq
 
-    def _index_keys(self, seq0, placed, hashes):
+    def _index_keys(self, seq0: int, placed: Any, hashes: list[int]) -> None:
         """Point the key index at the new messages (writer lock held, before commit)."""
         self._keys.point(seq0, placed, hashes, self._ctl[F.W_FIRST_SEQ], self.path)
 
-    def _superseded(self, h, seq):
+    def _superseded(self, h: int, seq: int) -> bool:
         """True if a newer committed message with key hash ``h`` exists."""
         got = self._keys.newest(h)
         if got is None:
@@ -308,7 +317,7 @@ class WorkQueue:
         hit = self._spool.ring.header_at(pos)  # verify: the entry may be torn or stale
         return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
 
-    def _ext(self, hit):
+    def _ext(self, hit: Any) -> tuple[Any, ...]:
         """Decode the work-queue header of the frame whose header is ``hit``."""
         if hit[3] < F.WQ_HEADER.size:
             raise ShmqError(f"{self.path}: frame {hit[0]} is not a work queue message")
@@ -316,7 +325,7 @@ class WorkQueue:
 
     # -- consuming ----------------------------------------------------------------
 
-    def get(self, timeout=None, lease=30.0) -> Message:
+    def get(self, timeout: float | None = None, lease: float = 30.0) -> Message:
         """Lease the next deliverable message for ``lease`` seconds.
 
         Delivers, oldest first: messages whose retry or delay is due and
@@ -329,7 +338,8 @@ class WorkQueue:
         msgs = self.get_many(1, timeout=timeout, lease=lease)
         return msgs[0]
 
-    def get_many(self, max_messages=10, timeout=None, lease=30.0) -> list:
+    def get_many(self, max_messages: int = 10, timeout: float | None = None,
+                 lease: float = 30.0) -> list[Message]:
         """Lease up to ``max_messages`` messages (blocking only for the first)."""
         self._check()
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
@@ -366,10 +376,10 @@ class WorkQueue:
             cursor = self._take_seq()
             sp.data_bell.wait(lambda: sp.ring.next_seq > cursor, max(wait, 0.001))
 
-    def _take_seq(self):
+    def _take_seq(self) -> int:
         return self._take.position
 
-    def _lease_some(self, max_messages, lease):
+    def _lease_some(self, max_messages: int, lease: float) -> tuple[list[tuple[Any, ...]], float | None]:
         """Grant up to ``max_messages`` leases; return (grants, seconds until the next due time)."""
         sp = self._spool
         now_ns = time.time_ns()
@@ -403,7 +413,7 @@ class WorkQueue:
         wait = None if next_due_ns is None else max(0.0, (next_due_ns - now_ns) / _NS)
         return grants, wait
 
-    def _take_new(self, now_ns, lease):
+    def _take_new(self, now_ns: int, lease: float) -> tuple[tuple[Any, ...] | None, bool, int | None]:
         """Move the frame at the take cursor into the lease table (lock held).
 
         Returns (grant or None, whether to keep going, due time if it was delayed).
@@ -443,17 +453,17 @@ class WorkQueue:
         slots.set_cursor(t, nseq, npos)
         return grant, True, None
 
-    def _grant(self, i, now_ns, lease, data):
+    def _grant(self, i: int, now_ns: int, lease: float, data: Any) -> tuple[Any, ...]:
         return self._leases.grant(i, now_ns, lease, self._spool.holder) + (data,)
 
-    def _frame_payload(self, i):
+    def _frame_payload(self, i: int) -> Any:
         seq = self._leases.word(i, L_SEQ)
         frame, _s, _p, lost, _c = self._spool.ring.read(seq, self._leases.word(i, L_POS))
         if frame is None or lost or frame[0] != seq:
             raise ShmqError(f"{self.path}: leased frame {seq} is gone (ring corrupt?)")
         return frame[2]
 
-    def _redeliver(self, i, now_ns, lease):
+    def _redeliver(self, i: int, now_ns: int, lease: float) -> tuple[Any, ...] | None:
         """A due record: grant it again, or drop it (superseded / out of attempts)."""
         leases = self._leases
         data = self._frame_payload(i)
@@ -473,7 +483,7 @@ class WorkQueue:
             self._ctl[F.W_WQ_REDELIVERED] += 1
         return self._grant(i, now_ns, lease, data)
 
-    def _dead_letter(self, i, data, error):
+    def _dead_letter(self, i: int, data: Any, error: dict[str, str | None]) -> None:
         word = self._leases.word
         record = {"message_id": word(i, L_SEQ), "payload": bytes(data[F.WQ_HEADER.size:]),
                   "attempts": word(i, L_ATTEMPTS) & 0xFFFFFFFF, "error": error,
@@ -483,22 +493,23 @@ class WorkQueue:
         self._leases.free(i)
         self._ctl[F.W_WQ_DEAD] += 1
 
-    def _update_low(self):
+    def _update_low(self) -> None:
         """Publish the oldest referenced frame so writers keep it (lock held)."""
         slots = self._spool.slots
         seq, pos = self._leases.oldest(*slots.cursor(self._take.slot))
         slots.set_cursor(self._low, seq, pos)
 
-    def _message(self, i, seq, attempt, enq_ns, token, deadline, data):
+    def _message(self, i: int, seq: int, attempt: int, enq_ns: int, token: int, deadline: int,
+                 data: Any) -> Message:
         obj, headers, key = codec.decode_workq(data, self._trust)
         return Message(self, i, obj, seq, attempt, key, headers or {}, enq_ns / _NS, token,
                        deadline / _NS)
 
-    def _owned(self, msg):
+    def _owned(self, msg: Message) -> None:
         """Lock held: the lease record still belongs to this delivery, or LeaseLost."""
         self._leases.owned(msg._slot, msg.token, msg.id)
 
-    def _ack(self, msg):
+    def _ack(self, msg: Message) -> None:
         self._check()
         with self._lock:
             self._owned(msg)
@@ -508,10 +519,11 @@ class WorkQueue:
         sp = self._spool
         sp.core.ring_space()
 
-    def _nack(self, msg, delay, error):
+    def _nack(self, msg: Message, delay: float | None, error: BaseException | str | None) -> None:
         self._give_back(msg._slot, msg.token, msg.id, delay, error)
 
-    def release(self, slot, token, *, delay=None, error=None) -> None:
+    def release(self, slot: int, token: int, *, delay: float | None = None,
+                error: BaseException | str | None = None) -> None:
         """Give back the delivery leased under ``token`` in lease record ``slot``
         (``Message.slot`` and ``Message.token``), as its holder's ``nack`` would:
         delivered again after ``delay`` seconds, or dead-lettered (with
@@ -535,7 +547,8 @@ class WorkQueue:
             raise ValueError(f"lease slot {slot} is out of range (0..{self._nleases - 1})")
         self._give_back(slot, token, None, delay, error)
 
-    def _give_back(self, slot, token, msg_id, delay, error):
+    def _give_back(self, slot: int, token: int, msg_id: int | None, delay: float | None,
+                   error: BaseException | str | None) -> None:
         self._check()
         delay = 0.0 if delay is None else check_block_timeout(True, delay)
         rec = _error_record(error)
@@ -554,7 +567,7 @@ class WorkQueue:
         else:
             sp.core.ring_data()  # a consumer may be waiting for exactly this
 
-    def _extend(self, msg, seconds):
+    def _extend(self, msg: Message, seconds: float) -> float:
         self._check()
         seconds = check_block_timeout(True, seconds)
         with self._lock:
@@ -563,7 +576,7 @@ class WorkQueue:
             self._leases.set_word(msg._slot, L_DUE_NS, deadline)
         return deadline / _NS
 
-    def _recover(self, dead_pid):
+    def _recover(self, dead_pid: int) -> None:
         """After breaking a dead consumer's lock: records ahead of the take cursor
         mean it died between recording a lease and moving the cursor."""
         sp, slots, t = self._spool, self._spool.slots, self._take.slot
@@ -577,12 +590,12 @@ class WorkQueue:
 
     # -- dead letters ---------------------------------------------------------------
 
-    def dead_letters(self) -> list:
+    def dead_letters(self) -> list[DeadLetter]:
         """Messages that ran out of attempts, oldest first (replayed/purged ones excluded)."""
         self._check()
         return self._dead.list()
 
-    def replay_dead(self, ids=None) -> int:
+    def replay_dead(self, ids: Iterable[int] | None = None) -> int:
         """Re-enqueue dead letters (all, or those whose ``id`` is in ``ids``); return how many.
 
         Replayed messages get new ids and fresh attempts.
@@ -590,7 +603,7 @@ class WorkQueue:
         self._check()
         return self._dead.replay(ids, self.put)
 
-    def purge_dead(self, older_than=None) -> int:
+    def purge_dead(self, older_than: float | None = None) -> int:
         """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""
         self._check()
         return self._dead.purge(older_than)
@@ -603,7 +616,7 @@ class WorkQueue:
         return lease_stats(self._spool, self._region, self._take_seq(), self._dead.count())
 
     @staticmethod
-    def stats_of(spool) -> WorkQueueStats | None:
+    def stats_of(spool: Spool) -> WorkQueueStats | None:
         """Work-queue statistics of an open spool handle (None if it is not a work queue).
 
         Reads only: attaches nothing, so ``shmq stat`` can show them.
@@ -627,5 +640,5 @@ class WorkQueue:
             region.release()
 
 
-def _reopen(path, opts):
+def _reopen(path: str, opts: dict[str, Any]) -> WorkQueue:
     return WorkQueue(path, **opts)

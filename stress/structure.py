@@ -49,7 +49,8 @@ import still makes A depend on B).  ``from P import n`` gives an edge to
 ``P.n`` when that is a module, else to ``P`` (``from . import _format``
 depends on ``_format``, not on the package's ``__init__``).  The implicit import of a
 parent package's ``__init__`` is not an edge (every package would cycle
-with its own ``__init__``).  A cycle is a strongly connected component of
+with its own ``__init__``), nor is an import under ``if TYPE_CHECKING:`` (never
+executed: a lower layer naming an upper layer's class in an annotation).  A cycle is a strongly connected component of
 more than one module (or a module importing itself); the figure is the
 number of such components.
 
@@ -206,6 +207,12 @@ def _dotted(node):
     return None
 
 
+def _type_checking(test):
+    """True for the test of ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def analyse(root=ROOT):
     """Return ``{"reaches": [...], "cycles": [[mod, ...], ...], "edges": {...},
     "lines": {path: n}}`` for the package at ``root``."""
@@ -222,7 +229,11 @@ def analyse(root=ROOT):
         facts = _FileFacts()
         facts.visit(tree)
         shmq_alias, other_alias = {}, set()
+        typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and _type_checking(t.test)
+                       for s in t.body for n in ast.walk(s)}
         for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name == top or a.name.startswith(top + "."):

@@ -18,11 +18,15 @@ import mmap
 import os
 import stat as _stat
 import time
+from typing import TYPE_CHECKING, Any
 
 from .._lock import holder_alive, holder_pid, holder_word
 from .._mapping import open_file, resolve_path
 from ..errors import ShmqError
 from .registry import MAX_TYPES, attach
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
 
 MAGIC = int.from_bytes(b"SHMQDSP1", "little")
 VERSION = 1
@@ -43,7 +47,7 @@ STATE_NAMES = {STATE_STOPPED: "stopped", STATE_STARTING: "starting", STATE_RUNNI
 ROW_HDR = 32  # words before a row's latency samples
 
 
-def board_path(path):
+def board_path(path: StrPath) -> str:
     """The metrics board file of the dispatcher whose ingress queue is ``path``."""
     return resolve_path(path) + ".dispatch"
 
@@ -198,7 +202,7 @@ def percentile(sorted_values, q):
     return sorted_values[k]
 
 
-def status(path, queues=True) -> dict:
+def status(path: StrPath, queues: bool = True) -> dict[str, Any]:
     """The state of the dispatcher on ``path``, from any process.
 
     Returns ``{"path", "state", "pid", "alive", "started_at", "stopped_at",
@@ -273,7 +277,7 @@ def _fmt_s(v):
     return f"{v * 1e3:.1f}ms" if v < 1 else f"{v:.2f}s"
 
 
-def format_status(st) -> str:
+def format_status(st: dict[str, Any]) -> str:
     """A human-readable table of :func:`status`."""
     lines = [f"dispatcher on {st['path']}: {st['state']}"
              + (f" (pid {st['pid']})" if st.get("pid") else "")

@@ -16,10 +16,14 @@ import os
 import socket
 import struct
 import sys
+from typing import TYPE_CHECKING, Any
 
 from .._mapping import resolve_path
 from ..errors import ShmqError
 from .board import format_status, status
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -111,7 +115,7 @@ def request(path, req, timeout=5.0):
     return reply
 
 
-def scale(path, type, n, timeout=5.0) -> dict:
+def scale(path: StrPath, type: str, n: int, timeout: float = 5.0) -> dict[str, Any]:
     """Ask the dispatcher running on ``path`` to run ``n`` workers for ``type``.
 
     :raises shmq.ShmqError: no dispatcher is running there, or it refused.
@@ -119,7 +123,7 @@ def scale(path, type, n, timeout=5.0) -> dict:
     return request(path, {"op": "scale", "type": type, "n": n}, timeout)
 
 
-def stop(path, grace=None, timeout=5.0) -> dict:
+def stop(path: StrPath, grace: float | None = None, timeout: float = 5.0) -> dict[str, Any]:
     """Ask the dispatcher running on ``path`` to stop (as SIGTERM would).
 
     :raises shmq.ShmqError: no dispatcher is running there, or it refused.
@@ -127,7 +131,7 @@ def stop(path, grace=None, timeout=5.0) -> dict:
     return request(path, {"op": "stop", "grace": grace}, timeout)
 
 
-def main(argv=None, prog="python -m shmq.dispatch") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m shmq.dispatch") -> int:
     """``python -m shmq.dispatch {scale PATH TYPE N | status PATH [--json] | stop PATH}``
     (``shmq dispatch ...`` passes its own ``prog``)."""
     p = argparse.ArgumentParser(prog=prog,

@@ -16,6 +16,8 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from .._mapping import open_file
 from .._mapping import resolve_path
@@ -30,6 +32,12 @@ from .supervisor import Supervisor, drain
 
 _log = logging.getLogger("shmq.dispatch")
 
+if TYPE_CHECKING:
+    from _typeshed import StrPath
+
+#: A handler: a function ``fn(ctx, body)`` or a class (returned unchanged by registration).
+_H = TypeVar("_H", bound=Callable[..., Any])
+
 #: Ids of messages published straight into a type's queue carry the type's
 #: number (1-based, registration order) from this bit up, so that they never
 #: equal an ingress id or another type's id (``message_id`` and
@@ -40,11 +48,11 @@ ID_TYPE_SHIFT = 48
 class _HybridMethod:
     """``Dispatcher.metrics(path)`` on the class, ``dispatcher.metrics()`` on an instance."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., dict[str, Any]]) -> None:
         self.fn = fn
         self.__doc__ = fn.__doc__
 
-    def __get__(self, obj, cls):
+    def __get__(self, obj: Dispatcher | None, cls: type | None = None) -> Callable[..., dict[str, Any]]:
         if obj is None:
             return lambda path, **kw: self.fn(path, **kw)
         return lambda **kw: self.fn(obj.path, **kw)
@@ -64,10 +72,12 @@ class Dispatcher:
     supervisor has threads.  Handlers must be importable (module-level).
     """
 
-    def __init__(self, work_queue, *, start_method="forkserver", grace=10.0, capacity=None,
-                 dead_capacity=None, max_attempts=5, leases=1024, keys=4096,
-                 unknown_type_delay=0.0, initializer=None, log_level=None, max_workers=128,
-                 reservoir=256, start_timeout=60.0):
+    def __init__(self, work_queue: WorkQueue | StrPath, *, start_method: str = "forkserver", grace: float = 10.0,
+                 capacity: int | str | None = None, dead_capacity: int | str | None = None,
+                 max_attempts: int = 5, leases: int = 1024, keys: int = 4096,
+                 unknown_type_delay: float = 0.0, initializer: Callable[[], Any] | None = None,
+                 log_level: int | str | None = None, max_workers: int = 128,
+                 reservoir: int = 256, start_timeout: float = 60.0) -> None:
         if start_method == "fork":
             raise ValueError("start_method='fork' is not supported: the dispatcher's supervisor "
                              "and router threads make fork unsafe; use 'forkserver' or 'spawn'")
@@ -109,16 +119,17 @@ class Dispatcher:
         # the ingress queue exists from here on: publish() works before start()
         self._pub = open_or_create(self.path, **opts)
         self._pub_lock = threading.Lock()
-        self._direct = {}  # type -> its queue, for publish() once started (no router hop)
+        self._direct: dict[str, tuple[WorkQueue, int, int]] = {}  # type -> its queue, for publish() once started (no router hop)
         self._specs: dict[str, HandlerSpec] = {}
         self._lock = threading.RLock()
         self._state = "new"
-        self._sup = None
+        self._sup: Any = None  # the Supervisor once started
 
     # -- registration --------------------------------------------------------------
 
-    def handler(self, type, *, parallelism=1, timeout=None, max_attempts=5, scope="message",
-                lease=None, cancel_grace=5.0, retry_delay=0.0):
+    def handler(self, type: str, *, parallelism: int = 1, timeout: float | None = None,
+                max_attempts: int = 5, scope: str = "message", lease: float | None = None,
+                cancel_grace: float = 5.0, retry_delay: float | Callable[[int], float] = 0.0) -> Callable[[_H], _H]:
         """Decorator: register a function ``fn(ctx, body)`` or a class for ``type``.
 
         A class is a factory: ``scope="message"`` builds a fresh instance per
@@ -135,15 +146,16 @@ class Dispatcher:
 
         :raises ValueError, TypeError: as :meth:`register`.
         """
-        def register(target):
+        def register(target: _H) -> _H:
             self.register(type, target, parallelism=parallelism, timeout=timeout,
                           max_attempts=max_attempts, scope=scope, lease=lease,
                           cancel_grace=cancel_grace, retry_delay=retry_delay)
             return target
         return register
 
-    def register(self, type, target, *, parallelism=1, timeout=None, max_attempts=5,
-                 scope="message", lease=None, cancel_grace=5.0, retry_delay=0.0):
+    def register(self, type: str, target: _H, *, parallelism: int = 1, timeout: float | None = None,
+                 max_attempts: int = 5, scope: str = "message", lease: float | None = None,
+                 cancel_grace: float = 5.0, retry_delay: float | Callable[[int], float] = 0.0) -> _H:
         """Register ``target`` for ``type`` (the non-decorator form of :meth:`handler`).
 
         :raises ValueError: a bad type name or option, a type registered twice,
@@ -190,30 +202,31 @@ class Dispatcher:
         return target
 
     @property
-    def types(self):
+    def types(self) -> list[str]:
         return list(self._specs)
 
-    def queue_path(self, type):
+    def queue_path(self, type: str) -> str:
         """The path of ``type``'s work queue (``PATH.<type>``).
 
         :raises ValueError: not a valid type name.
         """
         return f"{self.path}.{check_type(type)}"
 
-    def queue(self, type) -> WorkQueue:
+    def queue(self, type: str) -> WorkQueue:
         """A new handle on ``type``'s work queue (dead letters, stats); close it when done.
 
         :raises FileNotFoundError: the queue does not exist (yet).
         """
         return attach(self.queue_path(type), self._trusted)
 
-    def _id_bases(self):
+    def _id_bases(self) -> dict[str, tuple[int, int]]:
         return {t: (s.max_attempts, (i + 1) << ID_TYPE_SHIFT)
                 for i, (t, s) in enumerate(self._specs.items())}
 
     # -- producing -------------------------------------------------------------------
 
-    def publish(self, type, body, key=None, delay=None, headers=None, correlation_id=None) -> int:
+    def publish(self, type: str, body: Any, key: str | bytes | None = None, delay: float | None = None,
+                headers: dict[str, Any] | None = None, correlation_id: int | None = None) -> int:
         """Enqueue a root message of ``type``; return its id.
 
         Once started, a registered type's message goes straight into its
@@ -245,7 +258,7 @@ class Dispatcher:
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self):
+    def start(self) -> Self:
         """Create the per-type queues, start the workers and the router; return when
         every initial worker is ready.
 
@@ -284,7 +297,7 @@ class Dispatcher:
             raise
         return self
 
-    def stop(self, grace=None):
+    def stop(self, grace: float | None = None) -> None:
         """Stop: no new messages are taken; running handlers get ``grace`` seconds
         (default: the dispatcher's ``grace``) to finish, then their workers are
         killed and their messages released.  Idempotent; returns when every
@@ -304,26 +317,26 @@ class Dispatcher:
                 q.close()
             self._direct = {}
 
-    def close(self):
+    def close(self) -> None:
         """Stop (if running) and close the ingress handle."""
         self.stop()
         with self._pub_lock:
             if self._pub is not None:
                 self._pub.close()
-                self._pub = None
+                self._pub = None  # type: ignore[assignment]  # closed
 
-    def _atexit(self):
+    def _atexit(self) -> None:
         self.stop()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         if self._state == "new":
             self.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, grace=None):
+    def run(self, grace: float | None = None) -> None:
         """Start, then block until SIGINT/SIGTERM (or a remote ``stop``), then stop.
 
         The first signal lets running handlers finish for ``grace`` seconds
@@ -338,7 +351,7 @@ class Dispatcher:
             sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             old_wakeup = signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
 
-            def on_signal(signum, frame):
+            def on_signal(signum: int, frame: object) -> None:
                 sup = self._sup
                 if sup is not None:
                     sup.request_stop(grace, hurry=sup.stopping)
@@ -360,13 +373,13 @@ class Dispatcher:
             for sig, old in installed.items():
                 signal.signal(sig, old)
             if sig_r is not None:
-                signal.set_wakeup_fd(old_wakeup)
+                signal.set_wakeup_fd(old_wakeup)  # type: ignore[arg-type]  # set with sig_r
                 os.close(sig_r)
-                os.close(sig_w)
+                os.close(sig_w)  # type: ignore[arg-type]
 
     # -- scaling ----------------------------------------------------------------------
 
-    def scale(self, type, n, wait=None):
+    def scale(self, type: str, n: int, wait: float | None = None) -> bool:
         """Run ``n`` workers for ``type`` from now on (0 pauses the type).
 
         Scaling down asks idle workers first; a busy worker finishes its
@@ -384,7 +397,7 @@ class Dispatcher:
             return self.wait_ready(type, timeout=wait)
         return True
 
-    def wait_ready(self, type=None, timeout=None) -> bool:
+    def wait_ready(self, type: str | None = None, timeout: float | None = None) -> bool:
         """Block until ``type`` (or every type) runs exactly its target number of
         ready workers, none of them retiring; return False on timeout, on a
         stop, or if not started."""
@@ -392,7 +405,7 @@ class Dispatcher:
             return False
         return self._sup.wait_ready([type] if type is not None else list(self._specs), timeout)
 
-    def workers(self) -> dict:
+    def workers(self) -> dict[str, list[int]]:
         """``{type: [pid, ...]}`` of the live worker processes (retiring ones included)."""
         if self._sup is None:
             return {t: [] for t in self._specs}
@@ -400,7 +413,7 @@ class Dispatcher:
 
     # -- metrics ------------------------------------------------------------------------
 
-    def _metrics(path, queues=True):
+    def _metrics(path: StrPath, queues: bool = True) -> dict[str, Any]:  # type: ignore[misc]  # see _HybridMethod
         """Per-type metrics: ``{type: {...}}`` (see docs/dispatcher.md, "Metrics").
 
         ``Dispatcher.metrics(path)`` from any process, ``dispatcher.metrics()``
@@ -411,12 +424,12 @@ class Dispatcher:
     metrics = _HybridMethod(_metrics)
     del _metrics
 
-    def status(self, queues=True) -> dict:
+    def status(self, queues: bool = True) -> dict[str, Any]:
         """The board of this dispatcher, as :func:`shmq.dispatch.status` returns it."""
         return status(self.path, queues=queues)
 
     @staticmethod
-    def destroy(path, types=()) -> None:
+    def destroy(path: StrPath, types: Iterable[str] = ()) -> None:
         """Remove a stopped dispatcher's files: the ingress queue, the type queues it
         recorded (and ``types``), their dead-letter spools and ``PATH.dispatch``.
 

@@ -248,10 +248,10 @@ class Supervisor:
                 self.cv.wait(left)
             return True
 
-    def workers(self) -> dict:
+    def workers(self) -> dict[str, list[int]]:
         """``{type: [pid, ...]}`` of the live worker processes (retiring ones included)."""
         with self.lock:
-            out = {t: [] for t in self.specs}
+            out: dict[str, list[int]] = {t: [] for t in self.specs}
             for w in self.live:
                 out[w.type].append(w.pid)
             return out

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING, Any
 
 from .._lock import holder_word
 from ..errors import Empty, LeaseLost
@@ -30,18 +31,21 @@ from .registry import (
     delay_for, positive,
 )
 
+if TYPE_CHECKING:
+    from ..workqueue import Message
+
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 LOG_FORMAT = ("%(asctime)s %(levelname)s %(processName)s %(name)s "
               "[%(msg_type)s id=%(message_id)s corr=%(correlation_id)s try=%(attempt)s] %(message)s")
 
 
-def block_stop_signals():
+def block_stop_signals() -> None:
     """In a helper thread of a worker: leave SIGINT/SIGTERM to the main thread."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def default_log_fields(record):
+def default_log_fields(record: logging.LogRecord) -> bool:
     """A logging filter: give records the message fields ``LOG_FORMAT`` needs."""
     for k in ("msg_type", "message_id", "correlation_id", "attempt"):
         if not hasattr(record, k):
@@ -89,8 +93,18 @@ class Context:
 
     __slots__ = ("_rt", "_job", "type", "message", "body", "headers", "attempt", "message_id",
                  "correlation_id", "parent_id", "cancelled", "logger")
+    type: str
+    message: Message
+    body: Any
+    headers: dict[str, Any]
+    attempt: int
+    message_id: int
+    correlation_id: int
+    parent_id: int | None
+    cancelled: threading.Event
+    logger: logging.Logger
 
-    def __init__(self, rt, msg):
+    def __init__(self, rt: _WorkerRuntime, msg: Message) -> None:
         self._rt = rt
         self._job = None
         self.type = rt.spec.handler.type
@@ -104,7 +118,8 @@ class Context:
         self.cancelled = threading.Event()
         self.logger = rt.logger
 
-    def publish(self, type, body, key=None, delay=None, headers=None) -> int:
+    def publish(self, type: str, body: Any, key: str | bytes | None = None, delay: float | None = None,
+                headers: dict[str, Any] | None = None) -> int:
         """Enqueue a follow-up message of ``type`` in the same chain; return its id.
 
         It carries this message's ``correlation_id`` and has ``parent_id`` set
@@ -123,7 +138,7 @@ class Context:
         h.pop("message_id", None)
         return self._rt.publish(type, body, key, delay, h)
 
-    def heartbeat(self, extend=None) -> None:
+    def heartbeat(self, extend: float | None = None) -> None:
         """Renew the lease now; with ``extend`` (seconds), also push the timeout
         to at least ``extend`` seconds from now (progress reported by a
         long-running operation).  A cancellation already signalled stays.
@@ -136,14 +151,14 @@ class Context:
         """
         self._rt.watchdog.heartbeat(self._job, extend)
 
-    def time_left(self):
+    def time_left(self) -> float | None:
         """Seconds until the timeout (negative once past it), or None without a timeout."""
         job = self._job
         if job is None or job.deadline is None:
             return None
         return job.deadline - time.monotonic()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"<shmq.dispatch.Context type={self.type!r} message_id={self.message_id} "
                 f"correlation_id={self.correlation_id!r} attempt={self.attempt}>")
 
@@ -259,7 +274,7 @@ class _WorkerRuntime:
         self.current = None
         self.wq = None
         self.wq_mutex = threading.Lock()
-        self.outq = {}  # path -> WorkQueue handle for ctx.publish
+        self.outq: dict[str, Any] = {}  # path -> WorkQueue handle for ctx.publish
         self.out_lock = threading.Lock()
         self.board = None
         self.instance = None

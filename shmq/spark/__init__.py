@@ -37,7 +37,9 @@ from __future__ import annotations
 
 try:
     import pyarrow  # noqa: F401
+    from pyspark.sql import SparkSession
     from pyspark.sql.datasource import DataSource
+    from pyspark.sql.types import StructType
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("shmq.spark needs PySpark >= 4.0 and pyarrow: pip install 'shmq[spark]'") from exc
 
@@ -68,30 +70,30 @@ class ShmqDataSource(DataSource):
     """The ``"shmq"`` data source; see the module docstring and docs/spark.md."""
 
     @classmethod
-    def name(cls):
+    def name(cls) -> str:
         return NAME
 
-    def schema(self):
+    def schema(self) -> StructType:
         return BASE_SCHEMA
 
-    def reader(self, schema):
+    def reader(self, schema: StructType) -> ShmqBatchReader:
         return ShmqBatchReader(self.options, schema)
 
-    def streamReader(self, schema):
+    def streamReader(self, schema: StructType) -> ShmqStreamReader:
         return ShmqStreamReader(self.options, schema)
 
-    def writer(self, schema, overwrite):
+    def writer(self, schema: StructType, overwrite: bool) -> ShmqWriter:
         if overwrite:
             raise ValueError("shmq spools are append-only: use mode('append')")
         return ShmqWriter(self.options, schema)
 
-    def streamWriter(self, schema, overwrite):
+    def streamWriter(self, schema: StructType, overwrite: bool) -> ShmqStreamWriter:
         if overwrite:
             raise ValueError("shmq spools are append-only: use outputMode('append')")
         return ShmqStreamWriter(self.options, schema)
 
 
-def register(spark):
+def register(spark: SparkSession) -> type[ShmqDataSource]:
     """Register the ``"shmq"`` data source with a SparkSession; returns the data source class."""
     spark.dataSource.register(ShmqDataSource)
     return ShmqDataSource

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Mapping
+from typing import Any
 
 from pyspark.sql import types as T
 
@@ -118,7 +120,7 @@ def open_spool(path, options=None, create=False, reading=False):
 
 
 class ReaderOptions:
-    def __init__(self, options, streaming):
+    def __init__(self, options: Mapping[str, str], streaming: bool) -> None:
         self.path = spool_path(options)
         self.num_partitions = opt_int(options, "numPartitions", 1, minimum=1)
         self.fail_on_data_loss = opt_bool(options, "failOnDataLoss", True)
@@ -138,7 +140,7 @@ _STAMPS = ("auto", "none", "field", "prefix")
 
 
 class WriterOptions:
-    def __init__(self, options, schema):
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
         self.path = spool_path(options)
         names = {f.name: f.dataType for f in schema.fields}
         enc = (options.get("encoding") or "auto").lower()

@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pyarrow as pa
 from pyspark.sql import types as T
@@ -31,9 +31,9 @@ try:  # PySpark >= 4.2: read limits (admission control) and Trigger.AvailableNow
         ReadAllAvailable, ReadMaxRows, ReadMinRows, SupportsTriggerAvailableNow,
     )
 except ImportError:  # pragma: no cover
-    ReadAllAvailable = ReadMaxRows = ReadMinRows = None
+    ReadAllAvailable = ReadMaxRows = ReadMinRows = None  # type: ignore[misc,assignment]
 
-    class SupportsTriggerAvailableNow:  # stand-in: older PySpark never calls it
+    class SupportsTriggerAvailableNow:  # type: ignore[no-redef]  # stand-in: older PySpark never calls it
         pass
 
 log = logging.getLogger("shmq.spark")
@@ -332,11 +332,11 @@ def _emit(frames, plan, schema, arrow_schema):
 class ShmqBatchReader(DataSourceReader):
     """``spark.read.format("shmq")``: the frames in the ring when the query is planned."""
 
-    def __init__(self, options, schema):
+    def __init__(self, options: Mapping[str, str], schema: T.StructType) -> None:
         self.opts = ReaderOptions(options, streaming=False)
         self.schema = schema
 
-    def partitions(self):
+    def partitions(self) -> Sequence[InputPartition]:
         o = self.opts
         sp = open_spool(o.path, reading=True)
         try:
@@ -349,8 +349,8 @@ class ShmqBatchReader(DataSourceReader):
         # An empty ring still needs one (empty) partition for Spark.
         return parts or [ShmqPartition(socket.gethostname(), o.path, "", 0, 0, None, 0, False, 0)]
 
-    def read(self, partition):
-        if partition.start >= partition.end:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        if partition.start >= partition.end:  # type: ignore[attr-defined]  # a ShmqPartition
             return iter(())
         return _read_partition(partition, self.schema, _arrow_fast_schema(self.schema))
 
@@ -363,17 +363,17 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     opened lazily: Spark also instantiates this class just to ship ``read``.
     """
 
-    def __init__(self, options, schema):
+    def __init__(self, options: Mapping[str, str], schema: T.StructType) -> None:
         self.opts = ReaderOptions(options, streaming=True)
         self.schema = schema
-        self._sp = None
-        self._named = None
-        self._target = None  # Trigger.AvailableNow: never read past this seq
-        self._last_end = None  # for PySpark < 4.2, which calls latestOffset() bare
+        self._sp: Any = None
+        self._named: Any = None
+        self._target: int | None = None  # Trigger.AvailableNow: never read past this seq
+        self._last_end: int | None = None  # for PySpark < 4.2, which calls latestOffset() bare
         self._lost_counted_to = 0
         self.lost = 0
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_sp"] = state["_named"] = None
         return state
@@ -403,7 +403,7 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     time.sleep(0.2)
         return self._named
 
-    def initialOffset(self):
+    def initialOffset(self) -> dict[str, int]:
         o = self.opts
         sp = self._spool()
         if o.reader_name:
@@ -466,7 +466,7 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             r.count_lost(b - a)
             r.flush_stats()
 
-    def latestOffset(self, start=None, limit=None):
+    def latestOffset(self, start: dict[str, int] | None = None, limit: Any = None) -> dict[str, int]:
         sp = self._spool()
         if start is None:  # PySpark < 4.2: no admission control API, track the start ourselves
             start = {"seq": self._last_end if self._last_end is not None else sp.first_seq}
@@ -493,18 +493,18 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._last_end = end
         return {"seq": end}
 
-    def getDefaultReadLimit(self):
+    def getDefaultReadLimit(self) -> Any:
         if self.opts.max_frames:
             return ReadMaxRows(self.opts.max_frames) if ReadMaxRows is not None else self.opts.max_frames
         return ReadAllAvailable() if ReadAllAvailable is not None else None
 
-    def reportLatestOffset(self):
+    def reportLatestOffset(self) -> dict[str, int]:
         return {"seq": self._spool().next_seq}
 
-    def prepareForTriggerAvailableNow(self):
+    def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._spool().next_seq
 
-    def partitions(self, start, end):
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         sp = self._spool()
         s, e = self._seq_of(start), self._seq_of(end)
         if s >= e:
@@ -515,7 +515,7 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _plan_partitions(sp, s, e, self.opts.num_partitions, self.opts.fail_on_data_loss,
                                 max(self._lost_counted_to, s), "the streaming query")
 
-    def commit(self, end):
+    def commit(self, end: dict[str, int]) -> None:
         """Persist the named reader at ``end`` (Spark calls this one batch late)."""
         self._advance_named(self._seq_of(end))
 
@@ -534,7 +534,7 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return
         r.commit()
 
-    def stop(self):
+    def stop(self) -> None:
         if self._named is not None:
             self._named.close()
             self._named = None
@@ -544,5 +544,5 @@ class ShmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- task side ------------------------------------------------------------
 
-    def read(self, partition):
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read_partition(partition, self.schema, _arrow_fast_schema(self.schema))

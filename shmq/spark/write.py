@@ -16,7 +16,7 @@ import pickle
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceArrowWriter, DataSourceStreamWriter, WriterCommitMessage
@@ -27,7 +27,7 @@ from .options import WriterOptions, open_spool
 try:  # PySpark >= 4.1: the streaming sink can take Arrow batches too
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
 except ImportError:  # pragma: no cover
-    _StreamWriterBase = DataSourceStreamWriter
+    _StreamWriterBase = DataSourceStreamWriter  # type: ignore[misc,assignment]
 
 log = logging.getLogger("shmq.spark")
 
@@ -104,7 +104,7 @@ def _task_identity(writer_id, streaming):
 _ROWS_PER_LIST = 4096  # rows grouped per list when Spark hands us Rows, not Arrow batches
 
 
-def record_lists(batches, opts):
+def record_lists(batches: Iterable[Any], opts: WriterOptions) -> Iterator[Any]:
     """Lists of records (raw value bytes, or dicts) from Arrow batches or Spark Rows."""
     rows = []
     for b in batches:
@@ -138,7 +138,7 @@ def record_lists(batches, opts):
         yield pa.RecordBatch.from_pylist(rows) if opts.encoding == "arrow" else rows
 
 
-def encode_list(recs, opts):
+def encode_list(recs: Iterable[Any], opts: WriterOptions) -> list[bytes]:
     """Payloads for records, unstamped."""
     if opts.encoding == "value":
         return [b"" if v is None else v for v in recs]
@@ -308,32 +308,32 @@ def _log_abort(messages, what):
 class ShmqWriter(DataSourceArrowWriter):
     """``df.write.format("shmq")``: each task appends its partition to its host's spool."""
 
-    def __init__(self, options, schema):
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
         self.opts = WriterOptions(options, schema)
         self.writer_id = uuid.uuid4().hex[:16]  # one id per write job (created on the driver)
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> ShmqCommitMessage:
         return _write_task(self.opts, iterator, self.writer_id, streaming=False)
 
-    def commit(self, messages):
+    def commit(self, messages: list[Optional[WriterCommitMessage]]) -> None:
         _log_commit(messages, f"write {self.writer_id} to {self.opts.path}")
 
-    def abort(self, messages):
+    def abort(self, messages: list[Optional[WriterCommitMessage]]) -> None:
         _log_abort(messages, f"write {self.writer_id} to {self.opts.path}")
 
 
 class ShmqStreamWriter(_StreamWriterBase):
     """``df.writeStream.format("shmq")``: like :class:`ShmqWriter`, per micro-batch."""
 
-    def __init__(self, options, schema):
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
         self.opts = WriterOptions(options, schema)
         self.writer_id = uuid.uuid4().hex[:16]  # replaced by the query id inside tasks
 
-    def write(self, iterator):
+    def write(self, iterator: Iterator[Any]) -> ShmqCommitMessage:
         return _write_task(self.opts, iterator, self.writer_id, streaming=True)
 
-    def commit(self, messages, batchId):
+    def commit(self, messages: list[Optional[WriterCommitMessage]], batchId: int) -> None:
         _log_commit(messages, f"micro-batch {batchId} to {self.opts.path}")
 
-    def abort(self, messages, batchId):
+    def abort(self, messages: list[Optional[WriterCommitMessage]], batchId: int) -> None:
         _log_abort(messages, f"micro-batch {batchId} to {self.opts.path}")
