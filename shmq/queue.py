@@ -25,11 +25,8 @@ import stat as _stat
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker
-<<<<<<< HEAD
 from multiprocessing import util as _mp_util
-=======
 from typing import Any
->>>>>>> typing
 
 import posix_ipc
 
@@ -179,7 +176,7 @@ class Queue:
         _mp_util.register_after_fork(self, Queue._watch_creator)
         self._watch_creator()
 
-    def _watch_creator(self):
+    def _watch_creator(self) -> None:
         """In a process other than the creator: the last handle to close after the
         creator died removes the queue (:func:`reclaim_if_orphan`).  multiprocessing's
         Finalize runs at close, garbage collection, and the exit of a child process
@@ -209,7 +206,7 @@ class Queue:
         # hands the rest to type(self)._put_slow.
         return self._port.put(obj, block, timeout)
 
-    def _put_general(self, obj, block, timeout):
+    def _put_general(self, obj: Any, block: bool, timeout: float | None) -> None:
         """The whole put in Python: encode, count (JoinableQueue), wait as asked."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
@@ -233,15 +230,9 @@ class Queue:
                 self._unfinished.acquire(0)
             raise
 
-<<<<<<< HEAD
-    def _put_slow(self, obj, block, timeout):
+    def _put_slow(self, obj: Any, block: bool, timeout: float | None) -> None:
         """What the core's put leaves to Python: waiting, timeouts, out-of-band buffers."""
         return Queue._put_general(self, obj, block, timeout)
-=======
-    def _put_slow(self, obj: Any, block: bool, timeout: float | None) -> None:
-        """What the core's put_obj_api leaves to Python: waiting, timeouts, out-of-band buffers."""
-        return Queue.put(self, obj, block, timeout)
->>>>>>> typing
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return the next item (FIFO across producers, by commit order).
@@ -412,8 +403,7 @@ def anonymous_paths() -> list[str]:
     return out
 
 
-<<<<<<< HEAD
-def queue_creator(path):
+def queue_creator(path: str) -> tuple[int, int] | None:
     """``(pid, start)`` of the creator of the anonymous queue at ``path``, from its name
     (``start``: low 32 bits of its start time, as :func:`shmq._lock.process_alive` takes);
     None for another name (a named queue, or one named by an older shmq)."""
@@ -430,7 +420,7 @@ def queue_creator(path):
     return (pid, start) if 0 < pid and 0 <= start < 1 << 32 else None
 
 
-def _mapped_here(path):
+def _mapped_here(path: str) -> bool:
     """True if this process still maps ``path`` (another handle to the same queue)."""
     try:
         st = os.stat(path)
@@ -448,7 +438,7 @@ def _mapped_here(path):
     return False
 
 
-def reclaim_if_orphan(path, spool=None) -> bool:
+def reclaim_if_orphan(path: str, spool: Spool | None = None) -> bool:
     """Remove the anonymous queue at ``path`` if its creator is dead and no live process
     maps it (closing ``spool``, this handle's, first); return True if removed.
 
@@ -483,7 +473,7 @@ def reclaim_if_orphan(path, spool=None) -> bool:
 RECLAIM_BATCH = 4
 
 
-def reclaim_orphans(limit=RECLAIM_BATCH) -> int:
+def reclaim_orphans(limit: int = RECLAIM_BATCH) -> int:
     """Reclaim up to ``limit`` anonymous queues of this user whose creator is dead and
     that no live process maps (run at each anonymous ``Queue()`` creation: bounded
     work, a ``kill(pid, 0)`` per queue unless its creator is dead); return how many."""
@@ -499,10 +489,7 @@ def reclaim_orphans(limit=RECLAIM_BATCH) -> int:
     return n
 
 
-def _destroy_owned(path, prefix, owner):
-=======
 def _destroy_owned(path: str, prefix: str, owner: int) -> None:
->>>>>>> typing
     if os.getpid() != owner:
         return  # a fork child inherited the finalizer: only the creator removes it
     from ._mapping import unlink_semaphores
