@@ -125,12 +125,13 @@ class RemoteError(ShmqError):
 
     kind = "remote"
 
-    def __init__(self, text="", service=None, type_name=None, message=None, remote_traceback=None):
+    def __init__(self, text: str = "", service: str | None = None, type_name: str | None = None,
+                 message: str | None = None, remote_traceback: str | None = None) -> None:
         super().__init__(text, service, type_name, message, remote_traceback)
         self.service = service
         self.type_name = type_name
         self.message = message
         self.remote_traceback = remote_traceback
 
-    def __str__(self):
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
