@@ -78,9 +78,9 @@ SEQLOCK_SCENARIOS = ("overwrite",)
 
 SCENARIOS = {
     # name: (spool kwargs, harness threads)
-    "block": (dict(capacity="64KiB", on_full="block"), dict(writers=2, named=2, group=3, anon=0)),
-    "growable": (dict(capacity="64KiB", max_capacity="1MiB", on_full="block"),
-                 dict(writers=2, named=2, group=3, anon=0)),
+    "block": (dict(capacity="64KiB", on_full="block"), dict(writers=2, named=2, group=3, anon=0, waiters=1)),
+    "growable": (dict(capacity="64KiB", max_capacity="256KiB", on_full="block"),
+                 dict(writers=2, named=1, group=2, anon=0)),
     "overwrite": (dict(capacity="64KiB", on_full="overwrite"), dict(writers=2, named=0, group=0, anon=2)),
 }
 
@@ -216,7 +216,8 @@ def prepare(path, spool_kw, threads):
                 f"policy={F.POLICIES.index(geo['policy'])}", f"checksum={int(bool(geo['checksum']))}",
                 f"wsem={sem_name(prefix, SEM_WRITER)}", f"rsem={sem_name(prefix, SEM_READ_WAITERS)}",
                 f"fsem={sem_name(prefix, SEM_SPACE_WAITERS)}",
-                f"writers={threads['writers']}", f"anon={threads['anon']}"]
+                f"writers={threads['writers']}", f"anon={threads['anon']}",
+                f"waiters={threads.get('waiters', 0)}"]
         seq, pos = sp.ring.cursor_for("latest")
         args.append(f"start={seq}:{pos}")
         for i in range(threads["named"]):

@@ -352,6 +352,19 @@ static void hx_flush(hx_cursor *c) {
     }
 }
 static uint64_t hx_cursor_lost(hx_cursor *c) { return c->lost; }
+/* After the run (threads joined): how far the ring went. */
+typedef struct { uint64_t next_seq, next_pos, evicted, growths; } hx_totals;
+static hx_totals hx_ring_totals(char *base) {
+    uint64_t *c = (uint64_t *)base;
+    return (hx_totals){ld_rlx(&c[W_NEXT_SEQ]), ld_rlx(&c[W_NEXT_POS]), ld_rlx(&c[W_EVICTED]), ld_rlx(&c[W_GROWTHS])};
+}
+/* Pretend a reader and a writer are registered as doorbell waiters for the
+ * whole run (once, before the threads): every put and every consuming take
+ * then rings (ring_bell's seq_cst fence, the futex word, the doorbell byte). */
+static void hx_register_waiters(const hx_geo *g) {
+    sem_post(hx_sem(g->rsem));
+    sem_post(hx_sem(g->fsem));
+}
 /* The group's shared cursor (relaxed: no happens-before for the harness). */
 static uint64_t hx_group_seq(hx_cursor *c) { return ld_rlx(&cur_slot(c)[S_SEQ]); }
 

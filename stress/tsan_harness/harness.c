@@ -39,7 +39,7 @@ static hx_geo geo;
 static char *base;
 static int spool_fd;
 static const char *group_sem;
-static int n_writers = 2, n_named = 0, n_group = 0, n_anon = 0, ops = 2000;
+static int n_writers = 2, n_named = 0, n_group = 0, n_anon = 0, ops = 2000, waiters = 0;
 static unsigned seed = 1;
 static reader_spec named_spec[MAX_THREADS], group_spec;
 static uint64_t start_seq; /* NEXT_SEQ before the run */
@@ -301,6 +301,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(k, "ops")) ops = (int)num(v);
         else if (!strcmp(k, "seed")) seed = (unsigned)num(v);
         else if (!strcmp(k, "anon")) n_anon = (int)num(v);
+        else if (!strcmp(k, "waiters")) waiters = (int)num(v);
         else if (!strcmp(k, "group")) { /* slot:members */
             group_spec.slot = (int64_t)num(v);
             n_group = (int)num(strchr(v, ':') + 1);
@@ -333,6 +334,7 @@ int main(int argc, char **argv) {
         return 3;
     }
     hx_init();
+    if (waiters) hx_register_waiters(&geo);
     make_plans();
     for (int w = 1; w < n_writers; w++) frame_base[w] = frame_base[w - 1] + frames_of[w - 1];
 
@@ -388,9 +390,18 @@ int main(int argc, char **argv) {
         anon_got += results[MAX_THREADS + n_named + i].got;
         anon_lost += results[MAX_THREADS + n_named + i].lost;
     }
-    printf("harness: %d writers, %d named, %d group members, %d anonymous; %llu frames, "
-           "%llu full-ring retries, anonymous got %llu lost %llu; invariants %s\n",
-           n_writers, n_named, n_group, n_anon, (unsigned long long)total_frames, (unsigned long long)retries,
-           (unsigned long long)anon_got, (unsigned long long)anon_lost, bad ? "FAILED" : "ok");
+    hx_totals tot = hx_ring_totals(base);
+    if (!bad && tot.next_seq - start_seq != total_frames) {
+        fprintf(stderr, "FAIL the spool's NEXT_SEQ moved by %llu, %llu frames were committed\n",
+                (unsigned long long)(tot.next_seq - start_seq), (unsigned long long)total_frames);
+        bad = 1;
+    }
+    printf("harness: %d writers, %d named, %d group members, %d anonymous%s; %llu frames, %.1f laps of the ring, "
+           "%llu evicted, %llu segment growths, %llu full-ring retries, anonymous got %llu lost %llu; "
+           "invariants %s\n",
+           n_writers, n_named, n_group, n_anon, waiters ? ", doorbell waiters" : "", (unsigned long long)total_frames,
+           (double)tot.next_pos / (double)geo.ring_bytes, (unsigned long long)tot.evicted,
+           (unsigned long long)tot.growths, (unsigned long long)retries, (unsigned long long)anon_got,
+           (unsigned long long)anon_lost, bad ? "FAILED" : "ok");
     return bad ? 1 : 0;
 }
