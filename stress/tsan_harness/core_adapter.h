@@ -352,6 +352,18 @@ static void hx_flush(hx_cursor *c) {
     }
 }
 static uint64_t hx_cursor_lost(hx_cursor *c) { return c->lost; }
+/* An idle reader trims a growable ring (Spool.trim_idle): takes the writer lock
+ * if free at once, evicts what every consumer has consumed, punches the pages
+ * nothing lives in.  0 done or lock busy, -100 error. */
+static int hx_trim(hx_ring *r) {
+    hx_args a;
+    memset(&a, 0, sizeof a);
+    a.n = 1;
+    a.v[0].d = 0.0;
+    PyObject *res = Ring_trim(r, (PyObject *)&a);
+    return res ? 0 : -100;
+}
+
 /* After the run (threads joined): how far the ring went. */
 typedef struct { uint64_t next_seq, next_pos, evicted, growths; } hx_totals;
 static hx_totals hx_ring_totals(char *base) {

@@ -173,7 +173,7 @@ static void *named_main(void *arg) {
     hx_cursor *c = hx_cursor_open(r, sp->kind, sp->slot, sp->seq, sp->pos, 1, 1, NULL);
     char *buf = malloc(MAX_PAYLOAD + 8);
     uint32_t next_n[MAX_THREADS] = {0};
-    uint64_t expect = start_seq;
+    uint64_t expect = start_seq, idle = 0;
     pthread_barrier_wait(&go);
     while (res->got < total_frames) {
         uint64_t seq;
@@ -181,6 +181,7 @@ static void *named_main(void *arg) {
         int rc = hx_take(c, &seq, buf, MAX_PAYLOAD + 8, &len);
         if (rc < 0) FAIL(res, "named reader %d: %s", i, hx_error());
         if (rc == 0) {
+            if (++idle % 64 == 0 && hx_trim(r) < 0) FAIL(res, "named reader %d: trim: %s", i, hx_error());
             sched_yield();
             continue;
         }
@@ -209,7 +210,7 @@ static void *group_main(void *arg) {
     hx_cursor *c = hx_cursor_open(r, HX_GROUP, group_spec.slot, 0, 0, 0, 1, group_sem);
     char *buf = malloc(MAX_PAYLOAD + 8);
     res->seen = calloc(total_frames ? total_frames : 1, 1);
-    uint64_t last = 0;
+    uint64_t last = 0, idle = 0;
     int any = 0;
     pthread_barrier_wait(&go);
     for (;;) {
@@ -219,6 +220,7 @@ static void *group_main(void *arg) {
         if (rc < 0) FAIL(res, "group member %d: %s", i, hx_error());
         if (rc == 0) {
             if (hx_group_seq(c) >= start_seq + total_frames) break; /* the others took the rest */
+            if (++idle % 64 == 0 && hx_trim(r) < 0) FAIL(res, "group member %d: trim: %s", i, hx_error());
             sched_yield();
             continue;
         }
