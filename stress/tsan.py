@@ -252,7 +252,7 @@ def check_after(path, threads, start_seq):
 
 def run_harness(binary, path, args, seed, ops, setarch):
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0 exitcode=66 report_signal_unsafe=0 "
-                                        "second_deadlock_stack=1 history_size=4")
+                                        "second_deadlock_stack=1 history_size=7")
     cmd = [binary, path, *args, f"seed={seed}", f"ops={ops}"]
     if setarch:
         cmd = ["setarch", platform.machine(), "-R", *cmd]
