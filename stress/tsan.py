@@ -1,0 +1,442 @@
+#!/usr/bin/env python3
+"""ThreadSanitizer evidence for the compiled core's C11 memory ordering.
+
+Builds ``stress/tsan_harness/harness.c`` (the core's sources, listed in
+pyproject's ``[[tool.setuptools.ext-modules]]``, included through the one
+adapter ``stress/tsan_harness/core_adapter.h``) with ``-fsanitize=thread -O1
+-g``, then, for each iteration and scenario, creates a spool with shmq,
+registers its named readers and group, and runs the harness on it: writers
+(batched puts and zero-copy reservations, committed or abandoned), named
+readers, group members and, in the overwrite scenario, anonymous readers, as
+threads of one process over ONE mapping of the spool, none holding the GIL
+(see the adapter: with the GIL held, its mutex would order every thread and
+TSan would prove nothing).  TSan checks every access against C11
+happens-before: atomics with their orders, fences, and the semaphores that are
+the writer and group locks.  The harness also checks what was read (every
+frame intact and CRC-verified, seq order, none lost or duplicated), and after
+each run the spool is verified with ``shmq.verify`` and the readers'
+committed positions are checked.
+
+Scenarios: ``block`` (fixed 64 KiB ring, block policy: 2 writers, 2 named
+readers, a group of 3), ``growable`` (the same over a growable ring: early
+wraps, segment allocation and punching), ``overwrite`` (2 writers lapping 2
+anonymous readers: the seqlock read path; see docs/guarantees.md for what
+TSan reports there and why).
+
+    python stress/tsan.py                  # 5 iterations of every scenario
+    python stress/tsan.py --quick          # the suite's mode: 1 short iteration each (~10-20 s)
+    python stress/tsan.py --self-test      # weaken NEXT_SEQ's release store: TSan must report
+    python stress/tsan.py -n 20 --seed 7 --ops 5000 --scenario block
+
+Prints the number of TSan reports per run and in total; exits 1 if any run
+had a report (outside what ``--allow-seqlock`` explains) or broke an
+invariant, 2 if the toolchain is missing and cannot be installed.
+
+Toolchain: gcc (or ``CC``) with its TSan runtime (Debian/Ubuntu: ``libtsan2``,
+pulled in by ``gcc``), and the Python headers and shared library of the
+running interpreter (``python3-dev``).  When the runtime is missing and we
+run as root with apt-get available, the script installs ``gcc libtsan2``
+(``--no-install`` to refuse).  TSan maps its shadow memory at fixed
+addresses and aborts ("unexpected memory mapping") on kernels with large
+mmap randomization (``vm.mmap_rnd_bits`` > 28 on some): the run is then
+retried under ``setarch -R`` (ASLR off for the harness only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HARNESS_DIR = os.path.join(ROOT, "stress", "tsan_harness")
+MISSING_TOOLCHAIN = 2
+TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std=gnu11"]
+#: Orderings --self-test weakens, one build each, in a scratch copy of the core: with any
+#: of them relaxed, TSan must report a reader's copy racing with a writer's stores.
+WEAKENINGS = {
+    # the commit point (write_locked, Reservation_commit): readers would copy unpublished bytes
+    "commit": (r"st_rel\(&c\[W_NEXT_SEQ\],", "st_rlx(&c[W_NEXT_SEQ],"),
+    # a named reader's / group's consumed position (named_commit, group_take): the writer
+    # would overwrite bytes a reader may still be copying
+    "consumed": (r"st_rel\(&s\[S_POS\],", "st_rlx(&s[S_POS],"),
+}
+REPORT_RE = re.compile(r"^WARNING: ThreadSanitizer: (.*?)(?: \(pid=\d+\))?$", re.M)
+RUN_TIMEOUT_S = 600
+#: Scenarios whose lock-free readers get lapped: their seqlock reports are expected (is_seqlock).
+SEQLOCK_SCENARIOS = ("overwrite",)
+
+SCENARIOS = {
+    # name: (spool kwargs, harness threads)
+    "block": (dict(capacity="64KiB", on_full="block"), dict(writers=2, named=2, group=3, anon=0, waiters=1)),
+    "growable": (dict(capacity="64KiB", max_capacity="256KiB", on_full="block"),
+                 dict(writers=2, named=1, group=2, anon=0)),
+    "overwrite": (dict(capacity="64KiB", on_full="overwrite"), dict(writers=2, named=0, group=0, anon=2)),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# --------------------------------------------------------------- toolchain
+
+def core_sources():
+    """The core's C sources, from pyproject's [[tool.setuptools.ext-modules]] entry for shmq._core."""
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        tomllib = None
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f) if tomllib else {}
+    for ext in data.get("tool", {}).get("setuptools", {}).get("ext-modules", []):
+        if ext.get("name") == "shmq._core":
+            return [os.path.join(ROOT, s) for s in ext["sources"]]
+    return [os.path.join(ROOT, "shmq", "_core.c")]
+
+
+def compiler():
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or "cc"
+
+
+def _probe(cc, workdir):
+    src = os.path.join(workdir, "probe.c")
+    with open(src, "w") as f:
+        f.write("#include <pthread.h>\nint main(void){return 0;}\n")
+    r = subprocess.run([cc, "-fsanitize=thread", src, "-o", os.path.join(workdir, "probe")],
+                       capture_output=True, text=True)
+    return r.returncode == 0, r.stderr.strip()
+
+
+def ensure_toolchain(workdir, install=True):
+    """The C compiler, if it links TSan programs; installs gcc + libtsan2 with apt if allowed."""
+    cc = compiler()
+    ok, err = _probe(cc, workdir) if shutil.which(cc) else (False, f"{cc}: not found")
+    if ok:
+        return cc
+    if install and os.geteuid() == 0 and shutil.which("apt-get"):
+        log(f"tsan: {cc} cannot link -fsanitize=thread ({err.splitlines()[-1] if err else '?'}); "
+            "installing gcc libtsan2 with apt-get")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        cmd = ["apt-get", "install", "-y", "-q", "gcc", "libtsan2"]
+        for attempt in range(10):  # another apt may hold the dpkg lock
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode == 0:
+                break
+            if "Unable to locate package" in r.stderr:
+                subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+            else:
+                time.sleep(3)
+        cc = compiler()
+        ok, err = _probe(cc, workdir) if shutil.which(cc) else (False, "no compiler")
+        if ok:
+            return cc
+    raise SystemExit(_missing(f"no C compiler with a ThreadSanitizer runtime ({err}); "
+                              "install gcc and libtsan2 (Debian/Ubuntu) or clang with compiler-rt"))
+
+
+def _missing(msg):
+    print(f"tsan: SKIP: {msg}", file=sys.stderr, flush=True)
+    return MISSING_TOOLCHAIN
+
+
+def python_flags():
+    """Compile and link flags for the running interpreter's headers and libpython."""
+    inc = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(inc, "Python.h")):
+        raise SystemExit(_missing(f"no Python.h in {inc}: install python3-dev"))
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ver = sysconfig.get_config_var("LDVERSION") or sysconfig.get_config_var("VERSION")
+    return [f"-I{inc}"], [f"-L{libdir}", f"-lpython{ver}", f"-Wl,-rpath,{libdir}", "-lpthread", "-lm"]
+
+
+def build(cc, workdir, weaken=None):
+    """Compile the harness; `weaken`: a key of WEAKENINGS, applied to a scratch copy of the core."""
+    sources = core_sources()
+    if weaken:  # a scratch copy of the core, never the real one
+        copies = []
+        n = 0
+        for s in sources:
+            text = open(s).read()
+            text, k = re.subn(WEAKENINGS[weaken][0], WEAKENINGS[weaken][1], text)
+            n += k
+            dst = os.path.join(workdir, f"weak_{weaken}_" + os.path.basename(s))
+            with open(dst, "w") as f:
+                f.write(text)
+            copies.append(dst)
+        if n == 0:
+            raise SystemExit(f"tsan: --self-test found nothing to weaken ({WEAKENINGS[weaken][0]!r} in "
+                             f"{sources}): update WEAKENINGS in stress/tsan.py")
+        log(f"tsan: self-test build '{weaken}': {n} release store(s) made relaxed in a scratch copy")
+        sources = copies
+    # One translation unit: the adapter includes CORE_SOURCE (an amalgamation when there are several).
+    if len(sources) == 1:
+        core = sources[0]
+    else:
+        core = os.path.join(workdir, "core_all.c")
+        with open(core, "w") as f:
+            f.writelines(f'#include "{s}"\n' for s in sources)
+    cflags, ldflags = python_flags()
+    inc_dirs = sorted({os.path.dirname(s) for s in core_sources()})
+    out = os.path.join(workdir, f"harness_weak_{weaken}" if weaken else "harness")
+    cmd = [cc, *TSAN_FLAGS, "-Wall", "-Wno-unused-function", "-Wno-unused-variable", *cflags,
+           *[f"-I{d}" for d in inc_dirs], f'-DCORE_SOURCE="{core}"',
+           os.path.join(HARNESS_DIR, "harness.c"), "-o", out, *ldflags]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr)
+        raise SystemExit(f"tsan: building the harness failed: {' '.join(cmd)}")
+    return out
+
+
+# --------------------------------------------------------------- one run
+
+def prepare(path, spool_kw, threads):
+    """Create the spool, register the named readers and the group; the harness's arguments."""
+    import shmq
+    from shmq import _format as F
+    from shmq._mapping import SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, group_sem_name, sem_name
+
+    sp = shmq.Spool.create(path, checksum=True, readers=8, **spool_kw)
+    try:
+        geo = sp.geometry
+        prefix = sp.sem_prefix
+        args = [f"ring_offset={geo['ring_offset']}", f"ring_bytes={geo['ring_bytes']}",
+                f"slot_offset={geo['slot_offset']}", f"slot_count={geo['slot_count']}",
+                f"policy={F.POLICIES.index(geo['policy'])}", f"checksum={int(bool(geo['checksum']))}",
+                f"wsem={sem_name(prefix, SEM_WRITER)}", f"rsem={sem_name(prefix, SEM_READ_WAITERS)}",
+                f"fsem={sem_name(prefix, SEM_SPACE_WAITERS)}",
+                f"writers={threads['writers']}", f"anon={threads['anon']}",
+                f"waiters={threads.get('waiters', 0)}"]
+        seq, pos = sp.ring.cursor_for("latest")
+        args.append(f"start={seq}:{pos}")
+        for i in range(threads["named"]):
+            r = sp.reader(f"tsan-named-{i}")
+            s, p = sp.slots.cursor(r.slot)
+            args.append(f"named={r.slot}:{s}:{p}")
+            r.close()
+        if threads["group"]:
+            g = sp.reader("tsan-group", group=True)
+            args += [f"group={g.slot}:{threads['group']}", f"gsem={group_sem_name(prefix, g.slot)}"]
+            g.close()
+        return args, seq
+    finally:
+        sp.close()
+
+
+def check_after(path, threads, start_seq):
+    """The spool verifies clean; every named reader and the group committed the last frame."""
+    import shmq
+    from shmq.verify import verify
+
+    problems = [f"verify: {p}" for p in verify(path).problems]
+    with shmq.Spool.open(path) as sp:
+        nxt = sp.ring.next_seq
+        ours = [st for st in sp.readers() if st.name.startswith("tsan-")]
+        want = threads["named"] + (1 if threads["group"] else 0)
+        if len(ours) != want:
+            problems.append(f"{len(ours)} tsan readers/groups in the reader table, registered {want}")
+        for st in ours:
+            if st.position != nxt:
+                problems.append(f"{st.kind} {st.name} committed {st.position}, the spool is at {nxt}")
+    return problems
+
+
+def run_harness(binary, path, args, seed, ops, setarch):
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0 exitcode=66 report_signal_unsafe=0 "
+                                        "second_deadlock_stack=1 history_size=7")
+    cmd = [binary, path, *args, f"seed={seed}", f"ops={ops}"]
+    if setarch:
+        cmd = ["setarch", platform.machine(), "-R", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
+
+
+def one_run(binary, scenario, seed, ops, state):
+    """Run one scenario: (TSan reports, broken invariants, the harness's summary line)."""
+    spool_kw, threads = SCENARIOS[scenario]
+    d = tempfile.mkdtemp(prefix="shmq-tsan-", dir="/dev/shm")
+    path = os.path.join(d, f"{scenario}-{uuid.uuid4().hex[:6]}.spool")
+    import shmq
+    try:
+        args, start_seq = prepare(path, spool_kw, threads)
+        r = run_harness(binary, path, args, seed, ops, state.get("setarch", False))
+        if r.returncode != 0 and "unexpected memory mapping" in r.stderr and not state.get("setarch"):
+            log("tsan: TSan cannot map its shadow memory with this ASLR (vm.mmap_rnd_bits); "
+                "retrying under setarch -R")
+            state["setarch"] = True
+            shmq.Spool.destroy(path)
+            args, start_seq = prepare(path, spool_kw, threads)
+            r = run_harness(binary, path, args, seed, ops, True)
+        reports = parse_reports(r.stderr)
+        ring_offset = int(next(a for a in args if a.startswith("ring_offset=")).split("=")[1])
+        for rep in reports:
+            rep["seqlock"] = scenario in SEQLOCK_SCENARIOS and is_seqlock(rep, ring_offset)
+        problems = [ln for ln in r.stderr.splitlines() if ln.startswith("FAIL")]
+        if r.returncode not in (0, 66, 1) or "harness:" not in r.stdout:
+            problems.append(f"harness exited with status {r.returncode}: {r.stderr[-2000:]}")
+        if not problems:
+            problems += check_after(path, threads, start_seq)
+        state.setdefault("logs", []).append(r.stderr)
+        return reports, problems, r.stdout.strip()
+    finally:
+        try:
+            shmq.Spool.destroy(path)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(d, ignore_errors=True)
+
+
+#: A lock-free reader's speculative reads of ring bytes, and the writers' stores to the ring.
+SEQLOCK_READERS = ("read_one", "first_cursor", "resync")
+RING_WRITERS = ("write_locked", "Ring_reserve", "Reservation_commit", "writer_main")
+
+
+def parse_reports(stderr):
+    """Each TSan report: its kind, the spool file offset raced on (or None) and its accesses,
+    each (what, [first frames outside the TSan runtime])."""
+    reports = []
+    for block in stderr.split("==================")[1:]:
+        head = REPORT_RE.search(block)
+        if not head:
+            continue
+        accesses, cur = [], None
+        for ln in block.splitlines():
+            m = re.match(r"  (\S.*?) (?:at 0x[0-9a-f]+ )?by (?:thread T\d+|main thread)", ln)
+            if m and not ln.lstrip().startswith("Thread "):
+                cur = [m.group(1), []]
+                accesses.append(cur)
+            elif cur is not None and re.match(r"\s+#\d+ ", ln):
+                if "libsanitizer" not in ln:
+                    parts = ln.split()
+                    cur[1].append(f"{parts[1]} ({os.path.basename(parts[2]) if len(parts) > 2 else '?'})")
+            elif not ln.strip():
+                cur = None
+        off = re.search(r"\.spool\+0x([0-9a-f]+)\)", block)
+        reports.append({"kind": head.group(1), "offset": int(off.group(1), 16) if off else None,
+                        "accesses": accesses})
+    return reports
+
+
+def describe(rep, depth=3):
+    return " / ".join(f"{what}: {' < '.join(frames[:depth]) or '(stack not kept)'}"
+                      for what, frames in rep["accesses"])
+
+
+def is_seqlock(rep, ring_offset):
+    """The expected report of a lapped lock-free reader: a reader's plain read of ring bytes
+    (read_one / first_cursor / resync) against a writer's store to the same bytes, with no
+    happens-before between them (docs/guarantees.md, "ThreadSanitizer")."""
+    if rep["kind"] != "data race" or rep["offset"] is None or rep["offset"] < ring_offset:
+        return False  # control words and slots are atomics: a race there is never expected
+    sides = {"read": 0, "write": 0}
+    for what, frames in rep["accesses"]:
+        w = what.lower()
+        if "atomic" in w:
+            return False
+        side = "write" if "write" in w else "read"
+        names = " ".join(frames)
+        if frames and not any(f in names for f in (SEQLOCK_READERS if side == "read" else RING_WRITERS)):
+            return False  # a known stack outside the reader's copy / the writer's stores
+        sides[side] += 1
+    return sides == {"read": 1, "write": 1}
+
+
+# --------------------------------------------------------------- main
+
+def self_test(cc, workdir, seed, ops, state, which=None):
+    """TSan must report once an ordering is weakened: the harness is not vacuous."""
+    failed = 0
+    for weaken in which or list(WEAKENINGS):
+        binary = build(cc, workdir, weaken=weaken)
+        reports, problems, out = one_run(binary, "block", seed, ops, state)
+        log(f"tsan: self-test '{weaken}': {len(reports)} report(s); {out}")
+        racing = [r for r in reports if any("read_one" in " ".join(f) for _, f in r["accesses"]) and
+                  any(w in " ".join(f) for _, f in r["accesses"] for w in RING_WRITERS)]
+        if not racing:
+            log(f"tsan: SELF-TEST FAILED: with '{weaken}' relaxed, TSan reported no race between a "
+                "reader's copy and a writer's stores: the harness would not catch that missing release")
+            failed += 1
+            continue
+        log(f"tsan: self-test '{weaken}' ok: {len(racing)} report(s) of a reader's copy racing with a "
+            f"writer's stores, e.g.\n    {describe(racing[0])}")
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--iterations", type=int, default=5, help="runs of each scenario (default 5)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the first run (each run adds 1)")
+    ap.add_argument("--ops", type=int, default=4000, help="operations per writer and run (default 4000)")
+    ap.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
+                    help="scenario(s) to run (default: all)")
+    ap.add_argument("--quick", action="store_true", help="1 iteration of each scenario, 600 ops per writer")
+    ap.add_argument("--self-test", action="store_true",
+                    help="only the self-test: builds with an ordering relaxed (WEAKENINGS) must make TSan report")
+    ap.add_argument("--weaken", action="append", choices=sorted(WEAKENINGS),
+                    help="with --self-test: only these weakenings (default: all)")
+    ap.add_argument("--no-install", action="store_true", help="never apt-get install the TSan runtime")
+    ap.add_argument("--keep", metavar="DIR", help="build in DIR and keep the binaries and logs there")
+    ap.add_argument("--show", action="store_true", help="print every TSan report in full")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.iterations, a.ops = 1, 600
+    workdir = a.keep or tempfile.mkdtemp(prefix="shmq-tsan-build-")
+    os.makedirs(workdir, exist_ok=True)
+    state = {}
+    try:
+        cc = ensure_toolchain(workdir, install=not a.no_install)
+        if a.self_test:
+            return self_test(cc, workdir, a.seed, a.ops, state, a.weaken)
+        t0 = time.monotonic()
+        binary = build(cc, workdir)
+        log(f"tsan: built {os.path.basename(binary)} with {cc} {' '.join(TSAN_FLAGS)} over "
+            f"{', '.join(os.path.relpath(s, ROOT) for s in core_sources())} ({time.monotonic() - t0:.1f} s)")
+        total, explained, failed, runs = 0, 0, 0, 0
+        for scenario in a.scenario or list(SCENARIOS):
+            for i in range(a.iterations):
+                seed = a.seed + i
+                t = time.monotonic()
+                reports, problems, out = one_run(binary, scenario, seed, a.ops, state)
+                runs += 1
+                seq = [r for r in reports if r["seqlock"]]
+                other = [r for r in reports if not r["seqlock"]]
+                total += len(reports)
+                explained += len(seq)
+                log(f"tsan: {scenario} seed {seed}: {len(reports)} TSan report(s)"
+                    + (f" ({len(seq)} seqlock, explained)" if seq else "")
+                    + f" in {time.monotonic() - t:.1f} s; {out}")
+                for r in other:
+                    log(f"  UNEXPLAINED {r['kind']}: {describe(r)}")
+                if seq and a.show:
+                    for r in seq:
+                        log(f"  seqlock: {describe(r)}")
+                if a.show and other:
+                    log(state["logs"][-1])
+                for p in problems:
+                    log(f"  INVARIANT: {p}")
+                if other or problems:
+                    failed += 1
+        log(f"tsan: {runs} run(s), {total} TSan report(s): {total - explained} unexplained, {explained} "
+            f"seqlock reports of lapped lock-free readers (expected: docs/guarantees.md); {failed} failed run(s) "
+            f"in {time.monotonic() - t0:.1f} s")
+        return 1 if failed else 0
+    finally:
+        if a.keep:
+            with open(os.path.join(workdir, "tsan.log"), "w") as f:
+                f.write("\n".join(state.get("logs", [])))
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
