@@ -148,7 +148,7 @@ class Queue:
         # JoinableQueue counts its items in Python first: every put is slow.
         cls = type(self)
         self._port = _core.QueuePort(self._core, self._reader.core_cursor, self, cls._put_slow, cls._get_slow,
-                                     self._backlog_word, not self._counts_items)
+                                     self._backlog_word, not self._counts_items, _port_of)
         if cls.get is Queue.get:
             self.get = self._port.get  # Queue.get's own code, bound per queue: straight to C
         if cls.put is Queue.put and not self._counts_items:
@@ -375,6 +375,15 @@ class Queue:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.path}"
         return f"<shmq.{type(self).__name__} {state}>"
+
+
+def _port_of(queue: Queue) -> Any:
+    """The port of an unpickled ``queue``, holding it: what a pickled ``q.put`` or
+    ``q.get`` (bound per queue to the port's C methods) unpickles to, so that
+    ``Process(target=q.put)`` works under spawn as with multiprocessing.Queue."""
+    port = queue._port
+    port._hold(queue)
+    return port
 
 
 def anonymous_paths() -> list[str]:

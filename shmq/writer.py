@@ -406,7 +406,9 @@ class Writer:
                 crash("frame-written", self._owner)
         if self.sync:
             self._msync(placed[0], end)  # frames durable before they are published
-        ctl[W_NEXT_SEQ] = seq  # <- the commit point (NEXT_POS is re-derived on recovery)
+        # The commit point (NEXT_POS is re-derived on recovery): a release store in
+        # the core, so on aarch64 no reader sees NEXT_SEQ before the frames' bytes.
+        self._core.store_release(W_NEXT_SEQ, seq)
         if crash_hook is not None:
             crash_hook("committed", self._owner)
         ctl[W_NEXT_POS] = end
@@ -521,15 +523,16 @@ class Writer:
             # Everything evicted: the ring restarts at this batch, where an older
             # lap's header may still look valid, so the seq goes first (a writer
             # killed in between leaves an empty ring for recovery; as in the core).
-            ctl[W_FIRST_SEQ] = seq
+            # Release stores (in the core), as publish_first's: readers load them with acquire.
+            self._core.store_release(W_FIRST_SEQ, seq)
             if crash_hook is not None:
                 crash_hook("evicting", self._owner)
-            ctl[W_FIRST_POS] = batch_pos
+            self._core.store_release(W_FIRST_POS, batch_pos)
         else:
-            ctl[W_FIRST_POS] = pos  # position first: readers re-derive seq from its header
+            self._core.store_release(W_FIRST_POS, pos)  # position first: readers re-derive seq from its header
             if crash_hook is not None:
                 crash_hook("evicting", self._owner)
-            ctl[W_FIRST_SEQ] = seq
+            self._core.store_release(W_FIRST_SEQ, seq)
         ctl[W_EVICTED] = (ctl[W_EVICTED] + seq - start_seq) & _MASK64
         return True
 

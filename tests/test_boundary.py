@@ -171,3 +171,44 @@ def test_core_calls_no_python_layer_by_name():
         # Attribute lookups by name: only the module's own function at init.
         lookups = re.findall(r"PyObject_GetAttrString\([^;]*;", code)
         assert all('"_inband"' in x for x in lookups), (f, lookups)
+
+
+def _put_then_signal(put, done):
+    put("from the child")
+    done.set()
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_bound_fast_methods_pickle_as_their_handles_methods(spool_dir, method):
+    """q.put and q.get are C methods bound per queue; pickled (as a Process
+    target is under spawn) they become the unpickled queue's own methods, as
+    multiprocessing.Queue's do (regression: "cannot pickle 'shmq._core.Ring'").
+    sp.put and r.get refuse with a clear error."""
+    import multiprocessing as mp
+    import pickle
+
+    q = shmq.Queue()
+    sp = shmq.Spool.create(os.path.join(spool_dir, "p"), capacity="64KiB")
+    try:
+        r = sp.reader("workers", group=True)
+        # a spool's and a reader's core are per process: a clear error says what to pickle
+        for bound in (sp.put, r.get):
+            with pytest.raises(TypeError, match="pickle the (Spool|reader)"):
+                pickle.dumps(bound)
+        get2 = pickle.loads(pickle.dumps(q.get))
+        put2 = pickle.loads(pickle.dumps(q.put))
+        put2("via an unpickled put")
+        assert get2(timeout=10) == "via an unpickled put"
+        del put2, get2
+        ctx = mp.get_context(method)
+        done = ctx.Event()
+        p = ctx.Process(target=_put_then_signal, args=(q.put, done))
+        p.start()
+        assert done.wait(60), "child never put"
+        p.join(60)
+        assert p.exitcode == 0
+        assert q.get(timeout=10) == "from the child"
+        r.close()
+    finally:
+        q.close()
+        sp.close()

@@ -30,6 +30,36 @@ static PyObject *owner_of(PyObject *ref) {
     return o;
 }
 
+/* A Ring or Cursor is one process's view of a mapping: it does not pickle.
+ * sp.put and r.get (bound per handle to the core) land here when pickled;
+ * say what to pickle instead. */
+PyObject *Ring_reduce(Ring *r, PyObject *Py_UNUSED(ignored)) {
+    return PyErr_Format(PyExc_TypeError,
+                        "cannot pickle the spool's core: pickle the Spool and call its put "
+                        "(e.g. functools.partial(shmq.Spool.put, spool))");
+}
+
+PyObject *Cursor_reduce(Cursor *c, PyObject *Py_UNUSED(ignored)) {
+    return PyErr_Format(PyExc_TypeError,
+                        "cannot pickle a reader's core cursor: pickle the reader and call its get "
+                        "(e.g. functools.partial(shmq.Reader.get, reader))");
+}
+
+/* store_release(word, value): a release store of a control word, for the
+ * Python general write path (sync=True, pins, deferred payloads), whose
+ * frame bytes and headers are plain stores through the mmap: on aarch64 a
+ * plain 8-byte store of NEXT_SEQ or FIRST_POS could become visible before
+ * them.  Pairs with the readers' acquire loads of the same words, as the
+ * core's own commit (commit_batch) and eviction (publish_first) do. */
+PyObject *Ring_store_release(Ring *r, PyObject *args) {
+    unsigned long long word, value;
+    if (!PyArg_ParseTuple(args, "KK", &word, &value)) return NULL;
+    if (!r->ctl) return PyErr_Format(PyExc_ValueError, "ring is closed");
+    if (word >= HEADER_BYTES / 8) return PyErr_Format(PyExc_IndexError, "control word %llu out of range", word);
+    st_rel(&r->ctl[word], (uint64_t)value);
+    Py_RETURN_NONE;
+}
+
 /* slow(owner, *args): the slow path a handle bound, on the handle itself. */
 static PyObject *call_slow(PyObject *owner_ref, PyObject *slow, PyObject *const *args, size_t nargs) {
     if (!slow) {
@@ -190,6 +220,10 @@ typedef struct {
     Cursor *cur;
     PyObject *owner;              /* weak reference to the shmq.Queue */
     PyObject *put_slow, *get_slow; /* put_slow(queue, obj, block, timeout); get_slow(queue, block, timeout, got) */
+    PyObject *port_of;            /* port_of(queue) -> its port holding it: what this port pickles as */
+    PyObject *keep;               /* a strong reference to the queue, set only on a port unpickled
+                                     for a bound method (Process(target=q.put)): nothing else holds
+                                     that queue.  A cycle, so the port is GC-tracked. */
     long long backlog;            /* the queue's maxsize (-1: unbounded) */
     int fast_put;                 /* 0: every put goes to put_slow (a JoinableQueue counts items first) */
 } QueuePort;
@@ -313,14 +347,14 @@ static PyObject *QueuePort_get(QueuePort *q, PyObject *const *args, Py_ssize_t n
 }
 
 static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
-    /* QueuePort(ring, cursor, queue, put_slow, get_slow, max_backlog, fast_put) */
-    PyObject *ring, *cur, *queue, *put_slow, *get_slow;
+    /* QueuePort(ring, cursor, queue, put_slow, get_slow, max_backlog, fast_put[, port_of]) */
+    PyObject *ring, *cur, *queue, *put_slow, *get_slow, *port_of = NULL;
     long long backlog;
     int fast;
     CoreState *st = PyType_GetModuleState(Py_TYPE(q));
     if (!st) return -1;
-    if (!PyArg_ParseTuple(args, "O!O!OOOLp", st->RingType, &ring, st->CursorType, &cur, &queue, &put_slow, &get_slow,
-                          &backlog, &fast))
+    if (!PyArg_ParseTuple(args, "O!O!OOOLp|O", st->RingType, &ring, st->CursorType, &cur, &queue, &put_slow,
+                          &get_slow, &backlog, &fast, &port_of))
         return -1;
     if (((Cursor *)cur)->ring != (Ring *)ring) {
         PyErr_SetString(PyExc_ValueError, "the cursor reads another ring");
@@ -332,6 +366,7 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
         return -1;
     }
     Py_XSETREF(q->get_slow, Py_NewRef(get_slow));
+    Py_XSETREF(q->port_of, Py_XNewRef(port_of));
     Py_XSETREF(q->ring, (Ring *)Py_NewRef(ring));
     Py_XSETREF(q->cur, (Cursor *)Py_NewRef(cur));
     q->backlog = backlog;
@@ -339,7 +374,27 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static int QueuePort_traverse(QueuePort *q, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(q));
+    Py_VISIT(q->ring);
+    Py_VISIT(q->cur);
+    Py_VISIT(q->owner);
+    Py_VISIT(q->put_slow);
+    Py_VISIT(q->get_slow);
+    Py_VISIT(q->port_of);
+    Py_VISIT(q->keep);
+    return 0;
+}
+
+static int QueuePort_clear(QueuePort *q) {
+    Py_CLEAR(q->keep);
+    return 0;
+}
+
 static void QueuePort_dealloc(QueuePort *q) {
+    PyObject_GC_UnTrack(q);
+    Py_XDECREF(q->keep);
+    Py_XDECREF(q->port_of);
     Py_XDECREF(q->ring);
     Py_XDECREF(q->cur);
     Py_XDECREF(q->owner);
@@ -350,7 +405,26 @@ static void QueuePort_dealloc(QueuePort *q) {
     Py_DECREF(tp);
 }
 
+/* q.put and q.get are this port's methods, bound per queue: pickled (a
+ * Process target under spawn), the port reduces to port_of(queue), handed in
+ * by the queue layer, which returns the unpickled queue's port holding that
+ * queue (keep), so the method works as the queue's own. */
+static PyObject *QueuePort_reduce(QueuePort *q, PyObject *Py_UNUSED(ignored)) {
+    if (!q->port_of) return PyErr_Format(PyExc_TypeError, "cannot pickle a QueuePort bound without port_of");
+    PyObject *owner = owner_of(q->owner);
+    if (!owner) return NULL;
+    return Py_BuildValue("(O(N))", q->port_of, owner);
+}
+
+/* _hold(queue): keep `queue` alive as long as this port (see QueuePort_reduce). */
+static PyObject *QueuePort_hold(QueuePort *q, PyObject *obj) {
+    Py_XSETREF(q->keep, Py_NewRef(obj));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef QueuePort_methods[] = {
+    {"__reduce__", (PyCFunction)QueuePort_reduce, METH_NOARGS, "pickles as its queue's port (q.put as a Process target)"},
+    {"_hold", (PyCFunction)QueuePort_hold, METH_O, "_hold(queue): keep the queue alive as long as this port"},
     {"put", (PyCFunction)(void (*)(void))QueuePort_put, METH_FASTCALL | METH_KEYWORDS,
      "put(obj, block=True, timeout=None) (see shmq.Queue.put)"},
     {"get", (PyCFunction)(void (*)(void))QueuePort_get, METH_FASTCALL | METH_KEYWORDS,
@@ -361,10 +435,13 @@ static PyType_Slot queue_port_slots[] = {
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, QueuePort_init},
     {Py_tp_dealloc, QueuePort_dealloc},
+    {Py_tp_traverse, QueuePort_traverse},
+    {Py_tp_clear, QueuePort_clear},
     {Py_tp_methods, QueuePort_methods},
     {Py_tp_doc, (void *)"A shmq.Queue's put and get in C over its spool's Ring and its group Cursor "
                         "(internal: use shmq.Queue)."},
     {0, NULL}};
 
 PyType_Spec queue_port_spec = {"shmq._core.QueuePort", sizeof(QueuePort), 0,
-                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, queue_port_slots};
+                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
+                               queue_port_slots};

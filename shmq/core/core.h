@@ -335,6 +335,9 @@ int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const 
               PyObject **out);
 PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *Ring_bind(Ring *r, PyObject *args);
+PyObject *Ring_reduce(Ring *r, PyObject *ignored);
+PyObject *Ring_store_release(Ring *r, PyObject *args);
+PyObject *Cursor_reduce(Cursor *c, PyObject *ignored);
 PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *Cursor_bind(Cursor *c, PyObject *args);
 PyObject *Cursor_get_obj(Cursor *c, PyObject *unused);

@@ -242,6 +242,7 @@ static PyGetSetDef Cursor_getset[] = {
     {NULL}};
 
 static PyMethodDef Cursor_methods[] = {
+    {"__reduce__", (PyCFunction)Cursor_reduce, METH_NOARGS, "pickles as its reader's cursor: r.get pickles as the reader's get"},
     {"get", (PyCFunction)(void (*)(void))Cursor_get, METH_FASTCALL, "get(lock_wait=None) -> Frame | None | status"},
     {"get_obj_many", (PyCFunction)(void (*)(void))Cursor_get_obj_many, METH_FASTCALL,
      "get_obj_many(max, lock_wait=None, unpickle=False) -> [objects], ST_LOCK_STUCK, or ([objects and Frames], undecoded indices)"},

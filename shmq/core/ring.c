@@ -399,6 +399,9 @@ static void Ring_dealloc(Ring *r) {
 static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->max_payload); }
 
 static PyMethodDef Ring_methods[] = {
+    {"store_release", (PyCFunction)Ring_store_release, METH_VARARGS,
+     "store_release(word, value): a release store of a control word (the Python general write path's commit)"},
+    {"__reduce__", (PyCFunction)Ring_reduce, METH_NOARGS, "pickles as its spool's core: sp.put pickles as the spool's put"},
     {"trim", (PyCFunction)Ring_trim, METH_VARARGS,
      "trim(lock_wait=0) -> True, or None if the lock was busy: a drained growable ring keeps its current segment and the start allocation"},
     {"zone_alloc", (PyCFunction)Ring_zone_alloc, METH_VARARGS,
