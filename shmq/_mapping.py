@@ -308,6 +308,7 @@ def unlink_semaphores(prefix: str, slot_count: int, owners=None) -> None:
             posix_ipc.unlink_semaphore(name)
         except posix_ipc.ExistentialError:
             pass
+    unregister_spool(prefix)  # its record protected these semaphores: gone with them
 
 
 def has_semaphores(prefix: str) -> bool:
@@ -452,12 +453,12 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(6)}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))
-    register_spool(prefix, path, tmp)
     # Our semaphores with this prefix can only be debris of a spool removed
     # without Spool.destroy (plain rm) whose inode number this file now reuses:
     # no live file has this inode.  Another user's are left alone (and make
     # the exclusive creation below fail: a squatted name is never used).
     unlink_semaphores(prefix, 0, {os.geteuid()})
+    register_spool(prefix, path, tmp)  # before its semaphores exist: shmq gc keeps them
     linked = False
     try:
         os.fchmod(fd, mode)
