@@ -68,6 +68,11 @@ def _block_then_put(make_spool, ctx, per_spool):
         except BaseException as exc:  # reported below, never lost in a thread
             errors.append(repr(exc))
 
+    # The putter starts before the threads (forking a multi-threaded process is
+    # refused, see conftest) and puts once told to.
+    go = ctx.Event()
+    p = ctx.Process(target=_put_one_each, args=([sp.path for sp in spools], go))
+    p.start()
     threads = [threading.Thread(target=take, args=(i, r), daemon=True) for i, r in enumerate(readers)]
     for t in threads:
         t.start()
@@ -75,12 +80,15 @@ def _block_then_put(make_spool, ctx, per_spool):
         # Every thread registered as a waiter (it re-checked and found nothing):
         # they are all blocked before anything is put.
         assert _wait_until(lambda: _waiters(spools) == len(readers)), _waiters(spools)
-        p = ctx.Process(target=_put_one_each, args=([sp.path for sp in spools],))
-        p.start()
+        go.set()
         assert join_all([p], 60) == [0]
     finally:
+        go.set()
+        if p.is_alive():
+            p.kill()
+        deadline = time.monotonic() + 120  # one bound for all of them, not 120 s each
         for t in threads:
-            t.join(120)
+            t.join(max(0.0, deadline - time.monotonic()))
         stuck = [r for r, t in zip(readers, threads) if t.is_alive()]
         for r in stuck:
             r.close()  # a thread blocked forever by a bug raises ValueError within 0.1 s
@@ -93,7 +101,9 @@ def _block_then_put(make_spool, ctx, per_spool):
     return spools
 
 
-def _put_one_each(paths):
+def _put_one_each(paths, go=None):
+    if go is not None and not go.wait(120):
+        raise SystemExit("never told to put")
     for path in paths:
         with shmq.Spool.open(path) as sp:
             sp.put(f"frame for {path}".encode())
