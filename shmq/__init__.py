@@ -18,6 +18,7 @@ from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them here
     from .dispatch import Context, Dispatcher
+    from .rpc import Call, Client, Service
 
 __version__ = "0.1.0"
 

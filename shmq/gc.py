@@ -48,16 +48,17 @@ MIN_AGE_S = 2.0
 class Orphans:
     """What :func:`sweep` found (and, with ``remove``, removed)."""
 
-    semaphores: dict  # prefix -> [semaphore file names]
-    queues: list  # anonymous queue paths
-    stale_entries: list  # registry entries whose spool is gone
+    semaphores: dict[str, list[str]]  # prefix -> [semaphore file names]
+    queues: list[str]  # anonymous queue paths
+    stale_entries: list[str]  # registry entries whose spool is gone
     kept: int  # semaphore prefixes of spools that exist or are in use
     removed: bool
 
 
-def _our_semaphores(min_age):
+def _our_semaphores(min_age: float) -> dict[str, list[str]]:
     """{prefix: [file names]} of this user's shmq semaphores older than ``min_age`` s."""
-    out, me, now = {}, os.geteuid(), time.time()
+    out: dict[str, list[str]] = {}
+    me, now = os.geteuid(), time.time()
     try:
         names = os.listdir(SEM_DIR)
     except OSError:
@@ -76,7 +77,7 @@ def _our_semaphores(min_age):
     return out
 
 
-def _prefix_if_file(path):
+def _prefix_if_file(path: str) -> str | None:
     try:
         st = os.lstat(path)
     except (OSError, ValueError):
@@ -84,9 +85,10 @@ def _prefix_if_file(path):
     return sem_prefix_of(st) if stat.S_ISREG(st.st_mode) else None
 
 
-def _registered():
+def _registered() -> tuple[set[str], list[str]]:
     """(prefixes of recorded spools that exist, names of entries whose spool is gone)."""
-    live, stale = set(), []
+    live: set[str] = set()
+    stale: list[str] = []
     d = registry_dir()
     try:
         st = os.lstat(d)
@@ -117,7 +119,7 @@ def _registered():
     return live, stale
 
 
-def _under_shm():
+def _under_shm() -> set[str]:
     """Semaphore prefixes of every regular file under /dev/shm we can see (no links followed)."""
     out = set()
     for root, dirs, files in os.walk(SEM_DIR, followlinks=False):
@@ -130,7 +132,7 @@ def _under_shm():
     return out
 
 
-def _in_use():
+def _in_use() -> set[str]:
     """Prefixes of semaphores live processes map, and of files they map (from /proc)."""
     out, files = set(), set()
     for entry in os.listdir("/proc"):
@@ -155,7 +157,7 @@ def _in_use():
     return out
 
 
-def orphaned_queues() -> list:
+def orphaned_queues() -> list[str]:
     """This user's anonymous queues whose creator is dead and that no live process maps."""
     from ._mapping import open_by
 
@@ -171,7 +173,7 @@ def orphaned_queues() -> list:
     return out
 
 
-def _open_fd_somewhere(path):
+def _open_fd_somewhere(path: str) -> bool:
     """True if a live process (we can see) has ``path`` open (not just mapped)."""
     try:
         st = os.stat(path)
@@ -196,7 +198,7 @@ def _open_fd_somewhere(path):
     return False
 
 
-def sweep(remove=False, min_age=MIN_AGE_S) -> Orphans:
+def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
     """Find this user's orphaned semaphores and anonymous queues; remove them if ``remove``.
 
     Never removes a semaphore of a spool that exists (recorded in the

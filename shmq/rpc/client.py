@@ -12,6 +12,8 @@ import multiprocessing.util
 import os
 import threading
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Self
 
 from .._lock import holder_word
 from .._mapping import resolve_path
@@ -19,6 +21,9 @@ from ..errors import Empty, Full, RemoteError, Timeout, TooLarge
 from ..queue import Queue
 from ..workqueue import WorkQueue
 from .wire import NS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, label
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
 
 __all__ = ["Client"]
 
@@ -50,7 +55,7 @@ class Client:
     :class:`shmq.Timeout` naming the service.
     """
 
-    def __init__(self, name_or_path, *, window=256, trusted=False):
+    def __init__(self, name_or_path: StrPath, *, window: int = 256, trusted: bool = False) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError("window must be an int >= 1")
         self.name = os.fspath(name_or_path)
@@ -61,13 +66,13 @@ class Client:
         self._closed = False
         self.duplicates = 0  # replies dropped: a redelivered call's second answer, a late one
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Client], tuple[str], dict[str, Any]]:
         return (Client, (self.name,), {"window": self.window, "_trusted": self._trusted})
 
-    def __setstate__(self, state):
-        self.__init__(self.name, window=state["window"], trusted=state["_trusted"])
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(self.name, window=state["window"], trusted=state["_trusted"])  # type: ignore[misc]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<shmq.Client of {self.path}>"
 
     def _label(self):
@@ -109,10 +114,10 @@ class Client:
             if self._wq is not None:
                 self._wq.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- sending --------------------------------------------------------------------
@@ -252,7 +257,7 @@ class Client:
 
     # -- the API --------------------------------------------------------------------
 
-    def call(self, obj, timeout=None):
+    def call(self, obj: Any, timeout: float | None = None) -> Any:
         """Send ``obj`` to the service and return its reply.
 
         :raises shmq.Timeout: no reply within ``timeout`` seconds (None: wait
@@ -261,7 +266,7 @@ class Client:
         """
         return self.call_many([obj], timeout=timeout)[0]
 
-    def call_many(self, objs, timeout=None) -> list:
+    def call_many(self, objs: Iterable[Any], timeout: float | None = None) -> list[Any]:
         """Send every object, pipelined (up to ``window`` calls in flight), and return
         the replies in request order.  ``timeout`` bounds the whole batch.
 
@@ -288,7 +293,7 @@ class Client:
             raise ValueError("timeout must be a non-negative number or None")
         return time.monotonic() + timeout, time.time_ns() + int(timeout * NS)
 
-    async def call_async(self, obj, timeout=None):
+    async def call_async(self, obj: Any, timeout: float | None = None) -> Any:
         """``await`` the reply to ``obj`` (as :meth:`call`); the event loop is never blocked
         waiting: it parks on the reply queue's inotify doorbell."""
         self._check()

@@ -14,13 +14,20 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Self
 
 from .._mapping import resolve_path
 from ..errors import Empty, LeaseLost, ShmqError
 from ..queue import Queue
 from ..spool import Spool
-from ..workqueue import WorkQueue
+from ..workqueue import Message, WorkQueue, WorkQueueStats
 from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, error_tuple
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from _typeshed import StrPath
 
 __all__ = ["Service", "Call"]
 
@@ -45,7 +52,8 @@ class Call:
 
     __slots__ = ("_svc", "_msg", "request", "id", "attempt", "_reply_to", "_caller", "_done")
 
-    def __init__(self, svc, msg, cid, reply_to, caller, request):
+    def __init__(self, svc: Service, msg: Message, cid: int, reply_to: str, caller: int,
+                 request: Any) -> None:
         self._svc = svc
         self._msg = msg
         self.request = request
@@ -59,7 +67,7 @@ class Call:
     def done(self) -> bool:
         return self._done
 
-    def reply(self, obj) -> None:
+    def reply(self, obj: Any) -> None:
         """Send ``obj`` to the caller, then settle the call (it is never delivered again).
 
         An ``obj`` that cannot be pickled, or does not fit the caller's reply
@@ -69,14 +77,14 @@ class Call:
         """
         self._svc._answer(self, OK, obj)
 
-    def fail(self, exc) -> None:
+    def fail(self, exc: BaseException | str) -> None:
         """Answer with an error: the caller's ``call`` raises :class:`shmq.RemoteError`
         with ``exc``'s type name, message and traceback."""
         if not isinstance(exc, BaseException):
             exc = ShmqError(str(exc))
         self._svc._answer(self, ERR, error_tuple(exc))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<shmq.Call id={self.id} attempt={self.attempt} done={self._done}>"
 
 
@@ -102,8 +110,9 @@ class Service:
     waiting (fewer lock round trips; a worker that dies holds more).
     """
 
-    def __init__(self, name_or_path, *, capacity=REQUEST_CAPACITY, max_attempts=MAX_ATTEMPTS,
-                 lease=60.0, prefetch=1, trusted=False):
+    def __init__(self, name_or_path: StrPath, *, capacity: int | str = REQUEST_CAPACITY,
+                 max_attempts: int = MAX_ATTEMPTS, lease: float = 60.0, prefetch: int = 1,
+                 trusted: bool = False) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError("max_attempts must be an int >= 1")
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
@@ -112,25 +121,25 @@ class Service:
         self.path = resolve_path(name_or_path)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be an int >= 1")
-        self._opts = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
-                          prefetch=prefetch, trusted=trusted)
+        self._opts: dict[str, Any] = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
+                                          prefetch=prefetch, trusted=trusted)
         self.prefetch = prefetch
-        self._held = deque()  # calls leased by get_many, not handed out yet
+        self._held: deque[Message] = deque()  # calls leased by get_many, not handed out yet
         self.max_attempts = max_attempts
         self.lease = float(lease)
         self._trusted = trusted
-        self._pid = None
-        self._wq = None
-        self._replies = OrderedDict()  # reply queue path -> Queue handle, LRU
+        self._pid: int | None = None
+        self._wq: WorkQueue | None = None
+        self._replies: OrderedDict[str, Queue] = OrderedDict()  # reply queue path -> Queue handle, LRU
         self._next_sweep = 0.0
         self._stopping = False
-        self._wake_w = None
+        self._wake_w: int | None = None
         self._queue()  # create it now: clients find the service at once
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Service], tuple[Any, ...]]:
         return (_reopen_service, (self.name, self._opts))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<shmq.Service {self.path}>"
 
     def _queue(self) -> WorkQueue:
@@ -141,6 +150,7 @@ class Service:
             self._replies = OrderedDict()
             self._held = deque()
             self._pid = os.getpid()
+        assert self._wq is not None  # set with _pid
         return self._wq
 
     def close(self) -> None:
@@ -154,31 +164,32 @@ class Service:
             for q in self._replies.values():
                 q.close()
             self._replies.clear()
+            assert self._wq is not None  # set with _pid
             self._wq.close()
         self._pid = self._wq = None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @staticmethod
-    def destroy(name_or_path) -> None:
+    def destroy(name_or_path: StrPath) -> None:
         """Remove a service's request queue (``PATH`` and ``PATH.dead``); calls in it are lost.
 
         :raises FileNotFoundError: no service there.
         """
         WorkQueue.destroy(resolve_path(name_or_path))
 
-    def stats(self):
+    def stats(self) -> WorkQueueStats:
         """The request queue's :class:`shmq.WorkQueueStats`: ``ready`` (queued calls),
         ``in_flight`` (calls being handled), ``redeliveries`` and more."""
         return self._queue().stats()
 
     # -- taking calls ---------------------------------------------------------------
 
-    def get(self, timeout=None) -> Call:
+    def get(self, timeout: float | None = None) -> Call:
         """The next call to answer (blocks; no polling).
 
         Calls whose caller gave up (deadline passed) are dropped here; a call
@@ -213,7 +224,7 @@ class Service:
                 continue
             return call
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Call]:
         """Calls, forever (until :meth:`stop`, or a signal when serving)."""
         while not self._stopping:
             try:
@@ -300,7 +311,8 @@ class Service:
             except OSError:
                 pass
 
-    def serve(self, handler, workers=1, *, mp_context=None, grace=10.0) -> None:
+    def serve(self, handler: Callable[[Any], Any], workers: int = 1, *,
+              mp_context: BaseContext | str | None = None, grace: float = 10.0) -> None:
         """Answer calls with ``handler(request) -> reply`` in ``workers`` processes; blocks.
 
         A handler that raises answers the caller with :class:`shmq.RemoteError`.

@@ -17,6 +17,13 @@ handler sees again: make it a pure function of the batch).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import StrPath
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import StructType
+
 __all__ = ["call_sidecar"]
 
 #: One client per service per Spark Python worker process (they are reused across tasks).
@@ -43,7 +50,9 @@ def _batches(reply, service):
                     "a pyarrow.RecordBatch or Table matching the schema")
 
 
-def call_sidecar(df, service, schema, *, batch_rows=10_000, window=2, timeout=300.0):
+def call_sidecar(df: DataFrame, service: StrPath, schema: StructType | str, *,
+                 batch_rows: int = 10_000, window: int = 2,
+                 timeout: float | None = 300.0) -> DataFrame:
     """The DataFrame of the replies of the service ``service`` to ``df``'s Arrow batches.
 
     ``service``: the service's name or path, the same on every host (a bare

@@ -25,3 +25,12 @@ def misuse(sp: shmq.Spool, q: shmq.Queue, wq: shmq.WorkQueue, d: Dispatcher) -> 
     q.get_many("ten")  # E
     ctx: Context = d  # E
     print(seq, n, msg, ctx)
+
+
+def misuse_service(svc: shmq.Service, cl: shmq.Client) -> None:
+    shmq.Client("svc", window="8")  # E
+    cl.call("x", timeout="soon")  # E
+    replies: str = cl.call_many(["a"])  # E
+    svc.serve(print, workers="2")  # E
+    call_id: str = svc.get().id  # E
+    print(replies, call_id)

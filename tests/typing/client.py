@@ -20,6 +20,7 @@ import shmq.codec
 import shmq.columnar
 import shmq.dedupe
 import shmq.dispatch
+import shmq.gc
 import shmq.metrics
 from shmq.dispatch import Context, Dispatcher
 
@@ -139,6 +140,49 @@ def work_queues(path: str) -> None:
     assert_type(wq.stats(), shmq.WorkQueueStats)
     wq.close()
     shmq.WorkQueue.destroy(path)
+
+
+def upper(request: str) -> str:
+    return request.upper()
+
+
+def services(name: str) -> None:
+    svc = shmq.Service(name, capacity="1MiB", lease=30.0)
+    assert_type(svc, shmq.Service)
+    call = svc.get(timeout=1.0)
+    assert_type(call, shmq.Call)
+    assert_type(call.request, Any)
+    assert_type(call.id, int)
+    assert_type(call.attempt, int)
+    call.reply(call.request)
+    for c in svc:
+        assert_type(c, shmq.Call)
+        c.fail(ValueError("bad request"))
+        break
+    assert_type(svc.stats(), shmq.WorkQueueStats)
+    svc.serve(upper, workers=2, mp_context="spawn")
+    svc.close()
+    shmq.Service.destroy(name)
+
+    with shmq.Client(name, window=16) as cl:
+        assert_type(cl, shmq.Client)
+        assert_type(cl.call("hello", timeout=5.0), Any)
+        assert_type(cl.call_many(["a", "b"], timeout=5.0), list[Any])
+        assert_type(cl.call_many(iter(["c"])), list[Any])
+
+        async def ask() -> Any:
+            return await cl.call_async("hi", timeout=1.0)
+
+        print(asyncio.run(ask()))
+    try:
+        shmq.Client(name).call("x")
+    except shmq.RemoteError as exc:
+        assert_type(exc.type_name, str | None)
+        assert_type(exc.remote_traceback, str | None)
+    sweep = shmq.gc.sweep(remove=False)
+    assert_type(sweep, shmq.gc.Orphans)
+    assert_type(sweep.semaphores, dict[str, list[str]])
+    assert_type(shmq.gc.orphaned_queues(), list[str])
 
 
 def resize(ctx: Context, body: Any) -> None:
