@@ -1,21 +1,22 @@
 #!/usr/bin/env python3
 """ThreadSanitizer evidence for the compiled core's C11 memory ordering.
 
-Builds ``stress/tsan_harness/harness.c`` (the core's sources, listed in
-pyproject's ``[[tool.setuptools.ext-modules]]``, included through the one
-adapter ``stress/tsan_harness/core_adapter.h``) with ``-fsanitize=thread -O1
--g``, then, for each iteration and scenario, creates a spool with shmq,
-registers its named readers and group, and runs the harness on it: writers
-(batched puts and zero-copy reservations, committed or abandoned), named
-readers, group members and, in the overwrite scenario, anonymous readers, as
-threads of one process over ONE mapping of the spool, none holding the GIL
-(see the adapter: with the GIL held, its mutex would order every thread and
-TSan would prove nothing).  TSan checks every access against C11
-happens-before: atomics with their orders, fences, and the semaphores that are
-the writer and group locks.  The harness also checks what was read (every
-frame intact and CRC-verified, seq order, none lost or duplicated), and after
-each run the spool is verified with ``shmq.verify`` and the readers'
-committed positions are checked.
+Builds ``stress/tsan_harness/harness.c`` and the core's C files (listed in
+pyproject's ``[[tool.setuptools.ext-modules]]``, each compiled unchanged with
+the one adapter ``stress/tsan_harness/core_adapter.h`` force-included for its
+shims) with ``-fsanitize=thread -O1 -g``, then, for each iteration and
+scenario, creates a spool with shmq, registers its named readers and group,
+and runs the harness on it: writers (batched puts and zero-copy reservations,
+committed or abandoned), named readers, group members and, in the overwrite
+scenario, anonymous readers, as threads of one process over ONE mapping of the
+spool, driving the core's Python-free internals (docs/format.md, "The compiled
+core"), none holding the GIL and no interpreter initialized (see the adapter:
+with the GIL held, its mutex would order every thread and TSan would prove
+nothing). TSan checks every access against C11 happens-before: atomics with
+their orders, fences, and the semaphores that are the writer and group locks.
+The harness also checks what was read (every frame intact and CRC-verified,
+seq order, none lost or duplicated), and after each run the spool is verified
+with ``shmq.verify`` and the readers' committed positions are checked.
 
 Scenarios: ``block`` (fixed 64 KiB ring, block policy: 2 writers, 2 named
 readers, a group of 3), ``growable`` (the same over a growable ring: early
@@ -25,7 +26,7 @@ TSan reports there and why).
 
     python stress/tsan.py                  # 5 iterations of every scenario
     python stress/tsan.py --quick          # the suite's mode: 1 short iteration each (~10-20 s)
-    python stress/tsan.py --self-test      # weaken NEXT_SEQ's release store: TSan must report
+    python stress/tsan.py --self-test      # weaken release stores (WEAKENINGS): TSan must report
     python stress/tsan.py -n 20 --seed 7 --ops 5000 --scenario block
 
 Prints the number of TSan reports per run and in total; exits 1 if any run
@@ -65,9 +66,10 @@ TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std
 #: Orderings --self-test weakens, one build each, in a scratch copy of the core: with any
 #: of them relaxed, TSan must report a reader's copy racing with a writer's stores.
 WEAKENINGS = {
-    # the commit point (write_locked, Reservation_commit): readers would copy unpublished bytes
+    # the commit point (write.c's commit_batch, the one commit of put, put_many and reserve):
+    # readers would copy unpublished bytes
     "commit": (r"st_rel\(&c\[W_NEXT_SEQ\],", "st_rlx(&c[W_NEXT_SEQ],"),
-    # a named reader's / group's consumed position (named_commit, group_take): the writer
+    # a named reader's / group's consumed position (read.c's named_commit, group_take_in): the writer
     # would overwrite bytes a reader may still be copying
     "consumed": (r"st_rel\(&s\[S_POS\],", "st_rlx(&s[S_POS],"),
 }
@@ -102,7 +104,7 @@ def core_sources():
     for ext in data.get("tool", {}).get("setuptools", {}).get("ext-modules", []):
         if ext.get("name") == "shmq._core":
             return [os.path.join(ROOT, s) for s in ext["sources"]]
-    return [os.path.join(ROOT, "shmq", "_core.c")]
+    raise SystemExit("tsan: no [[tool.setuptools.ext-modules]] entry for shmq._core in pyproject.toml")
 
 
 def compiler():
@@ -161,41 +163,67 @@ def python_flags():
 
 
 def build(cc, workdir, weaken=None):
-    """Compile the harness; `weaken`: a key of WEAKENINGS, applied to a scratch copy of the core."""
+    """Compile the harness; `weaken`: a key of WEAKENINGS, applied to a scratch copy of the core.
+
+    Each of the core's C files is compiled unchanged (or from the scratch copy) with the
+    adapter force-included (``-include core_adapter.h -DHX_CORE_FILE``: its shims only),
+    then linked with harness.c and libpython, which is never initialized."""
     sources = core_sources()
-    if weaken:  # a scratch copy of the core, never the real one
-        copies = []
+    core_dirs = sorted({os.path.dirname(s) for s in sources})
+    if weaken:  # a scratch copy of the whole core folder (its .c and .h files), never the real one
+        pattern, repl = WEAKENINGS[weaken]
+        scratch = os.path.join(workdir, f"weak_{weaken}")
+        shutil.rmtree(scratch, ignore_errors=True)
         n = 0
-        for s in sources:
-            text = open(s).read()
-            text, k = re.subn(WEAKENINGS[weaken][0], WEAKENINGS[weaken][1], text)
-            n += k
-            dst = os.path.join(workdir, f"weak_{weaken}_" + os.path.basename(s))
-            with open(dst, "w") as f:
-                f.write(text)
-            copies.append(dst)
+        mapped = {}
+        for i, d in enumerate(core_dirs):
+            dst_dir = os.path.join(scratch, f"{i}_{os.path.basename(d)}")
+            shutil.copytree(d, dst_dir)
+            mapped[d] = dst_dir
+            for name in sorted(os.listdir(dst_dir)):
+                if not name.endswith((".c", ".h")):
+                    continue
+                f = os.path.join(dst_dir, name)
+                text, k = re.subn(pattern, repl, open(f).read())
+                if k:
+                    with open(f, "w") as out:
+                        out.write(text)
+                    log(f"tsan: self-test build '{weaken}': {k} release store(s) made relaxed in "
+                        f"{os.path.relpath(os.path.join(d, name), ROOT)} (scratch copy)")
+                n += k
         if n == 0:
-            raise SystemExit(f"tsan: --self-test found nothing to weaken ({WEAKENINGS[weaken][0]!r} in "
-                             f"{sources}): update WEAKENINGS in stress/tsan.py")
-        log(f"tsan: self-test build '{weaken}': {n} release store(s) made relaxed in a scratch copy")
-        sources = copies
-    # One translation unit: the adapter includes CORE_SOURCE (an amalgamation when there are several).
-    if len(sources) == 1:
-        core = sources[0]
-    else:
-        core = os.path.join(workdir, "core_all.c")
-        with open(core, "w") as f:
-            f.writelines(f'#include "{s}"\n' for s in sources)
+            raise SystemExit(f"tsan: --self-test found nothing to weaken ({pattern!r} in "
+                             f"{core_dirs}): update WEAKENINGS in stress/tsan.py")
+        sources = [os.path.join(mapped[os.path.dirname(s)], os.path.basename(s)) for s in sources]
+        core_dirs = [mapped[d] for d in core_dirs]
     cflags, ldflags = python_flags()
-    inc_dirs = sorted({os.path.dirname(s) for s in core_sources()})
+    inc = [f"-I{d}" for d in core_dirs]
+    adapter = os.path.join(HARNESS_DIR, "core_adapter.h")
+    tag = f"weak_{weaken}" if weaken else "core"
+    objs, jobs = [], []
+    for s in sources:
+        obj = os.path.join(workdir, f"{tag}_{os.path.splitext(os.path.basename(s))[0]}.o")
+        objs.append(obj)
+        jobs.append([cc, *TSAN_FLAGS, "-Wall", *cflags, *inc, "-DHX_CORE_FILE", "-include", adapter,
+                     "-c", s, "-o", obj])
     out = os.path.join(workdir, f"harness_weak_{weaken}" if weaken else "harness")
-    cmd = [cc, *TSAN_FLAGS, "-Wall", "-Wno-unused-function", "-Wno-unused-variable", *cflags,
-           *[f"-I{d}" for d in inc_dirs], f'-DCORE_SOURCE="{core}"',
-           os.path.join(HARNESS_DIR, "harness.c"), "-o", out, *ldflags]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    link = [cc, *TSAN_FLAGS, "-Wall", "-Wno-unused-function", "-Wno-unused-variable", *cflags, *inc,
+            os.path.join(HARNESS_DIR, "harness.c"), *objs, "-o", out, *ldflags]
+    running = []
+    for cmd in jobs + [None]:  # two compilers at a time
+        while running and (cmd is None or len(running) >= 2):
+            c, p = running.pop(0)
+            _, err = p.communicate()
+            if p.returncode != 0:
+                sys.stderr.write(err)
+                raise SystemExit(f"tsan: building the harness failed: {' '.join(c)}")
+        if cmd is not None:
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                  text=True)))
+    r = subprocess.run(link, capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(r.stderr)
-        raise SystemExit(f"tsan: building the harness failed: {' '.join(cmd)}")
+        raise SystemExit(f"tsan: building the harness failed: {' '.join(link)}")
     return out
 
 
@@ -296,9 +324,10 @@ def one_run(binary, scenario, seed, ops, state):
         shutil.rmtree(d, ignore_errors=True)
 
 
-#: A lock-free reader's speculative reads of ring bytes, and the writers' stores to the ring.
-SEQLOCK_READERS = ("read_one", "first_cursor", "resync")
-RING_WRITERS = ("write_locked", "Ring_reserve", "Reservation_commit", "writer_main")
+#: A lock-free reader's speculative reads of ring bytes (read_loop, inlined into the takes and
+#: read_frame; the adapter's sink copy runs under it), and the writers' stores to the ring.
+SEQLOCK_READERS = ("read_loop", "read_frame", "first_cursor", "resync")
+RING_WRITERS = ("write_locked", "write_pads", "reserve_locked", "commit_reserved", "writer_main")
 
 
 def parse_reports(stderr):
@@ -334,7 +363,7 @@ def describe(rep, depth=3):
 
 def is_seqlock(rep, ring_offset):
     """The expected report of a lapped lock-free reader: a reader's plain read of ring bytes
-    (read_one / first_cursor / resync) against a writer's store to the same bytes, with no
+    (read_loop / first_cursor / resync) against a writer's store to the same bytes, with no
     happens-before between them (docs/guarantees.md, "ThreadSanitizer")."""
     if rep["kind"] != "data race" or rep["offset"] is None or rep["offset"] < ring_offset:
         return False  # control words and slots are atomics: a race there is never expected
@@ -360,7 +389,7 @@ def self_test(cc, workdir, seed, ops, state, which=None):
         binary = build(cc, workdir, weaken=weaken)
         reports, problems, out = one_run(binary, "block", seed, ops, state)
         log(f"tsan: self-test '{weaken}': {len(reports)} report(s); {out}")
-        racing = [r for r in reports if any("read_one" in " ".join(f) for _, f in r["accesses"]) and
+        racing = [r for r in reports if any("read_loop" in " ".join(f) for _, f in r["accesses"]) and
                   any(w in " ".join(f) for _, f in r["accesses"] for w in RING_WRITERS)]
         if not racing:
             log(f"tsan: SELF-TEST FAILED: with '{weaken}' relaxed, TSan reported no race between a "

@@ -254,7 +254,7 @@ static void *anon_main(void *arg) {
         int rc = hx_take(c, &seq, buf, MAX_PAYLOAD + 8, &len);
         if (rc < 0) FAIL(res, "anonymous reader %d: %s", i, hx_error());
         if (rc == 0) {
-            if (c->seq >= end) break;
+            if (hx_cursor_seq(c) >= end) break;
             sched_yield();
             continue;
         }
