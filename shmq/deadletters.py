@@ -112,7 +112,7 @@ class DeadLetters:
                                   rec["failed_ns"] / _NS))
         return out
 
-    def replay(self, ids, put) -> int:
+    def replay(self, ids, put, stop_on=()) -> int:
         """``put(obj, key=, headers=)`` each letter (all, or those whose id is in ``ids``),
         then tombstone it; return how many.
 
@@ -125,7 +125,9 @@ class DeadLetters:
         replays do not put the same letter twice.  A crash between the put
         and the tombstone replays that letter again on the next replay (at
         least once, a duplicate), never loses it.  A letter purged while its
-        put waited is still put once (and counted).
+        put waited is still put once (and counted).  An exception in
+        ``stop_on`` raised by ``put`` ends the replay there (that letter and
+        the rest stay); any other propagates.
         """
         wanted = None if ids is None else set(ids)
         trust = self._trust()
@@ -138,7 +140,10 @@ class DeadLetters:
                     continue
                 rec = codec.decode_dead(f.data, trust)
                 obj, headers, key = rec["message"]
-                put(obj, key=key, headers=headers)  # may wait for room: no lock held here
+                try:
+                    put(obj, key=key, headers=headers)  # may wait for room: no lock held here
+                except stop_on:  # e.g. Full at the caller's deadline: this letter stays dead
+                    break
                 with self.spool.writer_lock:  # tombstones serialize with writers (short)
                     if self._live(f.seq, hit):
                         self.spool.ring.set_flags(hit, F.FLAG_SUPERSEDED)

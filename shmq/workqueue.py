@@ -33,7 +33,7 @@ from ._format import (
 from ._lock import holder_pid
 from ._mapping import read_geometry, resolve_path
 from .deadletters import DeadLetter, DeadLetters
-from .errors import Empty, ShmqError
+from .errors import Empty, Full, ShmqError
 from .leases import KeyIndex, LeaseTable, WorkQueueStats, lease_stats
 from .spool import Spool
 from .waiting import check_block_timeout
@@ -595,13 +595,25 @@ class WorkQueue:
         self._check()
         return self._dead.list()
 
-    def replay_dead(self, ids: Iterable[int] | None = None) -> int:
+    def replay_dead(self, ids: Iterable[int] | None = None, timeout: float | None = None) -> int:
         """Re-enqueue dead letters (all, or those whose ``id`` is in ``ids``); return how many.
 
-        Replayed messages get new ids and fresh attempts.
+        Replayed messages get new ids and fresh attempts.  Each put waits for
+        room in the work queue; with ``timeout``, the replay stops at the first
+        letter that found no room before the deadline (it and the rest stay
+        dead letters, nothing is lost) and returns how many were replayed.  A
+        consumer that replays should pass a timeout: with every consumer waiting
+        in a replay, nobody makes room.
         """
         self._check()
-        return self._dead.replay(ids, self.put)
+        if timeout is None:
+            return self._dead.replay(ids, self.put)
+        deadline = time.monotonic() + timeout
+
+        def put(obj: Any, **kw: Any) -> int:
+            return self.put(obj, timeout=max(0.0, deadline - time.monotonic()), **kw)
+
+        return self._dead.replay(ids, put, stop_on=Full)
 
     def purge_dead(self, older_than: float | None = None) -> int:
         """Drop dead letters (all, or those failed more than ``older_than`` seconds ago)."""

@@ -138,7 +138,7 @@ def _wq_consumer(path, stop, seed):
         else:
             m.ack()
         if rnd.random() < 0.01:
-            wq.replay_dead()
+            wq.replay_dead(timeout=0.5)  # a consumer replaying must not wait forever for room
         if rnd.random() < 0.01:
             wq.purge_dead()
     wq.close()

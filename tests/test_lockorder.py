@@ -204,3 +204,34 @@ def _replayer(path, conn, go):
     go.wait(20)
     conn.send(wq.replay_dead())
     wq.close()
+
+
+def test_replay_with_a_timeout_stops_at_a_full_queue_and_loses_nothing(wq_path):
+    """replay_dead(timeout=) on a full queue returns at its deadline with the letters
+    still dead; once room appears the same call replays them."""
+    wq = _open(wq_path)
+    try:
+        wq.put("doomed")
+        m = wq.get(timeout=10)
+        m.nack(error="boom")  # max_attempts=1: dead-lettered
+        assert wq.stats().dead == 1
+        filled = 0
+        for item in ("x" * 200, "d"):  # large items, then as small as the letter: no room left
+            while True:
+                try:
+                    wq.put(item, timeout=0)
+                except shmq.Full:
+                    break
+                filled += 1
+        assert filled > 0
+        t0 = time.monotonic()
+        assert wq.replay_dead(timeout=0.3) == 0
+        assert time.monotonic() - t0 < 10  # returned at its deadline, not when room appeared
+        assert wq.stats().dead == 1  # nothing lost
+        for _ in range(filled):  # make room
+            wq.get(timeout=10).ack()
+        assert wq.replay_dead(timeout=10) == 1
+        assert wq.stats().dead == 0
+        assert wq.get(timeout=10).body == "doomed"
+    finally:
+        wq.close()

@@ -268,7 +268,13 @@ def test_whole_service_killed_and_restarted_mid_call(svc_path, spool_dir):
             first = st.next()
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(T)
-            proc2 = start_service(svc_path, workers=1)
+            # a fresh interpreter, not a fork: thread t is running in this process
+            proc2 = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+                import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+                from test_service import handler
+                import shmq
+                shmq.Service({svc_path!r}).serve(handler, workers=1)
+            """)], start_new_session=True)
             try:
                 second = st.next()  # delivered again to the new service
                 assert second != first
@@ -278,7 +284,12 @@ def test_whole_service_killed_and_restarted_mid_call(svc_path, spool_dir):
                 assert cl.call("after", timeout=T)["echo"] == "after"
                 assert cl.duplicates == 0
             finally:
-                stop_service(proc2)
+                proc2.terminate()  # SIGTERM: the service shuts down cleanly
+                try:
+                    proc2.wait(T)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc2.pid, signal.SIGKILL)
+                    proc2.wait(T)
     finally:
         st.close()
         if proc.poll() is None:

@@ -398,7 +398,8 @@ def test_call_sidecar_answers_every_row_once(spark, spool_dir):
 
     path = os.path.join(spool_dir, "scorer")
     shmq.Service(path).close()
-    proc = mp.get_context("fork").Process(target=_sidecar_serve, args=(path,))
+    # spawn, not fork: this process runs the SparkSession's py4j threads
+    proc = mp.get_context("spawn").Process(target=_sidecar_serve, args=(path,))
     proc.start()
     try:
         df = spark.range(0, 20_000, numPartitions=4).selectExpr("id", "id * 0.5 as x")

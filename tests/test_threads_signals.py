@@ -177,6 +177,11 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
     barrier = threading.Barrier(n + 1)
     threads = [threading.Thread(target=_blocked_getter, args=(take, barrier, out, errors))
                for _ in range(n)]
+    # The putter starts before the threads (forking a multi-threaded process is
+    # refused, see conftest) and puts once told to.
+    go = ctx.Event()
+    child = ctx.Process(target=_put_items, args=(path, n, go))
+    child.start()
     try:
         for th in threads:
             th.start()
@@ -186,8 +191,7 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
         while bell.sem.value < n and time.monotonic() < deadline:
             time.sleep(0.001)
         assert bell.sem.value == n
-        child = ctx.Process(target=_put_items, args=(path, n))
-        child.start()
+        go.set()
         assert join_all([child]) == [0]
         for th in threads:
             th.join(30)
@@ -196,13 +200,17 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
         assert sorted(out) == sorted(b"item-%d" % i for i in range(n))  # each item once
         assert bell.sem.value == 0  # every waiter unregistered
     finally:
+        go.set()
+        join_all([child])
         if q is not None:
             q.close()
         if sp is not None:
             sp.close()
 
 
-def _put_items(path, n):
+def _put_items(path, n, go=None):
+    if go is not None and not go.wait(60):
+        raise SystemExit("never told to put")
     sp = shmq.Spool.open(path)
     for i in range(n):
         sp.put(b"item-%d" % i)  # (bytes travel raw through shmq.Queue too)

@@ -26,19 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["call_sidecar"]
 
-#: One client per service per Spark Python worker process (they are reused across tasks).
-_clients: dict = {}
-
-
-def _client(service):
-    import shmq
-
-    cl = _clients.get(service)
-    if cl is None:
-        cl = _clients[service] = shmq.Client(service)
-    return cl
-
-
 def _batches(reply, service):
     import pyarrow as pa
 
@@ -70,17 +57,22 @@ def call_sidecar(df: DataFrame, service: StrPath, schema: StructType | str, *,
             raise ValueError(f"{name} must be an int >= 1")
 
     def answer(batches):
-        cl = _client(service)
-        out = []
-        for b in batches:
-            for off in range(0, b.num_rows, batch_rows):
-                out.append(b.slice(off, batch_rows))
-                if len(out) >= window:
-                    for reply in cl.call_many(out, timeout=timeout):
-                        yield from _batches(reply, service)
-                    out = []
-        if out:
-            for reply in cl.call_many(out, timeout=timeout):
-                yield from _batches(reply, service)
+        import shmq
+
+        # One client (one reply queue) per task, closed when the task's
+        # iterator ends: Spark ends idle Python workers without exit handlers,
+        # so a client cached in the worker would leave its reply queue behind.
+        with shmq.Client(service) as cl:
+            out = []
+            for b in batches:
+                for off in range(0, b.num_rows, batch_rows):
+                    out.append(b.slice(off, batch_rows))
+                    if len(out) >= window:
+                        for reply in cl.call_many(out, timeout=timeout):
+                            yield from _batches(reply, service)
+                        out = []
+            if out:
+                for reply in cl.call_many(out, timeout=timeout):
+                    yield from _batches(reply, service)
 
     return df.mapInArrow(answer, schema)
