@@ -216,8 +216,10 @@ def test_queue_of_dead_creator_nobody_maps_is_reclaimed_by_next_queue():
     try:
         os.kill(c.pid, signal.SIGKILL)
         c.join(10)
-        assert os.path.exists(path)  # the resource tracker would remove it only at its exit
-        assert path in _gc("--min-age", "0")["queues"]
+        # Listed by gc while it exists.  Any process of this user that creates a
+        # Queue meanwhile (another xdist worker) may reclaim it first: by design.
+        listed = _gc("--min-age", "0")["queues"]
+        assert path in listed or not os.path.exists(path)
         shmq.Queue().close()  # a new queue reclaims (bounded work)
         assert not os.path.exists(path)
         assert os.path.exists(alive_one._spool.path)
