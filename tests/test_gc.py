@@ -20,6 +20,22 @@ from shmq.queue import queue_creator
 DEADLINE_S = 10.0
 
 
+@pytest.fixture(autouse=True)
+def _one_gc_test_at_a_time():
+    """These tests orphan semaphores on purpose and run ``gc --yes``, which removes
+    every orphan of this user: two of them at once (xdist workers) would sweep
+    each other's.  An flock serializes them across workers (the kernel drops it
+    if a worker dies)."""
+    import fcntl
+
+    with open(os.path.join("/tmp", f"shmq-test-gc-{os.getuid()}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _sem_files(prefix):
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
 
