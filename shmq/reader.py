@@ -225,6 +225,10 @@ class Reader:
             from .columnar import get_records
 
             return get_records(self, max_frames, block, timeout)
+        return self._get_frames(max_frames, block, timeout)
+
+    def _get_frames(self, max_frames: int, block: bool, timeout: float | None) -> list[Frame]:
+        """get_many's frames (a group member takes them under its lock instead)."""
         _check_max_frames(max_frames)
         out = self._cur.get_many(max_frames)
         if type(out) is list and out:
@@ -581,22 +585,7 @@ class GroupReader(_SlotReader):
         finally:
             lock.release_if_held()
 
-    @overload
-    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
-                 as_array: Literal[False] = False) -> list[Frame]: ...
-    @overload
-    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None, *,
-                 as_array: Literal[True]) -> NDArray[Any]: ...
-    @overload
-    def get_many(self, max_frames: int, block: bool, timeout: float | None,
-                 as_array: Literal[True]) -> NDArray[Any]: ...
-
-    def get_many(self, max_frames: int = 100, block: bool = True, timeout: float | None = None,
-                 as_array: bool = False) -> list[Frame] | NDArray[Any]:
-        if as_array:
-            from .columnar import get_records
-
-            return get_records(self, max_frames, block, timeout)
+    def _get_frames(self, max_frames: int, block: bool, timeout: float | None) -> list[Frame]:
         return self._take_many(self._cur.get_many, max_frames, block, timeout)
 
     def get_objects(self, max_items: int = 100, block: bool = True, timeout: float | None = None, *,
