@@ -655,14 +655,15 @@ def destroy_file(path: str) -> None:
         unregister_spool(prefix)
 
 
-def open_by(path: str) -> list[int]:
-    """Pids of other live processes that have the file at ``path`` mapped (every open
-    shmq handle maps its spool), from /proc/PID/maps; [] if none or not readable."""
+def open_by(path: str, include_self: bool = False) -> list[int]:
+    """Pids of other live processes (this one too with ``include_self``) that have the
+    file at ``path`` mapped (every open shmq handle maps its spool), from
+    /proc/PID/maps; [] if none or not readable."""
     try:
         st = os.stat(path)
     except OSError:
         return []
-    me, pids = os.getpid(), []
+    me, pids = (-1 if include_self else os.getpid()), []
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
     ino = str(st.st_ino)
     for entry in os.listdir("/proc"):

@@ -30,11 +30,10 @@ import time
 
 import posix_ipc
 
-from ._lock import process_alive
 from ._mapping import (
-    SEM_DIR, destroy_file, registry_dir, sem_prefix_of, unregister_spool,
+    SEM_DIR, registry_dir, sem_prefix_of, unregister_spool,
 )
-from .queue import ANONYMOUS_PREFIX, anonymous_paths, queue_creator
+from .queue import anonymous_paths, is_orphan, reclaim_if_orphan
 
 __all__ = ["Orphans", "sweep", "orphaned_queues"]
 
@@ -158,44 +157,9 @@ def _in_use() -> set[str]:
 
 
 def orphaned_queues() -> list[str]:
-    """This user's anonymous queues whose creator is dead and that no live process maps."""
-    from ._mapping import open_by
-
-    out = []
-    for p in anonymous_paths():
-        creator = queue_creator(p)
-        if creator is None:
-            continue  # named by an older shmq: its creator is unknown, never reclaimed here
-        pid, start = creator
-        if process_alive(pid, start) or open_by(p) or _open_fd_somewhere(p):
-            continue
-        out.append(p)
-    return out
-
-
-def _open_fd_somewhere(path: str) -> bool:
-    """True if a live process (we can see) has ``path`` open (not just mapped)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        d = f"/proc/{entry}/fd"
-        try:
-            fds = os.listdir(d)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"{d}/{fd}").startswith(SEM_DIR + "/" + ANONYMOUS_PREFIX):
-                    fst = os.stat(f"{d}/{fd}")
-                    if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
-                        return True
-            except OSError:
-                continue
-    return False
+    """This user's anonymous queues whose creator is dead and that no live process maps
+    or has open (:func:`shmq.queue.is_orphan`)."""
+    return [p for p in anonymous_paths() if is_orphan(p)]
 
 
 def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
@@ -209,10 +173,7 @@ def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
     queues = orphaned_queues()
     if remove:
         for p in queues:
-            try:
-                destroy_file(p)
-            except (OSError, ValueError):
-                pass
+            reclaim_if_orphan(p)  # checks again: a process may have attached since the listing
     sems = _our_semaphores(min_age)
     live, stale = _registered()
     keep = live | _under_shm() | _in_use()

@@ -429,37 +429,36 @@ def queue_creator(path: str) -> tuple[int, int] | None:
     return (pid, start) if 0 < pid and 0 <= start < 1 << 32 else None
 
 
-def _mapped_here(path: str) -> bool:
-    """True if this process still maps ``path`` (another handle to the same queue)."""
+def _open_fd_somewhere(path: str) -> bool:
+    """True if a live process (that we can see) has ``path`` open, not only mapped."""
     try:
         st = os.stat(path)
     except OSError:
         return False
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) >= 5 and parts[4] == str(st.st_ino) and parts[3] == dev:
-                    return True
-    except OSError:
-        pass
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        d = f"/proc/{entry}/fd"
+        try:
+            fds = os.listdir(d)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{d}/{fd}").startswith(os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX)):
+                    fst = os.stat(f"{d}/{fd}")
+                    if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                        return True
+            except OSError:
+                continue
     return False
 
 
-def reclaim_if_orphan(path: str, spool: Spool | None = None) -> bool:
-    """Remove the anonymous queue at ``path`` if its creator is dead and no live process
-    maps it (closing ``spool``, this handle's, first); return True if removed.
-
-    Called when a non-creator handle closes or its process exits, and by
-    :func:`reclaim_orphans`.  A queue whose creator lives, that some process
-    maps, or whose name does not carry its creator is left alone.
-    """
-    if spool is not None:
-        try:
-            spool.close()
-        except Exception:
-            pass
+def is_orphan(path: str) -> bool:
+    """True if the anonymous queue at ``path`` is this user's regular file, its creator
+    (named in the file name) is dead, and no live process, this one included, maps it
+    or has it open: then no handle can still attach to it.  The one test behind
+    :func:`reclaim_if_orphan`, :func:`reclaim_orphans` and ``shmq gc``."""
     creator = queue_creator(path)
     if creator is None or process_alive(*creator):
         return False
@@ -469,7 +468,24 @@ def reclaim_if_orphan(path: str, spool: Spool | None = None) -> bool:
         return False
     if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         return False
-    if _mapped_here(path) or open_by(path):
+    return not (open_by(path, include_self=True) or _open_fd_somewhere(path))
+
+
+def reclaim_if_orphan(path: str, spool: Spool | None = None) -> bool:
+    """Remove the anonymous queue at ``path`` if :func:`is_orphan` (closing ``spool``,
+    this handle's, first); return True if removed.
+
+    Called when a non-creator handle closes or its process exits, by
+    :func:`reclaim_orphans` and by ``shmq gc --yes``.  A queue whose creator
+    lives, that some process maps or has open, or whose name does not carry its
+    creator is left alone.
+    """
+    if spool is not None:
+        try:
+            spool.close()
+        except Exception:
+            pass
+    if not is_orphan(path):
         return False
     try:
         destroy_file(path)
