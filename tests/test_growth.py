@@ -22,7 +22,7 @@ import shmq
 from shmq import _format as F
 from shmq.verify import verify
 
-from conftest import join_all
+from conftest import bound, join_all
 
 MiB = 1 << 20
 SEG = 1 * MiB  # the segment of a 1 MiB start
@@ -147,7 +147,7 @@ def test_a_consumer_finishing_the_last_batch_is_waited_for_instead_of_growing(ma
     shmq.spool.set_crash_hook(hook)
     try:
         for i in range(200):  # 100 MiB through a spool that starts at 1 MiB
-            sp.put(bytes([i % 256]) * BIG, timeout=5)
+            sp.put(bytes([i % 256]) * BIG, timeout=bound(5))
             while r.position < i:  # the consumer keeps up, but for the frame just put
                 assert r.get(timeout=0).data[0] == r.position - 1 & 255
     finally:
@@ -227,9 +227,9 @@ def test_a_reservation_grows_the_spool(make_spool):
 
 def _grow_writer(path, n, ready):
     sp = shmq.Spool.open(path)
-    ready.wait(30)
+    ready.wait(bound(30))
     for seq in range(n):
-        sp.put(_frame(seq), timeout=30)
+        sp.put(_frame(seq), timeout=bound(30))
     sp.close()
 
 
@@ -246,7 +246,7 @@ def test_a_writer_in_another_process_grows_it_while_readers_follow(spool_path, c
         while len(frames) < n:
             if len(frames) < n // 2 and sp.next_seq < n // 2:
                 continue  # let the backlog build first: the spool must grow
-            frames.append(group.get(timeout=30))
+            frames.append(group.get(timeout=bound(30)))
         join_all([p])
         assert p.exitcode == 0
         _check_exact(frames, 0, n)
@@ -285,7 +285,7 @@ def test_queue_defaults_start_at_one_mib_and_never_block_put(spool_dir):
         for i in range(40_000):  # mp.Queue takes all of these before any consumer
             q.put_nowait(b"k" * 1000)
         assert sp.allocated > 40 * MiB
-        assert [len(q.get(timeout=5)) for _ in range(40_000)] == [1000] * 40_000
+        assert [len(q.get(timeout=bound(5))) for _ in range(40_000)] == [1000] * 40_000
     finally:
         q.close()
 
@@ -298,7 +298,7 @@ def test_a_queue_full_to_its_ceiling_raises_full_at_once():
             for _ in range(10_000):
                 q.put(b"c" * 1000)  # block=True, timeout=None: never blocks forever
         assert time.monotonic() - t0 < 30
-        assert q.get(timeout=5) == b"c" * 1000  # nothing lost
+        assert q.get(timeout=bound(5)) == b"c" * 1000  # nothing lost
     finally:
         q.close()
 
@@ -310,7 +310,7 @@ def test_a_bounded_queue_still_blocks_at_maxsize():
             q.put(i)
         with pytest.raises(shmq.Full, match="still full"):
             q.put(3, timeout=0.05)
-        assert q.get(timeout=5) == 0
+        assert q.get(timeout=bound(5)) == 0
     finally:
         q.close()
 
@@ -328,7 +328,7 @@ needs_private_tmpfs = pytest.mark.skipif(not _private_tmpfs_available(),
                                          reason="needs root and unshare -m for a private tmpfs")
 
 
-def _in_small_shm(script, timeout=240):
+def _in_small_shm(script, timeout=bound(240)):
     """Run ``script`` with a private 64 MiB tmpfs on /dev/shm; return its stdout lines."""
     code = textwrap.dedent(script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -349,7 +349,7 @@ def test_in_a_64_mib_dev_shm_twenty_queues_and_a_100k_backlog():
         for i in range(100_000):  # before any consumer starts
             q.put({"i": i, "pad": b"p" * 150})
         for i in range(100_000):
-            assert q.get(timeout=10)["i"] == i
+            assert q.get(timeout=bound(10))["i"] == i
         print("ok", q._spool.allocated)
         for x in queues:
             x.close()
@@ -448,22 +448,22 @@ def test_closing_a_handle_while_another_thread_waits_in_it_fails_that_thread_cle
 
     def put():
         try:
-            result["seq"] = other.put(b"x" * 100, timeout=10)
+            result["seq"] = other.put(b"x" * 100, timeout=bound(10))
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             result["error"] = e
 
     t = threading.Thread(target=put)
     t.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + bound(10)
     while "futex" not in _wchan(t.native_id) and time.monotonic() < deadline:
         time.sleep(0.001)  # poll until the thread sleeps in sem_clockwait (no fixed delay)
     other.close()  # while it waits, GIL released, for the lock we hold
     rv.__exit__(None, None, None)  # commit: the waiter wakes up on a closed handle
-    t.join(10)
+    t.join(bound(10))
     assert not t.is_alive()
     assert isinstance(result.get("error"), ValueError), result
     t0 = time.monotonic()
-    assert owner.put(b"after", timeout=5) == 1  # the lock was given back, not left held
+    assert owner.put(b"after", timeout=bound(5)) == 1  # the lock was given back, not left held
     assert time.monotonic() - t0 < 1
     assert verify(owner.path).ok
 
@@ -490,15 +490,15 @@ def test_closing_a_handle_during_segment_allocation_never_crashes(spool_dir):
                     outcomes.add("closed")
             t = threading.Thread(target=writer)
             t.start()
-            started.wait(10)
+            started.wait(bound(10))
             sp.close()
-            t.join(30)
+            t.join(bound(30))
             assert not t.is_alive()
             shmq.Spool.destroy(path)
         print(sorted(outcomes))
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=240, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+                         timeout=bound(240), env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert res.returncode == 0, res.stdout + res.stderr  # a crash would be a signal here
     assert "closed" in res.stdout, res.stdout
 
@@ -520,29 +520,29 @@ def test_closing_the_spool_while_a_thread_waits_for_its_group_lock(make_spool):
 
     def take():
         try:
-            result["frame"] = r.get(timeout=10)
+            result["frame"] = r.get(timeout=bound(10))
         except BaseException as e:  # noqa: BLE001 - the test inspects it
             result["error"] = e
 
     t = threading.Thread(target=take)
     t.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + bound(10)
     while "futex" not in _wchan(t.native_id) and time.monotonic() < deadline:
         time.sleep(0.001)  # poll until it sleeps on the group lock (no fixed delay)
     sp.close()  # closes the reader and the handle while the thread waits
     held.release()
     held.close()
-    t.join(10)
+    t.join(bound(10))
     assert not t.is_alive()
     assert isinstance(result.get("error"), ValueError), result
     with shmq.Spool.open(sp.path) as again:  # the group lock was given back
-        assert again.reader("g", group=True).get(timeout=5).data == b"one"
+        assert again.reader("g", group=True).get(timeout=bound(5)).data == b"one"
 
 
 def _bounded_producer(q, tag, n, errors):
     try:
         for i in range(n):
-            q.put((tag, i), timeout=30)
+            q.put((tag, i), timeout=bound(30))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         errors.put(repr(e))
 
@@ -558,7 +558,7 @@ def test_a_bounded_queue_at_maxsize_waits_and_never_mistakes_it_for_the_ceiling(
     try:
         for p in procs:
             p.start()
-        got = [q.get(timeout=30) for _ in range(2 * n)]
+        got = [q.get(timeout=bound(30)) for _ in range(2 * n)]
         join_all(procs)
         assert errors.empty(), errors.get()
         assert sorted(got) == sorted((t, i) for t in range(2) for i in range(n))

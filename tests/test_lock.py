@@ -20,7 +20,7 @@ import shmq
 from shmq import _lock
 from shmq._lock import RecoverableLock, holder_pid, holder_word, ofd_lock, ofd_locked_by_other, ofd_unlock
 
-from conftest import join_all
+from conftest import bound, join_all
 
 HOLDER, TOKEN, BREAKS = 0, 1, 2
 RECOVERY_S = 0.2
@@ -68,7 +68,7 @@ def shared(spool_dir):
 def _hold_then_wait(path, sem_name, ready, release):
     """Child: take the lock, say so, then hold it until told to release (or killed)."""
     s = _Shared(path, sem_name)
-    s.lock.acquire(timeout=10)
+    s.lock.acquire(timeout=bound(10))
     ready.send(os.getpid())
     release.recv()  # blocks until the parent writes or closes (or SIGKILLs us)
     s.lock.release()
@@ -80,7 +80,7 @@ def _start_holder(ctx, shared):
     rel_r, rel_w = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_hold_then_wait, args=(shared.path, shared.name, ready_w, rel_r))
     p.start()
-    assert ready_r.poll(60), "the holder did not take the lock"
+    assert ready_r.poll(bound(60)), "the holder did not take the lock"
     assert ready_r.recv() == p.pid
     return p, rel_w
 
@@ -102,7 +102,7 @@ def test_threads_exclude_each_other_and_the_record_is_cleared(shared):
     for t in ts:
         t.start()
     for t in ts:
-        t.join(60)
+        t.join(bound(60))
     assert not any(t.is_alive() for t in ts)
     assert count[0] == 8000 and worst[0] == 1
     assert shared.words[HOLDER] == 0 and shared.sem.value == 1
@@ -118,8 +118,8 @@ def test_sigkilled_holder_is_broken_once_with_a_token_bump(ctx, shared):
     p, _rel = _start_holder(ctx, shared)
     assert holder_pid(shared.words[HOLDER]) == p.pid
     os.kill(p.pid, signal.SIGKILL)
-    p.join(30)
-    shared.lock.acquire(timeout=30)  # breaks it after about RECOVERY_S
+    p.join(bound(30))
+    shared.lock.acquire(timeout=bound(30))  # breaks it after about RECOVERY_S
     try:
         assert shared.recovered == [p.pid]  # on_recover ran, told whose lock it was
         assert shared.words[TOKEN] == 1 and shared.words[BREAKS] == 1
@@ -127,7 +127,7 @@ def test_sigkilled_holder_is_broken_once_with_a_token_bump(ctx, shared):
     finally:
         shared.lock.release()
     assert shared.sem.value == 1 and shared.words[HOLDER] == 0
-    shared.lock.acquire(timeout=5)  # and it is an ordinary lock again
+    shared.lock.acquire(timeout=bound(5))  # and it is an ordinary lock again
     shared.lock.release()
     assert shared.words[BREAKS] == 1
 
@@ -143,7 +143,7 @@ def test_live_but_stopped_holder_is_never_broken(ctx, shared):
         os.kill(p.pid, signal.SIGCONT)
         rel.send(b"go")
     assert join_all([p], 30) == [0]
-    shared.lock.acquire(timeout=5)
+    shared.lock.acquire(timeout=bound(5))
     shared.lock.release()
     assert shared.words[TOKEN] == 0 and shared.words[BREAKS] == 0
 
@@ -155,7 +155,7 @@ def test_recycled_pid_is_treated_as_dead(shared):
     shared.sem.acquire(0)
     mine = holder_word()
     shared.words[HOLDER] = (mine & 0xFFFFFFFF) | (((mine >> 32) ^ 1) << 32)
-    shared.lock.acquire(timeout=10)
+    shared.lock.acquire(timeout=bound(10))
     try:
         assert shared.words[TOKEN] == 1 and shared.recovered == [os.getpid()]
     finally:
@@ -197,7 +197,7 @@ def test_zombie_is_not_alive():
     try:
         assert _lock.process_alive(p.pid) is False
     finally:
-        p.wait(30)
+        p.wait(bound(30))
 
 
 def test_ofd_locks_conflict_between_open_file_descriptions(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 
 
 def _queue_files():
@@ -64,7 +64,7 @@ def test_batches_of_every_kind_of_item_round_trip(q):
     want = [x for batch in batches for x in batch]
     got = []
     while len(got) < len(want):
-        got += q.get_many(64, timeout=5)
+        got += q.get_many(64, timeout=bound(5))
     assert len(got) == len(want)
     for g, w in zip(got, want):
         if isinstance(w, np.ndarray):
@@ -85,7 +85,7 @@ def test_get_many_takes_what_is_there_whatever_max_says(q):
     q.put_many(items[300:])
     got = []
     while len(got) < len(items):
-        got += q.get_many(10**12, timeout=5)
+        got += q.get_many(10**12, timeout=bound(5))
     assert got == items
 
 
@@ -128,7 +128,7 @@ def test_threads_sharing_get_many_while_items_unpickle_take_each_item_once(q):
     for t in ts:
         t.start()
     for t in ts:
-        t.join(60)
+        t.join(bound(60))
     assert not errors and not any(t.is_alive() for t in ts)
     everything = sorted(x for mine in got for x in mine)
     assert everything == list(range(n))
@@ -167,7 +167,7 @@ def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
         r.close()
     P, O, R = F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_RAW
     assert codecs == [P, O, R, P, P, P, O, O, R, P, R, R]
-    got = [q.get(timeout=5) for _ in range(12)]
+    got = [q.get(timeout=bound(5)) for _ in range(12)]
     assert got[0] == {"a": 1} and np.array_equal(got[1], np.arange(4)) and got[2] == b"raw"
     assert got[3] == bytearray(b"ba") and got[4:6] == [{"b": 2}, {"c": 3}]
     assert np.array_equal(got[6], np.ones(3)) and np.array_equal(got[7], np.zeros(2))
@@ -181,7 +181,7 @@ def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
 ], ids=["mixed", "pickles", "arrays"])
 def test_put_many_of_an_iterator_loses_nothing(q, items):
     q.put_many(iter(items))
-    got = q.get_many(10, timeout=5)
+    got = q.get_many(10, timeout=bound(5))
     assert len(got) == len(items)
     for g, w in zip(got, items):
         assert np.array_equal(g, w) if isinstance(w, np.ndarray) else g == w
@@ -272,7 +272,7 @@ def test_joinable_queue():
         assert not q.join(timeout=0.05)
         q.task_done()
         q.task_done()
-        assert q.join(timeout=5)
+        assert q.join(timeout=bound(5))
         with pytest.raises(ValueError, match="too many"):
             q.task_done()
     finally:
@@ -292,7 +292,7 @@ def test_simple_queue():
 
 def test_async(q):
     async def main():
-        getter = asyncio.ensure_future(q.get_async(timeout=5))
+        getter = asyncio.ensure_future(q.get_async(timeout=bound(5)))
         await asyncio.sleep(0)
         await q.put_async("hi")
         return await getter
@@ -305,7 +305,7 @@ def test_put_async_waits_for_room():
     try:
         async def main():
             await q.put_async(1)
-            putter = asyncio.ensure_future(q.put_async(2, timeout=5))
+            putter = asyncio.ensure_future(q.put_async(2, timeout=bound(5)))
             await asyncio.sleep(0.01)
             assert not putter.done()
             assert q.get() == 1
@@ -378,7 +378,7 @@ def _producer(q, start, n):
 
 
 def _consumer(q, n, out):
-    got = [q.get(timeout=30) for _ in range(n)]
+    got = [q.get(timeout=bound(30)) for _ in range(n)]
     out.put(got)
 
 
@@ -390,7 +390,7 @@ def test_two_by_two_each_item_once_in_producer_order(ctx):
     procs += [ctx.Process(target=_consumer, args=(q, n, out)) for _ in range(2)]
     for p in procs:
         p.start()
-    parts = [out.get(timeout=60) for _ in range(2)]
+    parts = [out.get(timeout=bound(60)) for _ in range(2)]
     assert join_all(procs) == [0] * 4
     everything = sorted(x for part in parts for x in part)
     assert everything == sorted((w, i) for w in range(2) for i in range(n))
@@ -403,7 +403,7 @@ def test_two_by_two_each_item_once_in_producer_order(ctx):
 
 
 def _echo_through(q_in, q_out):
-    inner = q_in.get(timeout=30)  # a queue handed over through another queue
+    inner = q_in.get(timeout=bound(30))  # a queue handed over through another queue
     inner.put("hello via a queue in a queue")
     inner.close()
 
@@ -413,7 +413,7 @@ def test_queue_passed_through_a_queue(ctx):
     p = ctx.Process(target=_echo_through, args=(carrier, done))
     p.start()
     carrier.put(inner)
-    assert inner.get(timeout=30) == "hello via a queue in a queue"
+    assert inner.get(timeout=bound(30)) == "hello via a queue in a queue"
     join_all([p])
     for x in (carrier, inner, done):
         x.close()
@@ -441,7 +441,7 @@ def test_pool_initargs(ctx):
     q = shmq.Queue()
     with ctx.Pool(2, initializer=_init, initargs=(q,)) as pool:
         assert sorted(pool.map(_square_to_queue, range(10))) == list(range(10))
-    assert sorted(q.get(timeout=10) for _ in range(10)) == [x * x for x in range(10)]
+    assert sorted(q.get(timeout=bound(10)) for _ in range(10)) == [x * x for x in range(10)]
     q.close()
 
 
@@ -449,8 +449,8 @@ def test_process_pool_executor_submit_args(ctx):
     q = shmq.Queue()
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as ex:
         futs = [ex.submit(_put_arg, q, i) for i in range(6)]
-        assert sorted(f.result(timeout=60) for f in futs) == list(range(6))
-    assert sorted(q.get(timeout=10) for _ in range(6)) == list(range(1, 7))
+        assert sorted(f.result(timeout=bound(60)) for f in futs) == list(range(6))
+    assert sorted(q.get(timeout=bound(10)) for _ in range(6)) == list(range(1, 7))
     q.close()
 
 
@@ -468,12 +468,12 @@ def test_consumer_killed_in_get_does_not_block_others(ctx):
     ready = ctx.Event()
     p = ctx.Process(target=_take_one_then_hang, args=(q, ready))
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
-    assert [q.get(timeout=10) for _ in range(5)] == list(range(5))
+    p.join(bound(10))
+    assert [q.get(timeout=bound(10)) for _ in range(5)] == list(range(5))
     q.put("producers unaffected")
-    assert q.get(timeout=5) == "producers unaffected"
+    assert q.get(timeout=bound(5)) == "producers unaffected"
     q.close()
 
 
@@ -494,16 +494,16 @@ def test_creator_sigkill_removes_queue_files():
         other = shmq.Queue.__new__(shmq.Queue)
         other.__setstate__({"path": path, "trusted": False})  # a process still holding it
         proc.kill()
-        proc.wait(10)
-        assert other.get(timeout=5) == "left behind"  # keeps working after the creator died
+        proc.wait(bound(10))
+        assert other.get(timeout=bound(5)) == "left behind"  # keeps working after the creator died
         other.put("still works")
-        assert other.get(timeout=5) == "still works"
+        assert other.get(timeout=bound(5)) == "still works"
         other.close()
-        deadline = time.monotonic() + 20  # the resource tracker notices the death
+        deadline = time.monotonic() + bound(20)  # the resource tracker notices the death
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(path)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(10)
+            proc.wait(bound(10))

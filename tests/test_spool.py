@@ -10,6 +10,7 @@ import pytest
 
 import shmq
 from shmq import _format as F
+from conftest import bound
 
 
 def payloads(n, size=100):
@@ -430,7 +431,7 @@ def test_get_async(make_spool):
     r = sp.reader()
 
     async def main():
-        task = asyncio.ensure_future(r.get_async(timeout=5))
+        task = asyncio.ensure_future(r.get_async(timeout=bound(5)))
         await asyncio.sleep(0)
         sp.put(b"async")
         frame = await task

@@ -24,7 +24,7 @@ import pytest
 
 import shmq
 from shmq import _format as F
-from conftest import join_all
+from conftest import bound, join_all
 
 # --------------------------------------------------------------------------
 # 8 threads x 2 processes
@@ -41,13 +41,13 @@ STOP = None  # the sentinel: one per consumer thread
 def _take(kind, handle, t):
     """One consuming step of consumer thread ``t``: a list of items (messages acked)."""
     if kind == "work":
-        msgs = handle.get_many(1 + t * 5, timeout=60, lease=300)
+        msgs = handle.get_many(1 + t * 5, timeout=bound(60), lease=300)
         for m in msgs:
             m.ack()
         return [m.body for m in msgs]
     if t % 2:
-        return handle.get_many(1 + t * 5, timeout=60)
-    return [handle.get(timeout=60)]
+        return handle.get_many(1 + t * 5, timeout=bound(60))
+    return [handle.get(timeout=bound(60))]
 
 
 def _mover(kind, handle, proc_id, per_producer, produced, conn):
@@ -90,10 +90,10 @@ def _mover(kind, handle, proc_id, per_producer, produced, conn):
     for th in prods + cons:
         th.start()
     for th in prods:
-        th.join(120)
+        th.join(bound(120))
     produced.set()
     for th in cons:
-        th.join(120)
+        th.join(bound(120))
     errors += [f"thread {th.name} hung" for th in prods + cons if th.is_alive()]
     ids = array.array("q", [x for part in got for x in part])
     conn.send((errors, ids.tobytes()))
@@ -127,18 +127,18 @@ def test_8_threads_x_2_processes_move_every_item_once(ctx, spool_dir, kind):
         for p in procs:
             p.start()
         for done in produced:
-            assert done.wait(120), "producers did not finish"
+            assert done.wait(bound(120)), "producers did not finish"
         for _ in range(PROCS * CONSUMERS):
             handle.put(STOP)
-        results = [r.recv() if r.poll(120) else None for r in pipes]
+        results = [r.recv() if r.poll(bound(120)) else None for r in pipes]
         assert join_all(procs, 60) == [0] * PROCS
         if kind == "joinable":
-            assert handle.join(timeout=30), "join() did not return after every task_done()"
+            assert handle.join(timeout=bound(30)), "join() did not return after every task_done()"
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join(5)
+                p.join(bound(5))
         handle.close()
     ids = []
     for res in results:
@@ -152,7 +152,7 @@ def test_8_threads_x_2_processes_move_every_item_once(ctx, spool_dir, kind):
 
 def _blocked_getter(take, barrier, out, errors):
     try:
-        barrier.wait(30)
+        barrier.wait(bound(30))
         out.append(take())
     except BaseException as exc:
         errors.append(repr(exc))
@@ -165,13 +165,13 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
     q = sp = None
     if handle_kind == "queue":
         q = shmq.Queue(capacity="1MiB")
-        take, bell = (lambda: q.get(timeout=30)), q._spool.data_bell
+        take, bell = (lambda: q.get(timeout=bound(30))), q._spool.data_bell
         path = q.path
     else:
         sp = shmq.Spool.create(spool_path, capacity="1MiB")
         r = sp.reader() if handle_kind == "anonymous" else sp.reader(
             "r", group=handle_kind == "group")
-        take, bell = (lambda: r.get(timeout=30).data), sp.data_bell
+        take, bell = (lambda: r.get(timeout=bound(30)).data), sp.data_bell
         path = spool_path
     out, errors = [], []
     barrier = threading.Barrier(n + 1)
@@ -185,16 +185,16 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
     try:
         for th in threads:
             th.start()
-        barrier.wait(30)
+        barrier.wait(bound(30))
         # every thread registered as a waiter: all 32 are parked on the one handle
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + bound(30)
         while bell.sem.value < n and time.monotonic() < deadline:
             time.sleep(0.001)
         assert bell.sem.value == n
         go.set()
         assert join_all([child]) == [0]
         for th in threads:
-            th.join(30)
+            th.join(bound(30))
         assert not any(th.is_alive() for th in threads)
         assert errors == []
         assert sorted(out) == sorted(b"item-%d" % i for i in range(n))  # each item once
@@ -209,7 +209,7 @@ def test_32_threads_blocked_on_one_handle_all_wake(spool_path, handle_kind, ctx)
 
 
 def _put_items(path, n, go=None):
-    if go is not None and not go.wait(60):
+    if go is not None and not go.wait(bound(60)):
         raise SystemExit("never told to put")
     sp = shmq.Spool.open(path)
     for i in range(n):
@@ -338,11 +338,11 @@ def test_sigint_storm_never_leaves_a_lock_held(ctx, spool_path, caplog):
     stormer = threading.Thread(target=storm)
     try:
         victim.start()
-        assert ready.wait(60)
+        assert ready.wait(bound(60))
         stormer.start()
-        res = recv.recv() if recv.poll(60) else None
+        res = recv.recv() if recv.poll(bound(60)) else None
         stop.set()
-        stormer.join(10)
+        stormer.join(bound(10))
         assert join_all([victim], 30) == [0]
         assert res is not None, "the victim did not report"
         ops, interrupts, errors = res
@@ -359,14 +359,14 @@ def test_sigint_storm_never_leaves_a_lock_held(ctx, spool_path, caplog):
         other = shmq.Spool.open(spool_path, recovery_timeout=BIG_RECOVERY_S)
         try:
             t = time.monotonic()
-            seq = other.put(b"after the storm", timeout=5)
-            other.put_many([b"x", b"y"], timeout=5)
+            seq = other.put(b"after the storm", timeout=bound(5))
+            other.put_many([b"x", b"y"], timeout=bound(5))
             g = other.reader("grp", group=True)
             with pytest.raises(shmq.Empty):
                 while True:
                     g.get_many(1000, block=False)
-            q.put("after", timeout=5)
-            while q.get(timeout=5) != "after":
+            q.put("after", timeout=bound(5))
+            while q.get(timeout=bound(5)) != "after":
                 pass
             # A lock left held would cost BIG_RECOVERY_S (60 s) here; the bound is
             # loose so a loaded machine (CPU burner, parallel workers) passes too.
@@ -380,10 +380,10 @@ def test_sigint_storm_never_leaves_a_lock_held(ctx, spool_path, caplog):
     finally:
         stop.set()
         if stormer.is_alive():
-            stormer.join(10)
+            stormer.join(bound(10))
         if victim.is_alive():
             victim.kill()
-            victim.join(5)
+            victim.join(bound(5))
         q.close()
         sp.close()
 
@@ -508,9 +508,9 @@ def test_sigstopped_writer_lock_holder_makes_others_time_out(ctx, spool_path):
     child = ctx.Process(target=_stop_inside_writer_lock, args=(spool_path, send))
     try:
         child.start()
-        assert recv.poll(60), "the child never took the lock"
+        assert recv.poll(bound(60)), "the child never took the lock"
         assert recv.recv() == ("holding", child.pid)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + bound(30)
         while _state(child.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.001)
         assert _state(child.pid) == "T"
@@ -526,7 +526,7 @@ def test_sigstopped_writer_lock_holder_makes_others_time_out(ctx, spool_path):
         recv2, send2 = ctx.Pipe(duplex=False)
         other = ctx.Process(target=_put_and_report, args=(spool_path, rt, send2))
         other.start()
-        res = recv2.recv() if recv2.poll(60) else None
+        res = recv2.recv() if recv2.poll(bound(60)) else None
         assert join_all([other]) == [0]
         assert res is not None and res[0] == "Timeout", res
         assert TIMEOUT_S - 0.01 <= res[1] <= TIMEOUT_S + rt + SLACK_S, res
@@ -536,10 +536,10 @@ def test_sigstopped_writer_lock_holder_makes_others_time_out(ctx, spool_path):
     finally:
         if child.is_alive():
             os.kill(child.pid, signal.SIGCONT)
-    assert recv.poll(30) and recv.recv() == ("done", 1)
+    assert recv.poll(bound(30)) and recv.recv() == ("done", 1)
     assert join_all([child]) == [0]
     t = time.monotonic()
-    assert sp.put(b"after", timeout=5) == 4
+    assert sp.put(b"after", timeout=bound(5)) == 4
     assert time.monotonic() - t < 5.0  # (loose: a loaded machine; a held lock would raise Timeout)
     assert [f.data for f in sp.reader().get_many(10, block=False)] == [
         b"before", b"batch-0", b"batch-1", b"batch-2", b"after"]
@@ -586,11 +586,11 @@ def test_ctrl_c_in_a_parked_get_unregisters_and_the_next_get_wakes(make_spool, m
     else:
         sp = make_spool(capacity="64KiB")
         r = sp.reader()
-        get = (lambda: r.get().data) if how == "forever" else (lambda: r.get(timeout=20).data)
+        get = (lambda: r.get().data) if how == "forever" else (lambda: r.get(timeout=bound(20)).data)
     main = threading.main_thread().ident
 
     def when_parked(action):
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + bound(10)
         while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
         action()
@@ -602,7 +602,7 @@ def test_ctrl_c_in_a_parked_get_unregisters_and_the_next_get_wakes(make_spool, m
             with pytest.raises(KeyboardInterrupt):
                 get()
         finally:
-            th.join(15)
+            th.join(bound(15))
         assert sp.data_bell.sem.value == 0  # unregistered: writers do not ring forever
 
         th = threading.Thread(target=when_parked, args=(lambda: sp.put(b"wake"),))
@@ -611,7 +611,7 @@ def test_ctrl_c_in_a_parked_get_unregisters_and_the_next_get_wakes(make_spool, m
         try:
             assert get() == b"wake"
         finally:
-            th.join(15)
+            th.join(bound(15))
         assert time.monotonic() - t < 10.0
         assert sp.data_bell.sem.value == 0
     finally:
@@ -627,14 +627,14 @@ def test_a_signal_delivered_to_another_thread_still_interrupts_a_get_parked_in_c
     fired, handled = threading.Event(), threading.Event()
 
     def signal_from_a_thread():
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + bound(10)
         while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
         # Block SIGINT in every thread but this one: the kernel must deliver it here.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         os.kill(os.getpid(), signal.SIGINT)
         fired.set()
-        if not handled.wait(10):
+        if not handled.wait(bound(10)):
             sp.put(b"rescue")  # a regression fails the test instead of hanging it
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # inherited by the thread
@@ -650,7 +650,7 @@ def test_a_signal_delivered_to_another_thread_still_interrupts_a_get_parked_in_c
                     handled.set()
                     signal.pthread_sigmask(signal.SIG_SETMASK, old)
         finally:
-            th.join(15)
+            th.join(bound(15))
         assert fired.is_set() and time.monotonic() - t < 10.0
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
@@ -670,8 +670,8 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
     child = ctx.Process(target=_stop_inside_writer_lock, args=(q.path, send))
     try:
         child.start()
-        assert recv.poll(60) and recv.recv() == ("holding", child.pid)
-        deadline = time.monotonic() + 30
+        assert recv.poll(bound(60)) and recv.recv() == ("holding", child.pid)
+        deadline = time.monotonic() + bound(30)
         while _state(child.pid) != "T" and time.monotonic() < deadline:
             time.sleep(0.001)
         assert _state(child.pid) == "T"
@@ -682,11 +682,11 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
         if child.is_alive():
             os.kill(child.pid, signal.SIGCONT)
     try:
-        assert recv.poll(30) and recv.recv() == ("done", 0)
+        assert recv.poll(bound(30)) and recv.recv() == ("done", 0)
         assert join_all([child]) == [0]
-        assert q.get_many(10, timeout=5) == [b"batch-0", b"batch-1", b"batch-2"]
-        q.put("after", timeout=5)
-        assert q.get(timeout=5) == "after"
+        assert q.get_many(10, timeout=bound(5)) == [b"batch-0", b"batch-1", b"batch-2"]
+        q.put("after", timeout=bound(5))
+        assert q.get(timeout=bound(5)) == "after"
     finally:
         q.close()
 
@@ -715,16 +715,16 @@ def test_closing_under_a_thread_parked_in_get_makes_it_raise_valueerror(make_spo
 
     th = threading.Thread(target=blocked, daemon=True)
     th.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + bound(10)
     while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert sp.data_bell.sem.value == 1
     t = time.monotonic()
     (r if closing == "reader" else sp).close()
-    th.join(10)
+    th.join(bound(10))
     assert not th.is_alive() and time.monotonic() - t < 5
     assert len(errors) == 1 and isinstance(errors[0], ValueError), errors
     with shmq.Spool.open(path) as again:
         assert again.data_bell.sem.value == 0  # unregistered
         again.put(b"still works")
-        assert again.reader().get(timeout=5).data == b"still works"
+        assert again.reader().get(timeout=bound(5)).data == b"still works"
