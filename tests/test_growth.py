@@ -349,7 +349,7 @@ def test_in_a_64_mib_dev_shm_twenty_queues_and_a_100k_backlog():
         for i in range(100_000):  # before any consumer starts
             q.put({"i": i, "pad": b"p" * 150})
         for i in range(100_000):
-            assert q.get(timeout=bound(10))["i"] == i
+            assert q.get(timeout=10)["i"] == i
         print("ok", q._spool.allocated)
         for x in queues:
             x.close()
@@ -490,9 +490,9 @@ def test_closing_a_handle_during_segment_allocation_never_crashes(spool_dir):
                     outcomes.add("closed")
             t = threading.Thread(target=writer)
             t.start()
-            started.wait(bound(10))
+            started.wait({bound(10)})
             sp.close()
-            t.join(bound(30))
+            t.join({bound(30)})
             assert not t.is_alive()
             shmq.Spool.destroy(path)
         print(sorted(outcomes))
