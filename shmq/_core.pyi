@@ -117,7 +117,8 @@ class Cursor:
 
 class Lock:
     def __init__(
-        self, sem_name: str, words: Any, index: int, holder: int, wait: float, on_stuck: Any, /
+        self, sem_name: str, words: Any, index: int, holder: int, wait: float,
+        on_stuck: Callable[[Lock], object] | None, /
     ) -> None: ...
     @property
     def held(self) -> bool: ...

@@ -160,10 +160,11 @@ class RecoverableLock(_core.Lock):
 
     def __init__(self, sem, words, holder, token_word, file, recovery_byte, *,
                  breaks_word=None, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, on_recover=None):
-        # on_stuck by name, not a bound method: no reference cycle keeps the
-        # lock (and its export of the mapping) alive after its owner is gone.
+        # on_stuck unbound (the core passes the lock), not a bound method: no
+        # reference cycle keeps the lock (and its export of the mapping) alive
+        # after its owner is gone; type(self)'s, so a subclass's override counts.
         super().__init__(sem.name, words, holder, holder_word(), float(recovery_timeout),
-                         "recover_if_dead")
+                         type(self).recover_if_dead)
         self.sem = sem
         self.words = words
         self.holder = holder

@@ -66,15 +66,14 @@ static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
 
 static PyObject *Lock_enter(Lock *l, PyObject *unused) {
     /* Waits as long as it takes; every `wait` seconds without the lock,
-     * on_stuck() (Python) may break a dead holder's lock or raise. */
+     * on_stuck(lock) (Python) may break a dead holder's lock or raise. */
     for (;;) {
         if (lock_open(l) < 0) return NULL;
         int rc = lock_take(l, l->wait);
         if (rc < 0) return NULL;
         if (rc == 0) return Py_NewRef((PyObject *)l);
         if (l->on_stuck && l->on_stuck != Py_None) {
-            PyObject *res = PyUnicode_Check(l->on_stuck) ? PyObject_CallMethodObjArgs((PyObject *)l, l->on_stuck, NULL)
-                                                         : PyObject_CallNoArgs(l->on_stuck);
+            PyObject *res = PyObject_CallOneArg(l->on_stuck, (PyObject *)l);
             if (!res) return NULL;
             Py_DECREF(res);
         }
@@ -111,13 +110,19 @@ static PyObject *Lock_close(Lock *l, PyObject *unused) {
 }
 
 static int Lock_init(Lock *l, PyObject *args, PyObject *kw) {
-    /* Lock(sem_name, words, index, holder, wait, on_stuck) -- words: a writable u64 buffer */
+    /* Lock(sem_name, words, index, holder, wait, on_stuck) -- words: a writable u64 buffer;
+     * on_stuck: None or a callable taking the lock (an unbound method: a bound
+     * one would be a reference cycle through the lock) */
     const char *name;
     PyObject *words, *on_stuck;
     Py_ssize_t index;
     unsigned long long holder;
     double wait;
     if (!PyArg_ParseTuple(args, "sOnKdO", &name, &words, &index, &holder, &wait, &on_stuck)) return -1;
+    if (on_stuck != Py_None && !PyCallable_Check(on_stuck)) {
+        PyErr_SetString(PyExc_TypeError, "on_stuck must be None or a callable taking the lock");
+        return -1;
+    }
     lock_release_res(l);
     if (PyObject_GetBuffer(words, &l->words, PyBUF_WRITABLE) < 0) return -1;
     l->have_words = 1;
