@@ -25,7 +25,8 @@ No lost wake-ups: registration is ``sem_post`` (a full fence) before the
 word is read and the condition re-checked; a ring after the re-check has
 moved the word, so the futex wait returns at once.  For asyncio, an event
 that arrives after the re-check stays queued on the descriptor.  A bounded
-safety-net timeout (``SAFETY_NET_S``) still caps any sleep, covering a
+safety-net timeout (``SAFETY_NET_S``, changed only by :func:`set_safety_net`)
+still caps any sleep, covering a
 publisher killed between publishing and ringing.  If the kernel refuses an
 inotify instance, asyncio waits fall back to short sleeps (logged once).
 """
@@ -36,10 +37,8 @@ import asyncio
 import errno
 import logging
 import os
-import sys
 import threading
 import time
-import types
 
 import inotify_simple
 
@@ -168,18 +167,19 @@ def _resolve(futs):
 _watcher = Watcher()
 
 
-class _Settings(types.ModuleType):
-    """This module's type: setting ``SAFETY_NET_S`` (tests raise it) also hands
-    the value to the core, whose parked gets sleep at most that long.  The core
-    is given values, never reads Python attributes itself."""
+def set_safety_net(seconds: float) -> float:
+    """Cap every sleep of a parked wait at ``seconds``, here and in the core (whose
+    parked gets are handed the value: it never reads Python attributes); return
+    the previous cap.  Tests raise it so that a missed wake-up costs visibly.
 
-    def __setattr__(self, name, value):
-        if name == "SAFETY_NET_S":
-            _core.set_safety_net(value)
-        super().__setattr__(name, value)
+    :raises ValueError: not a positive number of seconds (nothing changes).
+    """
+    global SAFETY_NET_S
+    _core.set_safety_net(seconds)
+    old, SAFETY_NET_S = SAFETY_NET_S, float(seconds)
+    return old
 
 
-sys.modules[__name__].__class__ = _Settings
 _core.set_safety_net(SAFETY_NET_S)
 
 

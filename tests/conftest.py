@@ -261,6 +261,18 @@ def bound(seconds):
     return seconds * TIMEOUT_SCALE
 
 
+@pytest.fixture
+def safety_net():
+    """``safety_net(seconds)`` raises the cap on every parked sleep (so that a missed
+    wake-up would cost visibly); the previous cap is restored after the test."""
+    from shmq import _notify
+
+    olds = []
+    yield lambda seconds: olds.append(_notify.set_safety_net(seconds))
+    if olds:
+        _notify.set_safety_net(olds[0])
+
+
 def join_all(procs, timeout=60):
     """Join processes with a bound (scaled by :data:`TIMEOUT_SCALE`); kill and fail on a hang."""
     timeout = bound(timeout)

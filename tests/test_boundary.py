@@ -147,13 +147,13 @@ def test_plain_queue_binds_its_port():
         q.close()
 
 
-def test_safety_net_is_handed_to_the_core_as_a_value(monkeypatch):
-    monkeypatch.setattr(_notify, "SAFETY_NET_S", 0.25)  # the module pushes it to the core
+def test_safety_net_is_handed_to_the_core_as_a_value(safety_net):
+    safety_net(0.25)  # _notify.set_safety_net: the module hands the value to the core
     with pytest.raises(ValueError):
         _core.set_safety_net(0)  # out of range: refused, not silently clamped
     with pytest.raises(ValueError):
-        _notify.SAFETY_NET_S = -1.0
-    assert _notify.SAFETY_NET_S == 0.25
+        _notify.set_safety_net(-1.0)
+    assert _notify.SAFETY_NET_S == 0.25  # a refused value changes nothing
 
 
 def _c_sources():

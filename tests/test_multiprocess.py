@@ -74,18 +74,15 @@ def _put_when_parked(path, data):
 
 
 @pytest.mark.parametrize("how", ["timeout", "forever", "named-forever"])
-def test_wakeup_uses_doorbell_not_safety_net(spool_path, how):
+def test_wakeup_uses_doorbell_not_safety_net(spool_path, safety_net, how):
     """A parked reader is woken by the doorbell, well before the safety net fires: a get
     with a timeout waits in Python, one without in C (both on the futex word)."""
     import multiprocessing as mp
 
-    from shmq import _notify
-
     ctx = mp.get_context("fork")
     sp = shmq.Spool.create(spool_path, capacity="64KiB")
     r = sp.reader("named") if how.startswith("named") else sp.reader()
-    old = _notify.SAFETY_NET_S
-    _notify.SAFETY_NET_S = 30.0  # a missed doorbell would now cost 30 s
+    safety_net(30.0)  # a missed doorbell would now cost 30 s
     try:
         p = ctx.Process(target=_put_when_parked, args=(spool_path, b"x"))
         p.start()
@@ -96,7 +93,6 @@ def test_wakeup_uses_doorbell_not_safety_net(spool_path, how):
         assert sp.data_bell.sem.value == 0
         join_all([p])
     finally:
-        _notify.SAFETY_NET_S = old
         r.close()
         sp.close()
 

@@ -70,14 +70,11 @@ def test_queue_put_nowait_with_stuck_writer_lock_raises_full(spool_dir):
         q.close()
 
 
-def test_fork_child_does_not_unregister_parents_async_reader(make_spool):
-    from shmq import _notify
-
+def test_fork_child_does_not_unregister_parents_async_reader(make_spool, safety_net):
     sp = make_spool(capacity=4096)
     r = sp.reader()
     ctx = mp.get_context("fork")
-    old = _notify.SAFETY_NET_S
-    _notify.SAFETY_NET_S = 30.0  # a lost registration would now cost 30 s
+    safety_net(30.0)  # a lost registration would now cost 30 s
 
     async def main():
         first = asyncio.ensure_future(r.get_async(timeout=20))
@@ -94,10 +91,7 @@ def test_fork_child_does_not_unregister_parents_async_reader(make_spool):
         join_all([writer])
         return frame, time.monotonic() - t
 
-    try:
-        frame, waited = asyncio.run(main())
-    finally:
-        _notify.SAFETY_NET_S = old
+    frame, waited = asyncio.run(main())
     assert frame.data == b"wake" and waited < 10
 
 

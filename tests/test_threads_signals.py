@@ -572,14 +572,12 @@ def test_keyboardinterrupt_while_registered_leaks_no_waiter(make_spool):
 
 
 @pytest.mark.parametrize("how", ["forever", "timeout", "queue"])
-def test_ctrl_c_in_a_parked_get_unregisters_and_the_next_get_wakes(make_spool, monkeypatch, how):
+def test_ctrl_c_in_a_parked_get_unregisters_and_the_next_get_wakes(make_spool, safety_net, how):
     """SIGINT to the main thread while it sleeps on the doorbell's futex (``get()`` with no
     timeout waits in C, with one in Python; ``shmq.Queue.get()`` in C) raises
     KeyboardInterrupt with the waiter registration undone, and the next blocking get is
     woken by a put (a missed wake-up would cost the 30 s safety net)."""
-    from shmq import _notify
-
-    monkeypatch.setattr(_notify, "SAFETY_NET_S", 30.0)
+    safety_net(30.0)
     if how == "queue":
         q = shmq.Queue(capacity="64KiB")
         sp, get = q._spool, q.get
