@@ -248,6 +248,14 @@ def ctx(request):
     return mp.get_context(request.param)
 
 
+#: The compiled core's C sources, which source-level tests read: the checkout's
+#: these tests belong to, or SHMQ_SOURCE_ROOT's when the tests run against an
+#: installed build from a tree without shmq/ (.ci/aarch64 does, so that every
+#: import finds the installed package).
+CORE_SOURCES = os.path.join(
+    os.environ.get("SHMQ_SOURCE_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "shmq", "core")
+
 #: Multiplies the bounds tests put on waits that only a bug should exhaust
 #: (``bound(30)``), never a timeout a test expects to run out.  1 natively;
 #: .ci/aarch64 sets SHMQ_TEST_TIMEOUT_SCALE for qemu-user, where a spawned

@@ -20,8 +20,9 @@ import pytest
 import shmq
 from shmq import _core, _notify
 from shmq.reader import Reader
+from conftest import CORE_SOURCES
 
-CORE_DIR = os.path.join(os.path.dirname(shmq.__file__), "core")
+CORE_DIR = CORE_SOURCES
 
 
 class LoggingSpool(shmq.Spool):

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 import shmq
 from shmq import _core
 from shmq import _format as F
+from conftest import CORE_SOURCES
 
 CTL = struct.Struct("<Q")
 CHECKED_WORDS = ("W_NEXT_SEQ", "W_NEXT_POS", "W_FIRST_SEQ", "W_FIRST_POS", "W_EVICTED",
@@ -276,8 +277,7 @@ def test_core_layout_matches_format_spec():
         assert name in _core.LAYOUT
     # Every constant the C source #defines under a _format name has _format's
     # value (also those LAYOUT does not list, e.g. flags and codec tags).
-    core_dir = os.path.join(os.path.dirname(shmq.__file__), "core")
-    src = "\n".join(open(os.path.join(core_dir, f)).read() for f in sorted(os.listdir(core_dir))
+    src = "\n".join(open(os.path.join(CORE_SOURCES, f)).read() for f in sorted(os.listdir(CORE_SOURCES))
                     if f.endswith((".c", ".h")))
     defines = dict(re.findall(r"^#define\s+([A-Z][A-Z0-9_]*)\s+(0x[0-9A-Fa-f]+|\d+)\s*(?:/\*.*)?$",
                               src, re.M))
