@@ -159,10 +159,14 @@ class Ring:
     def frame_at(self, seq, pos) -> HeaderHit | None:
         """The header hit of data frame ``seq`` at cursor ``pos`` (past any pad); None if
         the header there is invalid, a pad, or another frame's."""
-        hit = self.header_at(self.frame_pos(pos))
-        if hit is None or hit.seq != seq or hit.flags & FLAG_PAD:
-            return None
-        return hit
+        # frame_pos's walk, keeping the hit: one decode per header on the
+        # per-frame paths (export, columnar runs, pinned reads).
+        for _ in range(4):
+            hit = self.header_at(pos)
+            if hit is None or not hit.flags & FLAG_PAD:
+                return hit if hit is not None and hit.seq == seq else None
+            pos = hit.pos + hit.stored
+        return None  # four pads in a row: not a sane ring
 
     def payload(self, hit):
         """A memoryview of the payload of header hit ``hit`` (no copy: valid while the frame is)."""
