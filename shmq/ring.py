@@ -252,7 +252,7 @@ class Ring:
         ctl = self.ctl
         if seq >= ctl[W_NEXT_SEQ]:
             raise FrameLost(f"seq {seq} has not been written yet (next is {ctl[W_NEXT_SEQ]})")
-        hint = self.locate_hint or (1 << 63, 0)
+        hint = self.locate_hint or (F.MAX_COUNTER, 0)  # no hint: a seq no frame has
         pos = self.core.locate(seq, hint[0], hint[1])
         if pos == -1:
             raise FrameLost(f"seq {seq} was overwritten (oldest is {ctl[W_FIRST_SEQ]})")
