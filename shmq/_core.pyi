@@ -11,6 +11,9 @@ from typing import Any, Final, final
 from _typeshed import ReadableBuffer, structseq
 
 LAYOUT: Final[dict[str, int]]
+MAX_COUNTER: Final[int]
+NO_PIN: Final[int]
+RING_ADVICE: Final[str]
 #: Sentinels returned by Cursor.get_obj (nothing now, group lock stuck, another codec).
 EMPTY: Final[object]
 STUCK: Final[object]

@@ -34,6 +34,18 @@ FORMAT_VERSION = 3
 #: The versions an older shmq wrote; migrate them with ``shmq export`` / ``import``.
 OLD_FORMAT_VERSIONS = (1, 2)
 
+# --- limits and texts (the compiled core's layout.h repeats them: check_core) --
+
+#: Positions, seqs and counters never get near 2**62 (centuries at memory
+#: bandwidth): a value is valid iff it is *below* MAX_COUNTER (compare with
+#: ``>=`` to reject).  A larger one comes from a corrupt or hostile file, and
+#: arithmetic on it (a position plus a frame, a seq plus a batch) could wrap.
+MAX_COUNTER = 1 << 62
+#: What to do about a damaged ring (fsck --repair never rewrites frames, so it
+#: cannot fix one): the end of every "the ring is corrupt" error.
+RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', "
+               "'shmq rm', 'shmq import'")
+
 # --- header page ----------------------------------------------------------
 
 HEADER_BYTES = 4096
@@ -101,8 +113,9 @@ NAME_MAX_BYTES = SLOT_BYTES - NAME_OFFSET - 1
 
 SLOT_FREE, SLOT_READER, SLOT_GROUP, SLOT_PIN = 0, 1, 2, 3
 #: S_POS of a pin slot that pins nothing (a pin slot holds one handle's
-#: zero-copy views: S_POS is the oldest frame position they reference)
-NO_PIN = 1 << 62
+#: zero-copy views: S_POS is the oldest frame position they reference).  Not a
+#: valid position (MAX_COUNTER), so it is above every frame and never in the way.
+NO_PIN = MAX_COUNTER
 S_STATE = 0
 S_SEQ = 1  # committed cursor (stored after S_POS)
 S_POS = 2
@@ -473,3 +486,34 @@ def key_hash(key) -> int:
     raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
     h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
     return h or 1
+
+
+# --- the compiled core's copy of this spec ----------------------------------
+
+#: What the compiled core (shmq/core/layout.h) exports besides its ``LAYOUT``
+#: table of word offsets, under the same names as here.
+CORE_CONSTANTS = ("MAX_COUNTER", "NO_PIN", "RING_ADVICE")
+
+
+def core_mismatches(core) -> dict:
+    """``{name: (core's value, this module's value)}`` for every constant the compiled
+    core ``core`` (``shmq._core``, passed in: this module stays pure) states differently
+    from this spec: its ``LAYOUT`` table and :data:`CORE_CONSTANTS`.  A name missing on
+    either side is a mismatch (its value shows as ``None``)."""
+    spec = globals()
+    theirs = dict(core.LAYOUT)
+    theirs.update((name, getattr(core, name, None)) for name in CORE_CONSTANTS)
+    return {name: (value, spec.get(name)) for name, value in theirs.items()
+            if value is None or spec.get(name) != value}
+
+
+def check_core(core) -> None:
+    """Refuse a compiled core that disagrees with this spec (run when shmq is imported).
+
+    :raises ImportError: naming every constant that differs, with both values.
+    """
+    bad = core_mismatches(core)
+    if bad:
+        detail = "; ".join(f"{name}: core {c!r}, _format {f!r}" for name, (c, f) in sorted(bad.items()))
+        raise ImportError(f"shmq._core does not match shmq._format (a core built from another "
+                          f"shmq version? reinstall shmq): {detail}")

@@ -338,7 +338,7 @@ def _records_run(reader: Reader, max_frames: int,
     start = None
     while len(arrays) < max_frames and seq < nxt:
         hit = ring.frame_at(seq, pos)
-        if hit is None or hit[7] != F.CODEC_NUMPY:
+        if hit is None or hit.codec != F.CODEC_NUMPY:
             break
         try:
             arr = decode_array(ring.payload(hit))
@@ -349,9 +349,9 @@ def _records_run(reader: Reader, max_frames: int,
         elif arr.dtype != dtype:
             break
         if start is None:
-            start = hit[1]
+            start = hit.pos
         arrays.append(arr.reshape(-1))
-        seq, pos = seq + 1, hit[1] + hit[2]
+        seq, pos = seq + 1, hit.pos + hit.stored
     if not arrays:
         return None
     out = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
@@ -368,7 +368,7 @@ def _peek_dtype(reader: Reader) -> np.dtype[Any]:
     if seq >= ring.next_seq:
         raise Empty
     hit = ring.header_at(ring.frame_pos(pos))
-    if hit is None or hit[0] != seq or hit[7] != F.CODEC_NUMPY:
+    if hit is None or hit.seq != seq or hit.codec != F.CODEC_NUMPY:
         raise Empty
     return _dtype_of(ring.payload(hit))
 

@@ -89,7 +89,7 @@ class DeadLetters:
             if frame is None:
                 return
             hit = ring.header_at(ring.frame_pos(pos) if frame[0] == seq else npos)
-            if hit is not None and hit[0] == frame[0] and not hit[6] & F.FLAG_SUPERSEDED:
+            if hit is not None and hit.seq == frame[0] and not hit.flags & F.FLAG_SUPERSEDED:
                 yield frame, hit
             seq, pos = nseq, npos
 
@@ -153,9 +153,9 @@ class DeadLetters:
     def _live(self, seq, hit) -> bool:
         """True while letter ``seq`` (header hit ``hit``) is in the ring and not tombstoned."""
         ring = self.spool.ring
-        now = ring.header_at(hit[1])
-        return (now is not None and now[0] == seq and not now[6] & F.FLAG_SUPERSEDED
-                and ring.still_there(hit[1]))
+        now = ring.header_at(hit.pos)
+        return (now is not None and now.seq == seq and not now.flags & F.FLAG_SUPERSEDED
+                and ring.still_there(hit.pos))
 
     @contextlib.contextmanager
     def _replaying(self):

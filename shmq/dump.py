@@ -88,9 +88,9 @@ def _header_of(sp, seq):
     except (FrameLost, ShmqError):
         return None, None
     hit = sp.ring.header_at(pos)
-    if hit is None or hit[0] != seq or not sp.ring.still_there(pos):
+    if hit is None or hit.seq != seq or not sp.ring.still_there(pos):
         return None, None
-    return hit[7], hit[6]
+    return hit.codec, hit.flags
 
 
 def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None, info=None,
@@ -142,8 +142,8 @@ def iter_records(sp, start="earliest", stop=None, *, follow=False, timeout=None,
                 continue
             if stop is not None and f.seq >= stop:
                 return
-            if hit is not None and hit[0] == f.seq and sp.ring.still_there(hit[1]):
-                codec, flags = hit[7], hit[6]  # not overwritten since we read it
+            if hit is not None and hit.seq == f.seq and sp.ring.still_there(hit.pos):
+                codec, flags = hit.codec, hit.flags  # not overwritten since we read it
             else:
                 codec, flags = _header_of(sp, f.seq)
             yield Record(f.seq, f.timestamp_ns, codec, flags, bytes(f.data))
@@ -176,12 +176,12 @@ def _resync(sp, r, seq, pos, stop, info):
         if p <= pos:
             p += ring
         hit = rg.header_at(p)
-        if hit is None or hit[1] != p or hit[0] <= seq or not rg.still_there(p):
+        if hit is None or hit.pos != p or hit.seq <= seq or not rg.still_there(p):
             continue
-        nxt = hit[0] + (0 if hit[6] & F.FLAG_PAD else 1)
-        after = rg.header_at(p + hit[2])
-        if nxt >= ctl[F.W_NEXT_SEQ] or (after is not None and after[0] == nxt):
-            found = (hit[0], p)
+        nxt = hit.seq + (0 if hit.flags & F.FLAG_PAD else 1)
+        after = rg.header_at(p + hit.stored)
+        if nxt >= ctl[F.W_NEXT_SEQ] or (after is not None and after.seq == nxt):
+            found = (hit.seq, p)
             break
     del words, seqs
     new_seq, new_pos = found if found else (end, None)

@@ -107,13 +107,13 @@ class Pins:
         hit = ring.frame_at(seq, pos)
         if hit is None:
             return None
-        fpos = hit[1]
+        fpos = hit.pos
         if not self.pin(fpos):
             return None
         if ring.header_at(fpos) != hit:
             self.unpin(fpos)
             return None
-        return ring.payload(hit), hit[7], fpos, fpos + hit[2]
+        return ring.payload(hit), hit.codec, fpos, fpos + hit.stored
 
     def close(self) -> None:
         """Free the pin slot (views still alive keep their mapping, not their pins)."""

@@ -153,20 +153,20 @@ def _recover_control(v, actions):
         return
     pos = ctl[W_FIRST_POS]
     hit = header_of(v, pos)
-    if hit is None or not ctl[W_FIRST_SEQ] <= hit[0] < nseq:
+    if hit is None or not ctl[W_FIRST_SEQ] <= hit.seq < nseq:
         actions.append("left the control words alone: the oldest frame's header is unreadable")
         return
-    if ctl[W_FIRST_SEQ] != hit[0]:
-        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit[0]} (a writer died while evicting)")
-        ctl[W_FIRST_SEQ] = hit[0]
-    seq, limit = hit[0], pos + v.geo["ring_bytes"]
+    if ctl[W_FIRST_SEQ] != hit.seq:
+        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit.seq} (a writer died while evicting)")
+        ctl[W_FIRST_SEQ] = hit.seq
+    seq, limit = hit.seq, pos + v.geo["ring_bytes"]
     while seq < nseq:
         h = header_of(v, pos)
-        if h is None or h[0] != seq or h[1] + h[2] > limit:
+        if h is None or h.seq != seq or h.pos + h.stored > limit:
             actions.append(f"left NEXT_POS alone: frame {seq}'s header is unreadable")
             return
-        pos = h[1] + h[2]
-        if not h[6] & FLAG_PAD:
+        pos = h.pos + h.stored
+        if not h.flags & FLAG_PAD:
             seq += 1
     if ctl[W_NEXT_POS] != pos:
         actions.append(f"NEXT_POS {ctl[W_NEXT_POS]} -> {pos} (re-derived from the frame headers)")

@@ -2,9 +2,9 @@
 
 A *cursor* is a pair ``(seq, pos)``: ``pos`` is a byte position that only
 grows (the ring offset is ``pos % size``) and ``seq`` the frame expected
-there.  A *header hit* is the tuple :meth:`Ring.header_at` returns,
+there.  A *header hit* is the :class:`HeaderHit` :meth:`Ring.header_at` returns,
 ``(seq, pos, stored, length, ts, crc, flags, codec)``: a decoded frame header
-whose lengths are known to keep it inside the ring.
+whose lengths are known to keep it inside the ring.  Read its fields by name.
 
 Everything here is safe to call without the writer lock: reads either see a
 committed frame or report that it is gone (the seqlock check against
@@ -17,36 +17,71 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from . import _format as F
 from ._format import FLAG_PAD, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ, W_NEXT_POS, W_NEXT_SEQ
 from .errors import FrameLost, SpoolFormatError
 
-__all__ = ["Ring", "header_at"]
+__all__ = ["Ring", "HeaderHit", "header_at", "raw_header_at"]
 
 log = logging.getLogger("shmq")
 
 _unpack_frame = F.FRAME.unpack_from
-#: Positions and seqs never get near 2**62 (centuries at memory bandwidth);
-#: larger values can only come from corruption.
-MAX_COUNTER = 1 << 62
+_valid = F.valid_frame_header
 
 
-def header_at(buf, base, size, pos):
-    """The header hit at/after ring position ``pos`` of the ring of ``size`` bytes at
-    offset ``base`` of ``buf``, or None if its lengths are out of bounds.
+class HeaderHit(NamedTuple):
+    """A frame header decoded at a ring position (see the module docstring)."""
 
-    Follows the short-tail skip; never reads outside the ring.  (The one
-    decoder of frame headers above the core: :class:`Ring` and fsck use it.)
+    seq: int  #: the frame's seq (a pad's: the seq of the frame after it)
+    pos: int  #: byte position of the header (past the short-tail skip)
+    stored: int  #: bytes the frame takes in the ring: header, payload, alignment padding
+    length: int  #: payload bytes
+    ts: int  #: put time, ns since the epoch
+    crc: int  #: CRC-32 of the payload (valid when ``flags & FLAG_CRC``)
+    flags: int  #: ``_format.FLAG_*``
+    codec: int  #: ``_format.CODEC_*``
+
+
+# A hit is built per frame on the export and columnar paths: tuple.__new__
+# skips the Python-level HeaderHit.__new__ (its per-field arguments), so a hit
+# costs what the plain tuple it replaced did.
+_hit = tuple.__new__
+
+
+def raw_header_at(buf, base, size, pos) -> HeaderHit:
+    """The header at/after ring position ``pos`` of the ring of ``size`` bytes at offset
+    ``base`` of ``buf``, *unchecked*: its lengths may point outside the ring.
+
+    Only for reporting bad headers (fsck); everything else uses :func:`header_at`.
+    Follows the short-tail skip (``hit.pos`` is then past it); never reads outside the ring.
     """
     off = pos % size
     if size - off < FRAME_BYTES:
         pos += size - off
         off = 0
     hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(buf, base + off)
-    if not F.valid_frame_header(stored, length, off, size):
+    return _hit(HeaderHit, (hseq, pos, stored, length, ts, crc, flags, codec))
+
+
+def header_at(buf, base, size, pos) -> HeaderHit | None:
+    """The header hit at/after ring position ``pos`` of the ring of ``size`` bytes at
+    offset ``base`` of ``buf``, or None if its lengths are out of bounds.
+
+    Follows the short-tail skip; never reads outside the ring.  (With
+    :func:`raw_header_at`, the one decoder of frame headers above the core:
+    :class:`Ring`, fsck and the tools use it.)
+    """
+    # raw_header_at's body, inlined: this runs once per frame on export paths.
+    off = pos % size
+    if size - off < FRAME_BYTES:
+        pos += size - off
+        off = 0
+    hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(buf, base + off)
+    if not _valid(stored, length, off, size):
         return None
-    return hseq, pos, stored, length, ts, crc, flags, codec
+    return _hit(HeaderHit, (hseq, pos, stored, length, ts, crc, flags, codec))
 
 
 class Ring:
@@ -103,8 +138,8 @@ class Ring:
 
     # -- headers ------------------------------------------------------------
 
-    def header_at(self, pos):
-        """The header hit at/after ``pos``, or None if its lengths are out of bounds.
+    def header_at(self, pos) -> HeaderHit | None:
+        """The :class:`HeaderHit` at/after ``pos``, or None if its lengths are out of bounds.
 
         Follows the short-tail skip (fewer than a header's bytes before the
         ring's end).  Never reads outside the ring; the hit says nothing
@@ -116,23 +151,27 @@ class Ring:
         """Header position of the frame at cursor position ``pos`` (past any pad)."""
         for _ in range(3):
             hit = self.header_at(pos)
-            if hit is None or not hit[6] & FLAG_PAD:
-                return pos if hit is None else hit[1]
-            pos = hit[1] + hit[2]
+            if hit is None or not hit.flags & FLAG_PAD:
+                return pos if hit is None else hit.pos
+            pos = hit.pos + hit.stored
         return pos
 
-    def frame_at(self, seq, pos):
+    def frame_at(self, seq, pos) -> HeaderHit | None:
         """The header hit of data frame ``seq`` at cursor ``pos`` (past any pad); None if
         the header there is invalid, a pad, or another frame's."""
-        hit = self.header_at(self.frame_pos(pos))
-        if hit is None or hit[0] != seq or hit[6] & FLAG_PAD:
-            return None
-        return hit
+        # frame_pos's walk, keeping the hit: one decode per header on the
+        # per-frame paths (export, columnar runs, pinned reads).
+        for _ in range(4):
+            hit = self.header_at(pos)
+            if hit is None or not hit.flags & FLAG_PAD:
+                return hit if hit is not None and hit.seq == seq else None
+            pos = hit.pos + hit.stored
+        return None  # four pads in a row: not a sane ring
 
     def payload(self, hit):
         """A memoryview of the payload of header hit ``hit`` (no copy: valid while the frame is)."""
-        o = self.base + hit[1] % self.size + FRAME_BYTES
-        return self.view[o:o + hit[3]]
+        o = self.base + hit.pos % self.size + FRAME_BYTES
+        return self.view[o:o + hit.length]
 
     def set_flags(self, hit, flags) -> None:
         """OR ``flags`` into the header of ``hit`` (e.g. FLAG_SUPERSEDED: a tombstone).
@@ -140,7 +179,7 @@ class Ring:
         Only flags readers treat as advisory may be set after the commit;
         the caller holds the lock that serializes such writers.
         """
-        F.or_frame_flags(self.mm, self.base + hit[1] % self.size, flags)
+        F.or_frame_flags(self.mm, self.base + hit.pos % self.size, flags)
 
     def repair_after_writer_death(self, dead_pid) -> None:
         """Repair the control words after breaking a dead writer's lock (lock held).
@@ -163,9 +202,9 @@ class Ring:
         pos = ctl[W_FIRST_POS]
         hit = self.header_at(pos)
         end = None
-        if hit is not None and ctl[W_FIRST_SEQ] <= hit[0] < next_seq:
-            ctl[W_FIRST_SEQ] = hit[0]  # it died between FIRST_POS and FIRST_SEQ
-            end = self.walk_end(hit[0], pos, next_seq)
+        if hit is not None and ctl[W_FIRST_SEQ] <= hit.seq < next_seq:
+            ctl[W_FIRST_SEQ] = hit.seq  # it died between FIRST_POS and FIRST_SEQ
+            end = self.walk_end(hit.seq, pos, next_seq)
         if end is None:
             log.error("shmq: %s: ring unreadable after writer death; dropping its contents "
                       "(readers will count them lost)", self.path)
@@ -182,10 +221,10 @@ class Ring:
         limit = pos + self.size
         while seq < next_seq:
             hit = self.header_at(pos)
-            if hit is None or hit[0] != seq or hit[1] + hit[2] > limit:
+            if hit is None or hit.seq != seq or hit.pos + hit.stored > limit:
                 return None
-            pos = hit[1] + hit[2]
-            if not hit[6] & FLAG_PAD:
+            pos = hit.pos + hit.stored
+            if not hit.flags & FLAG_PAD:
                 seq += 1
         return pos
 
@@ -213,7 +252,7 @@ class Ring:
         ctl = self.ctl
         if seq >= ctl[W_NEXT_SEQ]:
             raise FrameLost(f"seq {seq} has not been written yet (next is {ctl[W_NEXT_SEQ]})")
-        hint = self.locate_hint or (1 << 63, 0)
+        hint = self.locate_hint or (F.MAX_COUNTER, 0)  # no hint: a seq no frame has
         pos = self.core.locate(seq, hint[0], hint[1])
         if pos == -1:
             raise FrameLost(f"seq {seq} was overwritten (oldest is {ctl[W_FIRST_SEQ]})")
@@ -287,7 +326,7 @@ class Ring:
         for attempt in range(5):
             fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
             nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
-            if max(nseq, npos, fseq, fpos) >= MAX_COUNTER:
+            if max(nseq, npos, fseq, fpos) >= F.MAX_COUNTER:
                 problem = "counter out of range"
             elif fseq > nseq:
                 problem = f"first seq {fseq} > next seq {nseq}"

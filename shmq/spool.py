@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self, overload
 from . import _core
 from . import _format as F
 from ._format import (
-    RATE_SECONDS, RATE_WORDS, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES, W_HIGH_FRAMES,
+    RING_ADVICE, RATE_SECONDS, RATE_WORDS, W_EVICTED, W_FIRST_POS, W_FIRST_SEQ, W_HIGH_BYTES, W_HIGH_FRAMES,
     W_LAST_PUT_NS,
     W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES, W_RATE,
 )
@@ -55,7 +55,7 @@ from .ring import Ring
 from .slots import SlotTable
 from .stats import ReaderStats, SpoolStats
 from .waiting import check_block_timeout
-from .writer import RING_ADVICE, Deferred, Writer
+from .writer import Deferred, Writer
 from . import writer as _writer
 
 if TYPE_CHECKING:
@@ -67,10 +67,9 @@ if TYPE_CHECKING:
 
 # (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
 _core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty)
-# The core mirrors the layout of _format: refuse to run if they ever disagree.
-_mismatch = {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v}
-if _mismatch:  # pragma: no cover - a build of the core from another version
-    raise ImportError(f"shmq._core does not match shmq._format: {_mismatch}")
+# The core mirrors the layout, limits and texts of _format: refuse to run if they
+# ever disagree (a core built from another version).
+F.check_core(_core)
 
 log = logging.getLogger("shmq")
 

@@ -29,13 +29,13 @@ from dataclasses import asdict, dataclass, field
 
 from . import _format as F
 from ._format import (
-    FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ,
-    W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
+    FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME_BYTES, MAX_COUNTER, W_FIRST_POS,
+    W_FIRST_SEQ, W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ,
 )
 from ._lock import holder_alive, holder_pid, ofd_locked_by_other
 from ._mapping import SEM_WRITER, Mapping, resolve_path, sem_name
 from .errors import NotASpool, SpoolFormatError
-from .ring import MAX_COUNTER, header_at
+from .ring import HeaderHit, header_at, raw_header_at
 
 __all__ = ["Report", "verify"]
 
@@ -112,7 +112,7 @@ def existing_semaphore(name):
         return None
 
 
-def header_of(v, pos):
+def header_of(v, pos) -> HeaderHit | None:
     """The header hit (see :mod:`shmq.ring`) at/after ring position ``pos`` of mapping ``v``,
     or None if its lengths are out of bounds."""
     return header_at(v.mm, v.geo["ring_offset"], v.geo["ring_bytes"], pos)
@@ -126,8 +126,8 @@ def first_cursor(v):
     seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
     if seq < ctl[W_NEXT_SEQ] and pos < MAX_COUNTER:
         hit = header_of(v, pos)
-        if hit is not None and seq <= hit[0] < ctl[W_NEXT_SEQ]:
-            seq = hit[0]
+        if hit is not None and seq <= hit.seq < ctl[W_NEXT_SEQ]:
+            seq = hit.seq
     return seq, pos
 
 
@@ -384,11 +384,15 @@ def _walk(v, rep, cursors, fseq, fpos, nseq, npos):
             rep.problems.append(f"ring: frames {seq}..{nseq - 1} are missing: the walk went "
                                 "round the whole ring")
             return
-        off = pos % ring
-        if ring - off < FRAME_BYTES:
-            pos += ring - off  # short tail: skipped without a header
+        # Unchecked (raw_header_at): a header whose lengths point outside the
+        # ring is reported with those lengths, not just found unreadable.
+        hit = raw_header_at(mm, base, ring, pos)
+        if hit.pos != pos:
+            pos = hit.pos  # short tail: skipped without a header (then the checks above again)
             continue
-        hseq, stored, length, _ts, crc, flags, codec, _x = FRAME.unpack_from(mm, base + off)
+        hseq, stored, length, crc, flags, codec = (hit.seq, hit.stored, hit.length, hit.crc,
+                                                   hit.flags, hit.codec)
+        off = pos % ring
         if ctl[W_FIRST_POS] > pos:
             raise _Overtaken
         where = f"ring offset {off}, position {pos}"

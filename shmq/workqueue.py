@@ -41,6 +41,8 @@ from .waiting import check_block_timeout
 if TYPE_CHECKING:
     from _typeshed import StrPath
 
+    from .ring import HeaderHit
+
 __all__ = ["WorkQueue", "Message", "DeadLetter", "WorkQueueStats"]
 
 TAKE_SLOT = "wq"
@@ -315,12 +317,12 @@ class WorkQueue:
         if newer <= seq or newer >= self._ctl[F.W_NEXT_SEQ]:
             return False
         hit = self._spool.ring.header_at(pos)  # verify: the entry may be torn or stale
-        return hit is not None and hit[0] == newer and self._ext(hit)[0] == h
+        return hit is not None and hit.seq == newer and self._ext(hit)[0] == h
 
-    def _ext(self, hit: Any) -> tuple[Any, ...]:
+    def _ext(self, hit: HeaderHit) -> tuple[Any, ...]:
         """Decode the work-queue header of the frame whose header is ``hit``."""
-        if hit[3] < F.WQ_HEADER.size:
-            raise ShmqError(f"{self.path}: frame {hit[0]} is not a work queue message")
+        if hit.length < F.WQ_HEADER.size:
+            raise ShmqError(f"{self.path}: frame {hit.seq} is not a work queue message")
         return F.WQ_HEADER.unpack_from(self._spool.ring.payload(hit))
 
     # -- consuming ----------------------------------------------------------------
@@ -584,9 +586,9 @@ class WorkQueue:
         for rseq, rpos in self._leases.at_or_after(seq):  # in record order, as they were taken
             if rseq >= seq:
                 hit = sp.ring.header_at(rpos)
-                if hit is not None and hit[0] == rseq:
-                    seq = hit[0] + 1
-                    slots.set_cursor(t, seq, hit[1] + hit[2])
+                if hit is not None and hit.seq == rseq:
+                    seq = hit.seq + 1
+                    slots.set_cursor(t, seq, hit.pos + hit.stored)
 
     # -- dead letters ---------------------------------------------------------------
 

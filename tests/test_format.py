@@ -335,3 +335,60 @@ def test_key_hash_is_stable_and_never_zero(key):
     h = F.key_hash(key)
     assert 0 < h < 1 << 64
     assert h == F.key_hash(key.encode("utf-8")) == F.key_hash(bytearray(key.encode("utf-8")))
+
+
+# --- the compiled core's copy of the spec -----------------------------------------------
+
+
+def test_the_core_states_the_limits_and_texts_of_format():
+    from shmq import _core
+
+    assert F.core_mismatches(_core) == {}
+    F.check_core(_core)  # what importing shmq runs
+    assert _core.MAX_COUNTER == F.MAX_COUNTER == 1 << 62
+    assert _core.NO_PIN == F.NO_PIN == F.MAX_COUNTER  # above every valid position
+    assert _core.RING_ADVICE == F.RING_ADVICE and "shmq fsck" in F.RING_ADVICE
+
+
+@pytest.mark.parametrize("name, value", [
+    ("MAX_COUNTER", 1 << 63), ("NO_PIN", (1 << 62) - 8), ("RING_ADVICE", "see the manual"),
+    ("W_NEXT_SEQ", 99),
+])
+def test_check_core_refuses_a_core_that_disagrees(monkeypatch, name, value):
+    from shmq import _core
+
+    theirs = getattr(_core, name, None) if name != "W_NEXT_SEQ" else _core.LAYOUT[name]
+    monkeypatch.setattr(F, name, value)
+    assert F.core_mismatches(_core) == {name: (theirs, value)}
+    with pytest.raises(ImportError, match=f"does not match shmq._format.*{name}: core "):
+        F.check_core(_core)
+
+
+def test_check_core_refuses_a_core_without_a_constant():
+    from shmq import _core
+
+    class OldCore:  # a core built before it exported RING_ADVICE
+        LAYOUT = _core.LAYOUT
+        MAX_COUNTER = _core.MAX_COUNTER
+        NO_PIN = _core.NO_PIN
+
+    assert F.core_mismatches(OldCore) == {"RING_ADVICE": (None, F.RING_ADVICE)}
+    with pytest.raises(ImportError, match="RING_ADVICE: core None"):
+        F.check_core(OldCore)
+
+
+def test_importing_shmq_runs_the_core_check():
+    import subprocess
+    import sys
+
+    # _format first, changed, then the package's __init__ (which imports the spool layer)
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.find_spec('shmq')\n"
+            "pkg = sys.modules['shmq'] = importlib.util.module_from_spec(spec)\n"
+            "from shmq import _format as F\n"
+            "F.RING_ADVICE = 'see the manual'\n"
+            "spec.loader.exec_module(pkg)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "ImportError: shmq._core does not match shmq._format" in out.stderr
+    assert "RING_ADVICE: core" in out.stderr

@@ -10,7 +10,7 @@ import pytest
 import shmq
 from shmq import _format as F
 from shmq import waiting
-from shmq.ring import header_at
+from shmq.ring import HeaderHit, header_at, raw_header_at
 from shmq.writer import Deferred
 
 
@@ -21,7 +21,11 @@ def test_header_at_and_payload_describe_a_committed_frame(make_spool):
     sp = make_spool(capacity=8192)
     sp.put(b"hello", codec=F.CODEC_UTF8)
     hit = sp.ring.header_at(sp.ring.first_pos)
-    seq, pos, stored, length, ts, crc, flags, codec = hit
+    assert type(hit) is HeaderHit
+    seq, pos, stored, length, ts, crc, flags, codec = hit  # still a tuple, in this order
+    assert hit._fields == ("seq", "pos", "stored", "length", "ts", "crc", "flags", "codec")
+    assert (hit.seq, hit.pos, hit.stored, hit.length, hit.ts, hit.crc, hit.flags,
+            hit.codec) == (seq, pos, stored, length, ts, crc, flags, codec)
     assert (seq, length, codec, flags & F.FLAG_PAD) == (0, 5, F.CODEC_UTF8, 0)
     assert stored == F.frame_stored_bytes(5) and ts > 0
     assert bytes(sp.ring.payload(hit)) == b"hello"
@@ -38,6 +42,19 @@ def test_header_at_refuses_out_of_bounds_lengths(make_spool):
     F.FRAME.pack_into(sp.mapping.mm, o, 0, 1 << 20, 10, 1, 0, 0, 0, 0)  # stored > ring
     assert sp.ring.header_at(0) is None
     assert sp.ring.frame_at(0, 0) is None
+    # the unchecked decoder (fsck's, to report the bad lengths) still decodes it
+    raw = raw_header_at(sp.mapping.mm, o, sp.ring.size, 0)
+    assert type(raw) is HeaderHit and (raw.seq, raw.pos, raw.stored, raw.length) == (0, 0, 1 << 20, 10)
+
+
+def test_header_decoders_follow_the_short_tail_skip(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"x")
+    size, tail = sp.ring.size, sp.ring.size - F.FRAME_BYTES + 8  # fewer than a header's bytes left
+    for pos in (tail, size + tail):
+        hit = raw_header_at(sp.mapping.mm, sp.ring.base, size, pos)
+        assert hit.pos == pos - pos % size + size and hit.seq == 0  # the header at offset 0
+        assert header_at(sp.mapping.mm, sp.ring.base, size, pos) == hit
 
 
 def test_frame_pos_skips_the_padding_before_a_wrapped_frame(make_spool):
@@ -60,8 +77,8 @@ def test_set_flags_touches_only_the_flags(make_spool):
     hit = sp.ring.header_at(0)
     sp.ring.set_flags(hit, F.FLAG_SUPERSEDED)
     after = sp.ring.header_at(0)
-    assert after[6] == hit[6] | F.FLAG_SUPERSEDED
-    assert after[:6] == hit[:6] and after[7] == hit[7]
+    assert after.flags == hit.flags | F.FLAG_SUPERSEDED
+    assert after._replace(flags=hit.flags) == hit
     assert bytes(sp.ring.payload(after)) == b"payload"
 
 

@@ -81,6 +81,22 @@ def test_padding_is_checked(make_spool):
     assert rep.pads_checked >= 1
 
 
+def test_walk_crosses_a_short_tail(make_spool):
+    # 16 bytes before the ring's end hold no header: the walk skips them (as
+    # ring.header_at does), and a cursor left there points at the next frame.
+    sp = make_spool(capacity=4096, checksum=True)
+    sp.put(b"a" * 2008)
+    sp.put(b"b" * 2008)  # ends at ring offset 4080
+    r = sp.reader("named", start="latest")
+    assert r.cursor() == (2, 4080)
+    sp.put(b"c" * 8)  # wraps to offset 0, evicting frame 0
+    assert (sp.ring.first_seq, sp.ring.first_pos) == (1, 2040)
+    rep = verify(sp.path)
+    assert rep.ok, rep.problems
+    assert (rep.frames_checked, rep.crc_verified, rep.pads_checked) == (2, 2, 0)
+    assert rep.warnings == [] and rep.damaged_slots == {}
+
+
 def test_reader_behind_oldest_is_a_note_not_a_problem(make_spool):
     sp = make_spool(capacity=4096)
     sp.reader("slow").close()

@@ -82,13 +82,21 @@ _Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
 /* ---- limits ---- */
 /* Positions, seqs and counters never get near 2**62 (centuries at memory
  * bandwidth): a larger one comes from a corrupt or hostile file (and would
- * wrap).  _format.MAX_COUNTER; a value is valid iff it is < MAX_COUNTER. */
+ * wrap).  A value is valid iff it is < MAX_COUNTER: every check rejects with
+ * `>= MAX_COUNTER` (2**62 itself is NO_PIN, a sentinel, never a position).
+ *
+ * This block's MAX_COUNTER, NO_PIN and RING_ADVICE are _format's, exported by
+ * module.c and compared with _format at import (_format.check_core). */
 #define MAX_COUNTER (1ull << 62)
+/* S_POS of a pin slot that pins nothing: above every valid position, so
+ * pin_floor never finds it in the way (_format.NO_PIN). */
+#define NO_PIN MAX_COUNTER
 #define MAX_BATCH 65536      /* frames per put_many */
 #define MAX_SEGS 64          /* segments (a tuple's items) per frame */
 #define STATS_FLUSH_FRAMES 64 /* a reader publishes its counters at least this often */
 
-/* The advice every "the ring is corrupt" error ends with, written once. */
+/* The advice every "the ring is corrupt" error ends with, written once
+ * (_format.RING_ADVICE, for the errors raised in Python). */
 #define RING_ADVICE "see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'"
 
 /* ---- status codes returned instead of a seq / frame ---- */

@@ -141,6 +141,15 @@ static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot) {
     return PyModule_AddType(m, *slot);
 }
 
+/* m.name = an unsigned 64-bit constant. */
+static int add_u64(PyObject *m, const char *name, unsigned long long value) {
+    PyObject *v = PyLong_FromUnsignedLongLong(value);
+    if (!v) return -1;
+    int rc = PyModule_AddObjectRef(m, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
 static int core_exec(PyObject *m) {
     CoreState *st = state_of(m);
     crc_init();
@@ -169,6 +178,10 @@ static int core_exec(PyObject *m) {
     int rc = PyModule_AddObjectRef(m, "LAYOUT", layout);
     Py_DECREF(layout);
     if (rc < 0) return -1;
+    /* Limits and texts _format states too (_format.CORE_CONSTANTS): compared at import. */
+    if (add_u64(m, "MAX_COUNTER", MAX_COUNTER) < 0 || add_u64(m, "NO_PIN", NO_PIN) < 0 ||
+        PyModule_AddStringConstant(m, "RING_ADVICE", RING_ADVICE) < 0)
+        return -1;
     if (!(st->EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) ||
         !(st->STUCK = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) ||
         !(st->UNDECODED = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)))
