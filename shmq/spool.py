@@ -80,8 +80,8 @@ _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 
 
 def set_crash_hook(hook: Callable[..., Any] | None) -> None:
-    """Install the fault-injection hook in the core and the general path (tests only;
-    see :data:`shmq.writer.crash_hook`)."""
+    """Install the fault-injection hook in the core, every write path's writer (tests
+    only; see :func:`shmq.writer.set_crash_hook`)."""
     _writer.set_crash_hook(hook, _core)
 
 

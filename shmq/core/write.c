@@ -100,7 +100,10 @@ static int publish_first(Ring *r, uint64_t seq, uint64_t pos, uint64_t next_seq)
 int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t pin = pin_floor(r);
-    if (pin < limit) return ST_SLOW; /* a zero-copy view reads that frame */
+    if (pin < limit) { /* a zero-copy view reads that frame: Python waits for it (the room marker) */
+        take_full_marker(r);
+        return ST_SLOW;
+    }
     uint64_t seq = ld_rlx(&c[W_FIRST_SEQ]), pos = ld_rlx(&c[W_FIRST_POS]), start_seq = seq;
     uint64_t next_pos = ld_rlx(&c[W_NEXT_POS]);
     record_high_water(r);
@@ -211,6 +214,7 @@ int load_item(Item *it, PyObject *o, int checksum) {
     it->nviews = 0;
     it->n = 0;
     it->crc = 0;
+    it->fill = NULL;
     if (PyTuple_CheckExact(o)) {
         Py_ssize_t k = PyTuple_GET_SIZE(o);
         if (k > MAX_SEGS) {
@@ -237,6 +241,150 @@ int load_item(Item *it, PyObject *o, int checksum) {
         it->crc = crc;
     }
     return 0;
+}
+
+/* ---- shmq.Deferred and put_many's keyword options (the entry point's side) ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t nbytes;
+    PyObject *fill;
+} Deferred;
+
+static int Deferred_init(Deferred *d, PyObject *args, PyObject *kw) {
+    static char *names[] = {"nbytes", "fill", NULL};
+    Py_ssize_t n;
+    PyObject *fill;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nO:Deferred", names, &n, &fill)) return -1;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "Deferred nbytes must be >= 0");
+        return -1;
+    }
+    if (!PyCallable_Check(fill)) {
+        PyErr_SetString(PyExc_TypeError, "Deferred fill must be callable: fill(memoryview)");
+        return -1;
+    }
+    d->nbytes = n;
+    Py_XSETREF(d->fill, Py_NewRef(fill));
+    return 0;
+}
+
+static int Deferred_traverse(Deferred *d, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(d));
+    Py_VISIT(d->fill);
+    return 0;
+}
+
+static int Deferred_clear(Deferred *d) {
+    Py_CLEAR(d->fill);
+    return 0;
+}
+
+static void Deferred_dealloc(Deferred *d) {
+    PyObject_GC_UnTrack(d);
+    Py_XDECREF(d->fill);
+    PyTypeObject *tp = Py_TYPE(d);
+    tp->tp_free((PyObject *)d);
+    Py_DECREF(tp);
+}
+
+static PyObject *Deferred_get_nbytes(Deferred *d, void *x) { return PyLong_FromSsize_t(d->nbytes); }
+static PyObject *Deferred_get_fill(Deferred *d, void *x) { return Py_NewRef(d->fill ? d->fill : Py_None); }
+
+static PyGetSetDef Deferred_getset[] = {
+    {"nbytes", (getter)Deferred_get_nbytes, NULL, "payload size", NULL},
+    {"fill", (getter)Deferred_get_fill, NULL, "fill(memoryview): writes exactly nbytes", NULL},
+    {NULL}};
+
+static PyType_Slot deferred_slots[] = {
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, Deferred_init},
+    {Py_tp_dealloc, Deferred_dealloc},
+    {Py_tp_traverse, Deferred_traverse},
+    {Py_tp_clear, Deferred_clear},
+    {Py_tp_getset, Deferred_getset},
+    {Py_tp_doc, (void *)"Deferred(nbytes, fill): a frame payload of known size, written by fill(memoryview) under\n"
+                        "the writer lock, straight into the ring (e.g. an Arrow IPC stream), its checksum\n"
+                        "computed after.  fill must write exactly nbytes, must not keep the view, and must not\n"
+                        "touch the spool; if it raises, the batch is aborted (nothing published) and the\n"
+                        "exception propagates.  An item of Spool.put_many (not of put)."},
+    {0, NULL}};
+
+PyType_Spec deferred_spec = {"shmq.Deferred", sizeof(Deferred), 0,
+                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC, deferred_slots};
+
+int load_deferred(Ring *r, Item *it, PyObject *o) {
+    if (!r->st || !Py_IS_TYPE(o, r->st->DeferredType)) return 0;
+    if (!((Deferred *)o)->fill) {
+        PyErr_SetString(PyExc_ValueError, "Deferred was not initialized");
+        return -1;
+    }
+    it->nviews = 0;
+    it->n = (uint64_t)((Deferred *)o)->nbytes;
+    it->crc = 0; /* computed after fill, under the lock */
+    it->fill = ((Deferred *)o)->fill;
+    return 1;
+}
+
+/* put_many's keyword options (kwargs: their values, named by kwnames) for a
+ * batch of `count`: before_commit=callable|None, timestamps=one u64 per
+ * frame|None, sync=bool.  0, or -1 with an exception (nothing allocated). */
+int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssize_t count, WriteOpts *o) {
+    Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+    PyObject *stamps = NULL;
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        PyObject *v = kwargs[k];
+        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+        if (!name) return -1;
+        if (strcmp(name, "before_commit") == 0) {
+            if (v != Py_None && !PyCallable_Check(v)) {
+                PyErr_SetString(PyExc_TypeError, "before_commit must be callable: before_commit(first_seq, positions)");
+                return -1;
+            }
+            o->before_commit = v == Py_None ? NULL : v;
+        } else if (strcmp(name, "timestamps") == 0) {
+            stamps = v == Py_None ? NULL : v;
+        } else if (strcmp(name, "sync") == 0) {
+            if ((o->sync = PyObject_IsTrue(v)) < 0) return -1;
+        } else {
+            PyErr_Format(PyExc_TypeError, "put_many() got an unexpected keyword argument '%s'", name);
+            return -1;
+        }
+    }
+    if (!stamps) return 0;
+    PyObject *seq = PySequence_Fast(stamps, "timestamps must be one u64 (ns) per frame");
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != count) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "timestamps must be one u64 (ns) per frame");
+        return -1;
+    }
+    uint64_t *ts = PyMem_Malloc(sizeof(uint64_t) * (size_t)(count ? count : 1));
+    if (!ts) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *i = PyNumber_Index(PySequence_Fast_GET_ITEM(seq, k));
+        ts[k] = i ? PyLong_AsUnsignedLongLong(i) : (uint64_t)-1;
+        Py_XDECREF(i);
+        if (ts[k] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyMem_Free(ts);
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "timestamps must be one u64 (ns) per frame");
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    o->timestamps = ts;
+    return 0;
+}
+
+void free_write_opts(WriteOpts *o) {
+    PyMem_Free(o->timestamps);
+    o->timestamps = NULL;
 }
 
 /* Where a batch of `count` frames of needs[] bytes (total: their sum) goes
@@ -326,15 +474,142 @@ void commit_batch(Ring *r, uint64_t next_seq, uint64_t end, uint64_t count, uint
     st_rlx(&c[r->rate_word], ld_rlx(&c[r->rate_word]) + count);
 }
 
+/* A placed batch (or reservation) that will not be committed (writer lock
+ * held): nothing of it is published, but place_batch may have evicted.
+ * Eviction that left frames resident stays (FIRST_POS at a resident frame,
+ * as after any eviction).  Eviction of everything stored FIRST_POS at the
+ * batch's first frame, past NEXT_POS when a pad precedes it: an empty ring
+ * is FIRST_POS == NEXT_POS (fsck checks it), and the next batch may be
+ * placed elsewhere, so FIRST_POS goes back to NEXT_POS (`start`).  Readers
+ * are unharmed: every evicted frame lies below `start`. */
+void unplace(Ring *r, uint64_t seq0, uint64_t start) {
+    uint64_t *c = r->ctl;
+    if (ld_rlx(&c[W_FIRST_SEQ]) >= seq0 && ld_rlx(&c[W_FIRST_POS]) != start) st_rel(&c[W_FIRST_POS], start);
+}
+
+/* ---- put_many's options: Python callouts under the writer lock, msync ---- */
+
+/* Around a Python call with the writer lock held: the handle's close() is
+ * deferred (busy) and a put from the same thread refused (callout).  0, or
+ * -1 with an exception if the call raised or the handle was closed in it. */
+static int callout(Ring *r, PyObject *fn, PyObject *const *args, size_t nargs) {
+    r->busy++;
+    r->callout = PyThread_get_thread_ident();
+    PyObject *res = PyObject_Vectorcall(fn, args, nargs, NULL);
+    r->callout = 0;
+    r->busy--;
+    Py_XDECREF(res);
+    if (res && r->closing) {
+        PyErr_SetString(PyExc_ValueError, "spool handle was closed inside a write's callout (fill or before_commit)");
+        return -1;
+    }
+    return res ? 0 : -1;
+}
+
+static int call_before_commit(Ring *r, PyObject *fn, uint64_t seq0, const uint64_t *placed, Py_ssize_t count) {
+    PyObject *positions = PyList_New(count), *first = PyLong_FromUnsignedLongLong(seq0);
+    int rc = -1;
+    if (!positions || !first) goto out;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *p = PyLong_FromUnsignedLongLong(placed[k]);
+        if (!p) goto out;
+        PyList_SET_ITEM(positions, k, p);
+    }
+    PyObject *args[2] = {first, positions};
+    rc = callout(r, fn, args, 2);
+out:
+    Py_XDECREF(positions);
+    Py_XDECREF(first);
+    return rc;
+}
+
+/* fill(view) writes a Deferred's n bytes at dst.  The view is released after
+ * the call, so a fill that keeps it cannot write once the lock is gone
+ * (unless it exported it further: documented as not allowed). */
+static int fill_payload(Ring *r, PyObject *fill, char *dst, uint64_t n) {
+    PyObject *view = PyMemoryView_FromMemory(dst, (Py_ssize_t)n, PyBUF_WRITE);
+    if (!view) return -1;
+    int rc = callout(r, fill, &view, 1);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+#endif
+    PyObject *done = PyObject_CallMethod(view, "release", NULL);
+    if (!done) PyErr_Clear(); /* still exported: the view stays valid (fill broke its contract) */
+    Py_XDECREF(done);
+    Py_DECREF(view);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(et, ev, tb);
+#endif
+    return rc;
+}
+
+/* msync ring positions [a, b) (a span of up to a lap; more: the whole ring),
+ * GIL released, close() deferred.  0, or -1 with OSError. */
+static int sync_ring(Ring *r, uint64_t a, uint64_t b) {
+    uint64_t ring = r->ring_bytes, spans[2][2];
+    int n = 0;
+    if (b - a >= ring) {
+        spans[n][0] = 0, spans[n++][1] = ring;
+    } else {
+        uint64_t lo = a % ring, hi = lo + (b - a);
+        spans[n][0] = lo, spans[n++][1] = hi < ring ? hi : ring;
+        if (hi > ring) spans[n][0] = 0, spans[n++][1] = hi - ring;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    int rc = 0, err = 0;
+    r->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < n && rc == 0; i++) {
+        uintptr_t lo = (uintptr_t)(r->ring + spans[i][0]) & ~(page - 1), hi = (uintptr_t)(r->ring + spans[i][1]);
+        rc = msync((void *)lo, hi - lo, MS_SYNC);
+        err = errno;
+    }
+    Py_END_ALLOW_THREADS
+    r->busy--;
+    if (rc != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* msync the header page (the commit) of a sync=True batch, after it. */
+static int sync_header(Ring *r) {
+    int rc;
+    r->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = msync(r->base, HEADER_BYTES, MS_SYNC);
+    Py_END_ALLOW_THREADS
+    r->busy--;
+    if (rc != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
 /* Place, write and publish a batch (writer lock held).  Returns the first
  * seq, or a negative status (ST_PYERR: exception set).  Python-free on a sane
- * fixed ring without a crash hook (see the file's comment). */
+ * fixed ring without a crash hook or options `o` (see the file's comment).
+ * With `o`: before_commit runs once the batch is placed (evicted, pages
+ * allocated), before any byte is written; a Deferred's fill writes its
+ * payload in place, its crc computed after; imported timestamps go in the
+ * headers (the statistics count the put at now); sync msyncs the batch's
+ * pages before the commit.  A callout that raises aborts the batch
+ * (unplace): nothing published. */
 int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, uint64_t total, int codec,
-                     int64_t max_backlog, uint64_t *placed) {
+                     int64_t max_backlog, uint64_t *placed, const WriteOpts *o) {
     Placement pl;
     int st = place_batch(r, count, needs, total, max_backlog, placed, &pl);
     if (st != 0) return st;
     uint64_t ts = now_ns();
+    if (o && o->before_commit && call_before_commit(r, o->before_commit, pl.seq0, placed, count) < 0) goto abort;
     write_pads(r, &pl, ts);
     uint64_t nbytes = 0, seq = pl.seq0;
     uint16_t flags = r->checksum ? FLAG_CRC : 0;
@@ -342,8 +617,16 @@ int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, ui
     for (Py_ssize_t k = 0; k < count; k++) {
         uint64_t off = placed[k] % r->ring_bytes;
         FrameHeader h = {seq, (uint32_t)needs[k], (uint32_t)items[k].n, ts, items[k].crc, flags, (uint8_t)codec, 0};
-        memcpy(r->ring + off, &h, FRAME_BYTES);
         char *dst = r->ring + off + FRAME_BYTES;
+        if (o) {
+            if (o->timestamps) h.ts = o->timestamps[k];
+            if (o->deferred && items[k].fill) {
+                if (fill_payload(r, items[k].fill, dst, items[k].n) < 0) goto abort;
+                if (r->checksum) h.crc = crc_update(0, (const unsigned char *)dst, (size_t)items[k].n);
+                dst += items[k].n;
+            }
+        }
+        memcpy(r->ring + off, &h, FRAME_BYTES);
         for (int j = 0; j < items[k].nviews; j++) {
             memcpy(dst, items[k].views[j].buf, (size_t)items[k].views[j].len);
             dst += items[k].views[j].len;
@@ -352,14 +635,18 @@ int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, ui
         if (pad) memset(dst, 0, (size_t)pad);
         seq++;
         nbytes += items[k].n;
-        if (hooked && call_crash_hook(r->st, "frame-written") < 0) return ST_PYERR;
+        if (hooked && call_crash_hook(r->st, "frame-written") < 0) goto abort;
     }
+    if (o && o->sync && sync_ring(r, pl.start, pl.end) < 0) goto abort; /* durable before published */
     if (hooked) { /* the harness kills between the commit point and NEXT_POS */
         st_rel(&r->ctl[W_NEXT_SEQ], seq); /* <- the commit point */
         if (call_crash_hook(r->st, "committed") < 0) return ST_PYERR;
     }
     commit_batch(r, seq, pl.end, (uint64_t)count, nbytes, ts);
     return (int64_t)pl.seq0;
+abort:
+    unplace(r, pl.seq0, pl.start);
+    return ST_PYERR;
 }
 
 
@@ -441,12 +728,20 @@ static inline void wait_for_headroom(Ring *r, uint64_t total) {
 /* Write a batch (the GIL held): take the writer lock (up to lock_wait,
  * GIL released while waiting), write_locked, release, ring the readers'
  * doorbell.  The first seq, a status, or ST_PYERR. */
-int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
-                   int patient) {
-    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
-        PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
-                                            "thread would deadlock: commit or abandon it first");
-        return ST_PYERR;
+int64_t ring_write_opts(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
+                        int patient, const WriteOpts *o) {
+    if (r->reserved_by || r->callout) {
+        unsigned long me = PyThread_get_thread_ident();
+        if (r->reserved_by && r->reserved_by->thread == me) {
+            PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
+                                                "thread would deadlock: commit or abandon it first");
+            return ST_PYERR;
+        }
+        if (r->callout == me) {
+            PyErr_SetString(PyExc_RuntimeError, "put from a fill() or before_commit() of the same spool would "
+                                                "deadlock (they run under the writer lock)");
+            return ST_PYERR;
+        }
     }
     uint64_t stack_needs[64], stack_placed[64];
     uint64_t *needs = stack_needs, *placed = stack_placed;
@@ -479,13 +774,16 @@ int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t ma
         goto out;
     }
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
-    res = write_locked(r, items, count, needs, total, codec, max_backlog, placed);
+    res = write_locked(r, items, count, needs, total, codec, max_backlog, placed, o);
     wlock_release(r);
     if (res >= 0) {
         ring_bell(r, r->rsem);
         uint64_t next = ld_rlx(&r->ctl[W_NEXT_POS]);
         populate_ahead(r, next, total);
         prefetch_ahead(r, next);
+        /* ... and the commit itself (another writer's since, at worst).  Failing,
+         * the batch is published but not known durable: OSError says so. */
+        if (o && o->sync && sync_header(r) < 0) res = ST_PYERR;
     }
     ring_finish(r);
 out:
