@@ -439,3 +439,27 @@ def test_lease_table_grant_owned_due_and_free(make_spool):
         assert t.oldest(9, 900) == (9, 900) and t.take_free() == 0
     finally:
         reg.release()
+
+
+@pytest.mark.parametrize("how", ["abandon", "drop"])
+def test_an_abandoned_reservation_that_evicted_everything_leaves_an_empty_ring(make_spool, how):
+    """Regression: a reservation placed past a pad evicts every frame and sets FIRST_POS
+    at its own position; abandoned, that left FIRST_POS past NEXT_POS (fsck: "the ring
+    is empty but FIRST_POS != NEXT_POS"), and a put that then fitted exactly before the
+    ring's end was committed below FIRST_POS: unreadable ("cannot find the oldest
+    frame").  Now the ring goes back to empty at NEXT_POS (write.c's unplace)."""
+    from shmq.verify import verify
+
+    sp = make_spool(capacity=8192)
+    sp.put(b"a" * 3000)
+    sp.put(b"b" * 3000)  # NEXT_POS 6064: 2128 bytes before the ring's end
+    rv = sp.reserve(4000)  # a pad at 6064, the frame at 8192: both frames evicted
+    if how == "abandon":
+        rv.abandon()
+    else:
+        del rv  # dropped without commit: abandoned
+    assert verify(sp.path).ok
+    assert sp.put(b"z" * 2096) == 2  # exactly the 2128 bytes left
+    assert [(f.seq, len(f.data)) for f in sp.reader(start="earliest").get_many(5, block=False)] == [
+        (2, 2096)]
+    assert verify(sp.path).ok
