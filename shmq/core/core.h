@@ -11,6 +11,7 @@
  *   core.h     this header
  *   wait.c     semaphore waits, doorbells, the reader's spin and park
  *   write.c    placement, eviction and commit: put, put_many, reserve
+ *   options.c  put_many's options: Deferred, before_commit, timestamps, sync
  *   zone.c     growable rings: the hot zone's pages (allocate, punch, trim)
  *   reserve.c  the Reservation type (zero-copy writes)
  *   read.c     the lock-free read loop and the private / group takes
@@ -25,7 +26,7 @@
  * Thread and signal safety: every function here holds the GIL for the whole
  * time it holds the writer lock or a group lock, and runs no Python code
  * while holding one, but for three callouts a caller asks for: put_many's
- * Deferred fill() and before_commit() (write.c) and the crash hook of the
+ * Deferred fill() and before_commit() (options.c) and the crash hook of the
  * fault-injection harness.  Python signal handlers and other threads only
  * run between bytecodes, so a call without callouts is atomic for them:
  * Ctrl-C can never leave a shared lock held; a callout that raises (a
@@ -200,7 +201,8 @@ typedef struct {
     PyObject *fill; /* a Deferred's fill (nviews 0; borrowed: the batch holds it); read only if WriteOpts.deferred */
 } Item;
 
-/* What put_many's keyword options ask of a batch (write.c); the plain path
+/* What put_many's keyword options ask of a batch (options.c parses them, write.c's
+ * write_locked acts on them); the plain path
  * passes none (NULL) and reads none of it.  The Python callouts (fill,
  * before_commit) run under the writer lock; one that raises aborts the
  * batch: nothing is published (see write.c's unplace). */
@@ -296,17 +298,24 @@ int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, ui
 void populate_ahead(Ring *r, uint64_t pos, uint64_t len);
 /* with the GIL (takes the writer lock, may raise) */
 int load_item(Item *it, PyObject *o, int checksum);
-int load_deferred(Ring *r, Item *it, PyObject *o); /* 1: o is a Deferred (loaded), 0: it is not, -1: error */
 void release_items(Item *items, Py_ssize_t k);
-int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssize_t count, WriteOpts *o);
-void free_write_opts(WriteOpts *o);
 int64_t ring_write_opts(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
                         int patient, const WriteOpts *o);
 static inline int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog,
                                  double lock_wait, int patient) {
     return ring_write_opts(r, items, count, codec, max_backlog, lock_wait, patient, NULL);
 }
+
+/* ---- options.c: put_many's options ---- */
 extern PyType_Spec deferred_spec;
+int load_deferred(Ring *r, Item *it, PyObject *o); /* 1: o is a Deferred (loaded), 0: it is not, -1: error */
+int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssize_t count, WriteOpts *o);
+void free_write_opts(WriteOpts *o);
+/* writer lock held; 0, or -1 with an exception: */
+int call_before_commit(Ring *r, PyObject *fn, uint64_t seq0, const uint64_t *placed, Py_ssize_t count);
+int fill_payload(Ring *r, PyObject *fill, char *dst, uint64_t n);
+int sync_ring(Ring *r, uint64_t a, uint64_t b); /* msync ring positions [a, b), GIL released */
+int sync_header(Ring *r);                       /* msync the header page */
 
 /* ---- zone.c ---- */
 int trim_due(Ring *r);

@@ -2,7 +2,7 @@
  * shmq/core/module.c: the module shmq._core -- multi-phase init (PEP 489),
  * its state (PEP 630: one CoreState per module object, so per interpreter),
  * its heap types (from the specs in ring.c, cursor.c, reserve.c, lock.c,
- * api.c, write.c and frame.c) and its functions.
+ * api.c, options.c and frame.c) and its functions.
  *
  * Objects keep a pointer to the state (Ring.st; a Cursor, Reservation or
  * QueuePort through its Ring), so the hot paths never look it up.  A type
