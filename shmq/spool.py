@@ -419,7 +419,10 @@ class Spool:
         """Append several frames as one atomic, contiguous batch; return the first seq.
 
         Readers see all of the batch or none of it, with consecutive seqs and
-        no other writer's frame in between.  A 1-d numpy array (e.g. of a
+        no other writer's frame in between.  An item is bytes-like, a tuple of
+        bytes-likes (segments written one after the other) or a
+        :class:`Deferred` (written in place by its ``fill`` under the writer
+        lock; if ``fill`` raises, nothing of the batch is published).  A 1-d numpy array (e.g. of a
         structured dtype) is written in record-stream mode: whole records in
         as few numpy frames as fit (see :mod:`shmq.columnar`).
 

@@ -79,7 +79,7 @@ static PyType_Slot deferred_slots[] = {
                         "exception propagates.  An item of Spool.put_many (not of put)."},
     {0, NULL}};
 
-PyType_Spec deferred_spec = {"shmq.Deferred", sizeof(Deferred), 0,
+PyType_Spec deferred_spec = {"shmq.spool.Deferred", sizeof(Deferred), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC, deferred_slots};
 
 int load_deferred(Ring *r, Item *it, PyObject *o) {
