@@ -79,8 +79,8 @@ _open_spools: "weakref.WeakSet[Spool]" = weakref.WeakSet()
 
 
 def set_crash_hook(hook: Callable[..., Any] | None) -> None:
-    """Install the fault-injection hook in the core and the general path (tests only;
-    see :data:`shmq.writer.crash_hook`)."""
+    """Install the fault-injection hook in the core, every write path's writer (tests
+    only; see :func:`shmq.writer.set_crash_hook`)."""
     _writer.set_crash_hook(hook, _core)
 
 
@@ -418,7 +418,10 @@ class Spool:
         """Append several frames as one atomic, contiguous batch; return the first seq.
 
         Readers see all of the batch or none of it, with consecutive seqs and
-        no other writer's frame in between.  A 1-d numpy array (e.g. of a
+        no other writer's frame in between.  An item is bytes-like, a tuple of
+        bytes-likes (segments written one after the other) or a
+        :class:`Deferred` (written in place by its ``fill`` under the writer
+        lock; if ``fill`` raises, nothing of the batch is published).  A 1-d numpy array (e.g. of a
         structured dtype) is written in record-stream mode: whole records in
         as few numpy frames as fit (see :mod:`shmq.columnar`).
 

@@ -1,22 +1,31 @@
 """The compiled core (shmq/core/*.c) agrees with the format spec (shmq/_format.py).
 
-``_format`` is the readable spec of the ring; the core is the one place that
-writes and reads frames on the hot path.  These tests check, byte for byte:
+``_format`` is the readable spec of the ring; the core is the one writer
+(every write path: put, put_many with its options, reserve) and the one
+reader on the hot path.  These tests check, byte for byte:
 
-* frames the core writes (``Spool.put``/``put_many``) decode with a
-  pure-Python walker built only from ``_format`` (FRAME, valid_frame_header,
-  FLAG_PAD pads, the short-tail rule) to exactly what was written, and land
-  at the same positions with the same control words as the same operations
-  through the spec's own writer (``Spool.writer.append_general``);
-* frames the spec's writer writes are read back exactly by the core
-  (readers and ``Spool._read``);
+* frames the core writes decode with a pure-Python walker built only from
+  ``_format`` (FRAME, valid_frame_header, FLAG_PAD pads, the short-tail
+  rule, zeroed alignment padding) to exactly the frames put, and land at
+  the same positions with the same control words as the same operations
+  through ``SpecWriter``, the placement, eviction and commit of
+  docs/format.md written out in this file over plain file I/O (overwrite
+  policy, fixed rings);
+* frames ``SpecWriter`` writes are read back exactly by the core (readers
+  and ``Ring.read``);
+* every write option (``Deferred`` payloads, ``before_commit``, imported
+  ``timestamps``, ``sync=True``, segment tuples) and a zero-copy pin writes
+  the same ring as plain puts, under all three policies, on fixed and
+  growable rings, through wrap-around;
 * ``_core.crc32`` is zlib's CRC-32 and the core's layout constants are
   ``_format``'s.
 
-The walker reads the spool file with plain file I/O, not through any shmq
-object, so it shares no code with the implementation under test.
+The walker and ``SpecWriter`` read and write the spool file with plain file
+I/O, not through any shmq object, so they share no code with the
+implementation under test.
 """
 
+import mmap
 import os
 import random
 import re
@@ -32,6 +41,7 @@ from hypothesis import strategies as st
 import shmq
 from shmq import _core
 from shmq import _format as F
+from shmq.spool import Deferred
 from conftest import CORE_SOURCES
 
 CTL = struct.Struct("<Q")
@@ -51,7 +61,8 @@ def spec_walk(path):
     ``("frame", pos, seq, stored, length, ts, crc, flags, codec, ext, payload)``,
     ``("pad", pos, seq, stored, length, ts, crc, flags, codec, ext)`` or
     ``("tail", pos, nbytes)`` (a tail shorter than a header: no header there).
-    Asserts every rule of the spec on the way.
+    Asserts every rule of the spec on the way, the alignment padding after
+    each payload zeroed included.
     """
     with open(path, "rb") as f:
         raw = f.read()
@@ -78,7 +89,10 @@ def spec_walk(path):
             records.append(("pad", pos, hseq, stored, length, ts, crc, flags, codec, ext))
         else:
             assert stored == F.frame_stored_bytes(length)
-            payload = raw[base + off + F.FRAME_BYTES:base + off + F.FRAME_BYTES + length]
+            body = base + off + F.FRAME_BYTES
+            payload = raw[body:body + length]
+            assert raw[body + length:base + off + stored] == bytes(stored - F.FRAME_BYTES - length), (
+                f"alignment padding of seq {hseq} is not zeroed")
             records.append(("frame", pos, hseq, stored, length, ts, crc, flags, codec, ext, payload))
             seq += 1
         pos += stored
@@ -100,6 +114,100 @@ def payloads(seed, sizes):
     return [rnd.randbytes(n) for n in sizes]
 
 
+class SpecWriter:
+    """docs/format.md's placement, eviction and commit, over plain file I/O.
+
+    The reference the core's writer is held to (overwrite policy, fixed
+    rings; no readers' cursors, pins or pages to allocate): a frame that does
+    not fit before the ring's end is preceded by padding to the end (a PAD
+    header carrying the next frame's seq if 32+ bytes remain, else nothing);
+    a batch that would then span more than the ring starts at the ring's
+    start instead; room is made by walking the oldest headers forward (the
+    position first, then the seq; when everything goes, the ring restarts
+    at the batch); alignment padding is zeroed; NEXT_SEQ is the commit.
+    """
+
+    def __init__(self, path):
+        self._f = open(path, "r+b")
+        self.mm = mmap.mmap(self._f.fileno(), 0)
+        geo = F.unpack_geometry(self.mm[:F.GEOMETRY.size], len(self.mm), path)
+        self.base, self.ring, self.checksum = geo["ring_offset"], geo["ring_bytes"], geo["checksum"]
+
+    def close(self):
+        self.mm.close()
+        self._f.close()
+
+    def __getitem__(self, name):
+        return CTL.unpack_from(self.mm, 8 * getattr(F, name))[0]
+
+    def __setitem__(self, name, value):
+        CTL.pack_into(self.mm, 8 * getattr(F, name), value)
+
+    def place(self, start, needs):
+        """``(positions, pads)`` of a batch written at ``start``; pads are (pos, bytes, index)."""
+        ring = self.ring
+        pos, placed, pads = start, [], []
+        for k, need in enumerate(needs):
+            off = pos % ring
+            if ring - off < need:
+                if ring - off >= F.FRAME_BYTES:
+                    pads.append((pos, ring - off, k))
+                pos += ring - off
+            placed.append(pos)
+            pos += need
+        if pos - placed[0] > ring:  # it would wrap onto itself: start at the ring's start
+            off = start % ring
+            pads = [(start, ring - off, 0)] if off and ring - off >= F.FRAME_BYTES else []
+            pos = start + (ring - off if off else 0)
+            placed = []
+            for need in needs:
+                placed.append(pos)
+                pos += need
+        return placed, pads
+
+    def evict(self, limit, next_seq, batch_pos):
+        ring, base = self.ring, self.base
+        seq = first = self["W_FIRST_SEQ"]
+        pos = self["W_FIRST_POS"]
+        while pos < limit and seq < next_seq:
+            off = pos % ring
+            if ring - off < F.FRAME_BYTES:
+                pos += ring - off
+                continue
+            _s, stored, _n, _t, _c, flags, _cd, _x = F.FRAME.unpack_from(self.mm, base + off)
+            pos += stored
+            if not flags & F.FLAG_PAD:
+                seq += 1
+        if seq >= next_seq:
+            self["W_FIRST_SEQ"], self["W_FIRST_POS"] = seq, batch_pos
+        else:
+            self["W_FIRST_POS"], self["W_FIRST_SEQ"] = pos, seq
+        self["W_EVICTED"] += seq - first
+
+    def write(self, items, codec, ts):
+        """Write a batch; return its first seq.  :raises shmq.TooLarge: it can never fit."""
+        ring, base = self.ring, self.base
+        needs = [F.frame_stored_bytes(len(p)) for p in items]
+        if sum(needs) > ring:
+            raise shmq.TooLarge("batch larger than the ring")
+        seq0, start = self["W_NEXT_SEQ"], self["W_NEXT_POS"]
+        placed, pads = self.place(start, needs)
+        end = placed[-1] + needs[-1]
+        if end - self["W_FIRST_POS"] > ring:
+            self.evict(end - ring, seq0, placed[0])
+        for pos, gap, k in pads:
+            F.FRAME.pack_into(self.mm, base + pos % ring, seq0 + k, gap, 0, ts, 0, F.FLAG_PAD, 0, 0)
+        for k, (data, need, pos) in enumerate(zip(items, needs, placed)):
+            o = base + pos % ring
+            crc, flags = (zlib.crc32(data), F.FLAG_CRC) if self.checksum else (0, 0)
+            F.FRAME.pack_into(self.mm, o, seq0 + k, need, len(data), ts, crc, flags, codec, 0)
+            self.mm[o + F.FRAME_BYTES:o + need] = data + bytes(need - F.FRAME_BYTES - len(data))
+        self["W_NEXT_SEQ"] = seq0 + len(items)  # the commit
+        self["W_NEXT_POS"] = end
+        self["W_PUT_BYTES"] += sum(map(len, items))
+        return seq0
+
+
 # A batch: payload sizes (mostly small, some up to ~3000, odd sizes included),
 # one codec, and whether a one-frame batch goes through put() or put_many().
 sizes = st.one_of(st.integers(0, 40), st.integers(0, 3000), st.sampled_from([1, 7, 9, 4039, 4040]))
@@ -107,9 +215,9 @@ batches = st.tuples(st.lists(sizes, min_size=1, max_size=20), st.integers(0, 7),
                     st.integers(0, 2**32))
 
 
-def _fresh(spool_dir, capacity, checksum, on_full="overwrite"):
+def _fresh(spool_dir, capacity, checksum, on_full="overwrite", **kw):
     path = os.path.join(spool_dir, uuid.uuid4().hex[:8])
-    return shmq.Spool.create(path, capacity=capacity, on_full=on_full, checksum=checksum)
+    return shmq.Spool.create(path, capacity=capacity, on_full=on_full, checksum=checksum, **kw)
 
 
 def _drop(*spools):
@@ -123,6 +231,7 @@ def _check_records_match_model(records, model, checksum):
     """The spec-decoded frames are exactly the newest frames written, in order."""
     got = frames_of(records)
     expect = model[len(model) - len(got):] if got else []
+    assert len(expect) == len(got)
     for rec, (seq, data, codec) in zip(got, expect):
         _kind, _pos, hseq, stored, length, _ts, crc, flags, hcodec, ext, payload = rec
         assert (hseq, payload, hcodec, length) == (seq, data, codec, len(data))
@@ -133,20 +242,21 @@ def _check_records_match_model(records, model, checksum):
             assert flags == 0 and crc == 0
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(batches, min_size=1, max_size=14), capacity=st.sampled_from([4096, 8192]),
        checksum=st.booleans())
 def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacity, checksum):
     """C writer -> spec decoder, spec writer -> C reader, and both writers -> identical rings.
 
     The same operations go through the core (``put``/``put_many``) on spool
-    ``c`` and through the spec's writer (``_append_general``) on spool ``p``;
-    after each one both files decode with the spec to the frames written, at
-    the same positions with the same headers (timestamps aside) and control
-    words, and the core's readers read ``p`` back exactly.
+    ``c`` and through :class:`SpecWriter` on spool ``p``; after each one both
+    files decode with the spec to the frames written, at the same positions
+    with the same headers (timestamps aside) and control words, and the
+    core's readers read ``p`` back exactly.
     """
     c = _fresh(spool_dir, capacity, checksum)
     p = _fresh(spool_dir, capacity, checksum)
+    spec = SpecWriter(p.path)
     try:
         anon = p.reader(verify=checksum)
         group = p.reader("g", group=True, verify=checksum)
@@ -158,14 +268,14 @@ def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacit
                 with pytest.raises(shmq.TooLarge):
                     c.put(data[0], codec=codec) if len(data) == 1 else c.put_many(data, codec=codec)
                 with pytest.raises(shmq.TooLarge):
-                    p.writer.append_general(data, None, codec)
+                    spec.write(data, codec, t0)
                 continue
             if len(data) == 1 and single:
                 s1 = c.put(data[0], codec=codec)
             else:
                 s1 = c.put_many(data, codec=codec)
-            s2 = p.writer.append_general(data, None, codec)
             t1 = time.time_ns()
+            s2 = spec.write(data, codec, t1)
             assert s1 == s2 == len(model)
             model += [(s1 + k, d, codec) for k, d in enumerate(data)]
 
@@ -180,7 +290,7 @@ def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacit
             batch_ts = {r[5] for r in rc if r[0] != "tail" and r[2] >= s1}
             assert len(batch_ts) == 1 and t0 <= batch_ts.pop() <= t1
 
-            # the core reads the spec writer's frames: anonymous reader, group, _read
+            # the core reads the spec writer's frames: anonymous reader, group, Ring.read
             got = []
             while len(got) < len(data):
                 got += anon.get_many(25, block=False)
@@ -200,6 +310,7 @@ def test_core_writer_and_spec_writer_agree_byte_for_byte(spool_dir, ops, capacit
         with pytest.raises(shmq.Empty):
             anon.get(block=False)
     finally:
+        spec.close()
         _drop(c, p)
 
 
@@ -210,16 +321,27 @@ def _ring_bytes(path, lo, hi):
     return raw[base + lo:base + hi]
 
 
-@pytest.mark.parametrize("writer", ["core", "spec"])
+def _deferred(data):
+    """``data`` as a Deferred payload: written by fill() into the ring."""
+    def fill(view):
+        view[:] = data
+    return Deferred(len(data), fill)
+
+
+@pytest.mark.parametrize("writer", ["core", "spec", "deferred", "sync"])
 def test_short_tail_has_no_header_and_pads_carry_the_next_seq(spool_dir, writer):
     """The two edge cases of placement, written deterministically by each writer."""
-    sp = _fresh(spool_dir, 8192, True)
-    if writer == "core":
+    sp = _fresh(spool_dir, 8192, True, sync=writer == "sync")
+    spec = SpecWriter(sp.path) if writer == "spec" else None
+    if writer in ("core", "sync"):
         def w(items):
             return sp.put_many(items) if len(items) > 1 else sp.put(items[0])
+    elif writer == "deferred":
+        def w(items):
+            return sp.put_many([_deferred(x) for x in items])
     else:
         def w(items):
-            return sp.writer.append_general(items, None, F.CODEC_RAW)
+            return spec.write(items, F.CODEC_RAW, time.time_ns())
 
     def layout():
         return [(r[0], r[1] % 8192) + ((r[2],) if r[0] != "tail" else (r[2],)) for r in
@@ -245,19 +367,169 @@ def test_short_tail_has_no_header_and_pads_carry_the_next_seq(spool_dir, writer)
         assert sp.stats().evicted == 5
         assert [f.seq for f in sp.reader().get_many(10, block=False)] == [5, 6]
     finally:
+        if spec is not None:
+            spec.close()
         _drop(sp)
 
 
 def test_short_tail_cursor_is_read_by_the_core(spool_dir):
     sp = _fresh(spool_dir, 4096, False)
+    spec = SpecWriter(sp.path)
     try:
-        sp.writer.append_general([b"a" * 4040], None, F.CODEC_RAW)
-        sp.writer.append_general([b"next"], None, F.CODEC_RAW)
+        spec.write([b"a" * 4040], F.CODEC_RAW, 1)
+        spec.write([b"next"], F.CODEC_RAW, 2)
         frame, seq, pos, lost, _codec = sp.ring.read(1, 4072)  # a cursor left in the tail
         assert (frame.seq, frame.data, seq, pos, lost) == (1, b"next", 2, 4096 + 40, 0)
         assert sp.ring.read(2, pos)[0] is None  # caught up
     finally:
+        spec.close()
         _drop(sp)
+
+
+# --- every write option writes what a plain put writes ------------------------------
+
+#: How twin B writes a batch that twin A writes with a plain put / put_many.
+OPTIONS = ("deferred", "before_commit", "timestamps", "segments", "mixed")
+twin_sizes = st.one_of(st.integers(0, 64), st.integers(100, 2500), st.integers(100, 2500),
+                       st.sampled_from([1, 7, 1000, 2000, 4039, 4040]))
+twin_batch = st.tuples(st.just("batch"), st.lists(twin_sizes, min_size=1, max_size=8),
+                       st.integers(0, 7), st.sampled_from(OPTIONS), st.integers(0, 2**32))
+twin_ops = st.one_of(twin_batch, twin_batch, twin_batch, twin_batch,
+                     st.tuples(st.just("consume"), st.integers(1, 12)),
+                     st.tuples(st.just("consume"), st.just(1000)), st.tuples(st.just("pin")))
+
+
+class Twin:
+    """One of the two spools of the differential test, with its named reader and pin."""
+
+    def __init__(self, sp):
+        self.sp = sp
+        self.reader = sp.reader("r")
+        self.pin = None  # (header pos, view) of the frame this handle pins
+
+    def pin_oldest(self, records):
+        first = frames_of(records)[0]
+        got = self.sp.pins.read(first[2], first[1])
+        assert got is not None
+        self.pin = (got[2], got[0])
+        return first[2]
+
+    def unpin(self):
+        pos, view = self.pin
+        view.release()
+        self.sp.pins.unpin(pos)
+        self.pin = None
+
+
+def _plain_put(a, data, codec, fast):
+    if fast:  # the C entry point put_api (block=True, no timeout): never waits on overwrite
+        return a.sp.put(data[0], codec=codec) if len(data) == 1 else a.sp.put_many(data, codec=codec)
+    if len(data) == 1:
+        return a.sp.put(data[0], block=False, codec=codec)
+    return a.sp.put_many(data, block=False, codec=codec)
+
+
+def _option_put(b, data, codec, option, stamps, hooked):
+    """The same batch through put_many's options (Writer.append, timeout 0)."""
+    kw = {}
+    if option == "deferred":
+        items = [_deferred(d) for d in data]
+    elif option == "segments":
+        items = [(d[:len(d) // 3], d[len(d) // 3:]) for d in data]
+    elif option == "mixed":
+        items = [_deferred(d) if k % 3 == 0 else (d,) if k % 3 == 1 else memoryview(d)
+                 for k, d in enumerate(data)]
+    else:
+        items = list(data)
+    if option == "before_commit":
+        kw["before_commit"] = lambda seq0, positions: hooked.append((seq0, list(positions)))
+    if option == "timestamps":
+        kw["timestamps"] = stamps
+    return b.sp.writer.append(items, 0, codec, **kw)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(twin_ops, min_size=8, max_size=30),
+       policy=st.sampled_from(["overwrite", "block", "error"]),
+       growable=st.booleans(), checksum=st.booleans(), sync=st.booleans())
+def test_every_write_option_writes_what_plain_puts_write(spool_dir, ops, policy, growable, checksum,
+                                                         sync):
+    """Twin spools get the same operations: A through plain puts (the core's put_api,
+    put and put_many), B through put_many's options (Deferred payloads, before_commit,
+    imported timestamps, segment tuples, a mix), on a ``sync=True`` handle or not.
+    Both hold a named reader that consumes the same frames, and pin their oldest
+    frame over a batch now and then.  After each operation both files decode with the spec to the
+    newest frames put, with the same eviction, wrap and (zeroed) padding: the same
+    bytes but for the timestamps B imported; a refused batch (Full, TooLarge) is
+    refused by both and leaves nothing; block/error never evict an unconsumed frame.
+    """
+    scale = 12 if growable else 1  # a growable ring spans 2 segments of 64 KiB: bigger frames
+    capacity = 8192 if not growable else 64 * 1024
+    kw = dict(max_capacity=2 * 64 * 1024) if growable else {}
+    a = Twin(_fresh(spool_dir, capacity, checksum, policy, **kw))
+    b = Twin(_fresh(spool_dir, capacity, checksum, policy, sync=sync, **kw))
+    ring = a.sp.ring.size
+    try:
+        model = []  # (seq, payload, codec) of every frame put
+        imported = {}  # seq -> timestamp B's header must carry
+        for op in ops:
+            if op[0] == "consume":
+                got_a = a.reader.get_many(op[1], block=False) if a.sp.next_seq > a.reader.position else []
+                got_b = b.reader.get_many(op[1], block=False) if b.sp.next_seq > b.reader.position else []
+                assert [(f.seq, bytes(f.data)) for f in got_a] == [(f.seq, bytes(f.data)) for f in got_b]
+                assert [(f.seq, bytes(f.data), f.codec) for f in got_b] == [
+                    m for m in model if got_b and got_b[0].seq <= m[0] <= got_b[-1].seq]
+                event("consumed")
+            elif op[0] == "pin":  # held over the next batch
+                records = spec_walk(a.sp.path)[1]
+                if a.pin is None and frames_of(records):
+                    assert a.pin_oldest(records) == b.pin_oldest(spec_walk(b.sp.path)[1])
+                    event("pinned")
+            else:
+                _k, sizes_, codec, option, seed = op
+                data = payloads(seed, [n * scale for n in sizes_])
+                stamps = [(seed + k) % (1 << 64) for k in range(len(data))]
+                hooked = []
+                fast = policy == "overwrite" and a.pin is None and seed % 2 == 0
+                try:
+                    s1 = _plain_put(a, data, codec, fast)
+                except (shmq.Full, shmq.TooLarge) as exc:
+                    with pytest.raises(type(exc)):
+                        _option_put(b, data, codec, option, stamps, hooked)
+                    assert hooked == []
+                    event(f"refused: {type(exc).__name__}" + (" (pinned)" if a.pin else ""))
+                else:
+                    s2 = _option_put(b, data, codec, option, stamps, hooked)
+                    assert s1 == s2 == len(model)
+                    model += [(s1 + k, d, codec) for k, d in enumerate(data)]
+                    if option == "timestamps":
+                        imported.update((s1 + k, t) for k, t in enumerate(stamps))
+                    if option == "before_commit":
+                        placed = [r[1] for r in frames_of(spec_walk(a.sp.path)[1]) if r[2] >= s1]
+                        assert hooked == [(s1, placed)]
+                    event(f"written: {option}" + (" past a pin" if a.pin else ""))
+                if a.pin is not None:
+                    a.unpin()
+                    b.unpin()
+            wa, ra = spec_walk(a.sp.path)
+            wb, rb = spec_walk(b.sp.path)
+            assert wa == wb
+            for kind in {r[0] for r in ra} | ({"evicted"} if wa["W_EVICTED"] else set()):
+                event(kind)
+            if wa["W_NEXT_POS"] >= ring:  # coverage: every policy wraps, fixed and growable
+                event(f"wrapped: {policy}, {'growable' if growable else 'fixed'}")
+            assert without_ts(ra) == without_ts(rb)
+            _check_records_match_model(ra, model, checksum)
+            for r in frames_of(rb):
+                if r[2] in imported:
+                    assert r[5] == imported[r[2]]
+            if policy != "overwrite":  # nothing the reader has not consumed was evicted
+                assert wa["W_FIRST_SEQ"] <= a.reader.position
+    finally:
+        for t in (a, b):
+            if t.pin is not None:
+                t.unpin()
+        _drop(a.sp, b.sp)
 
 
 @settings(max_examples=300, deadline=None)

@@ -201,13 +201,16 @@ def test_pins_read_refuses_a_gone_frame(make_spool):
 # --- writer ------------------------------------------------------------------------
 
 
-def test_writer_append_and_append_general_write_the_same_frames(make_spool):
-    fast, ref = make_spool(capacity=8192), make_spool(capacity=8192)
-    batch = [b"one", (b"tw", b"o"), memoryview(b"three")]
-    assert fast.writer.append(batch, None, F.CODEC_RAW) == 0
-    assert ref.writer.append_general(batch, None, F.CODEC_RAW) == 0
-    for sp in (fast, ref):
-        assert [f.data for f in sp.reader().get_many(10)] == [b"one", b"two", b"three"]
+def test_writer_append_takes_every_kind_of_item_in_one_batch(make_spool):
+    sp = make_spool(capacity=8192, checksum=True)
+
+    def fill(view):
+        view[:] = b"four"
+
+    batch = [b"one", (b"tw", b"o"), memoryview(b"three"), Deferred(4, fill), bytearray(b"five")]
+    assert sp.writer.append(batch, None, F.CODEC_RAW) == 0
+    assert [f.data for f in sp.reader(verify=True).get_many(10)] == [
+        b"one", b"two", b"three", b"four", b"five"]
 
 
 @pytest.mark.parametrize("checksum", [False, True])
@@ -226,12 +229,110 @@ def test_writer_writes_given_timestamps_before_the_commit(make_spool, checksum):
 
 def test_writer_deferred_payload_is_filled_under_the_lock(make_spool):
     sp = make_spool(capacity=8192, checksum=True)
+    seen = []
 
     def fill(view):
+        seen.append((len(view), view.readonly, sp.ring.ctl[F.W_LOCK_HOLDER] != 0))
         view[:] = b"0123456789"
 
     sp.writer.append((Deferred(10, fill),), None, F.CODEC_RAW)
+    assert seen == [(10, False, True)]
     assert sp.reader(verify=True).get(timeout=1).data == b"0123456789"
+
+
+def test_deferred_checks_its_arguments():
+    with pytest.raises(TypeError, match="callable"):
+        Deferred(3, b"not callable")
+    with pytest.raises(ValueError, match=">= 0"):
+        Deferred(-1, print)
+    d = Deferred(nbytes=3, fill=print)
+    assert (d.nbytes, d.fill) == (3, print)
+
+
+@pytest.mark.parametrize("where", ["fill", "before_commit"])
+@pytest.mark.parametrize("policy", ["overwrite", "block"])
+def test_a_raising_callout_aborts_the_batch_cleanly(make_spool, where, policy):
+    """fill() or before_commit() raising under the writer lock: nothing published, the
+    lock released, the exception propagated; the ring stays consistent (fsck-clean)
+    even when room was made by evicting everything, and the next put works."""
+    from shmq.verify import verify
+
+    sp = make_spool(capacity=8192, on_full=policy)
+    r = sp.reader("r") if policy == "block" else None
+    sp.put(b"a" * 3000)
+    sp.put(b"b" * 3000)  # NEXT_POS 6080: a 4000-byte frame wraps after a pad, evicting both
+    if r is not None:
+        r.get_many(10, timeout=1)
+    calls = []
+
+    def boom(*args):
+        calls.append(args)
+        raise KeyError("callout failed")
+
+    if where == "fill":
+        items, kw = [b"x" * 8, Deferred(4000, boom)], {}
+    else:
+        items, kw = [b"x" * 8, b"y" * 4000], {"before_commit": boom}
+    with pytest.raises(KeyError, match="callout failed"):
+        sp.writer.append(items, None, F.CODEC_RAW, **kw)
+    assert len(calls) == 1
+    if where == "before_commit":
+        assert calls[0][0] == 2 and len(calls[0][1]) == 2  # (first seq, positions)
+    assert sp.next_seq == 2 and sp.ring.ctl[F.W_LOCK_HOLDER] == 0
+    rep = verify(sp.path)
+    assert rep.ok, rep.problems
+    assert sp.put(b"after") == 2  # placed anew: the aborted batch left nothing behind
+    got = (r or sp.reader(start="earliest")).get_many(10, timeout=1)
+    assert [f.data for f in got][-1:] == [b"after"]
+    assert verify(sp.path).ok
+
+
+def test_a_put_from_inside_a_callout_is_refused_not_deadlocked(make_spool):
+    sp = make_spool(capacity=8192)
+    errors = []
+
+    def fill(view):
+        for attempt in (lambda: sp.put(b"inner"), lambda: sp.put_many([b"i"]),
+                        lambda: sp.reserve(4)):
+            try:
+                attempt()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        view[:] = b"outer"
+
+    sp.put_many([Deferred(5, fill)])
+    assert len(errors) == 3 and all("deadlock" in e for e in errors)
+    assert [f.data for f in sp.reader(start="earliest").get_many(5)] == [b"outer"]
+
+
+def test_closing_the_spool_inside_a_callout_aborts_the_batch(make_spool):
+    sp = make_spool(capacity=8192)
+    sp.put(b"first")
+
+    def fill(view):
+        view[:] = b"12345"
+        try:
+            sp.close()
+        except BufferError:
+            pass  # the core holds the mapping until the batch is over
+
+    with pytest.raises((ValueError, BufferError)):
+        sp.put_many([Deferred(5, fill)])
+    again = shmq.Spool.open(sp.path)
+    try:
+        assert again.next_seq == 1 and again.ring.ctl[F.W_LOCK_HOLDER] == 0
+        assert again.put(b"next") == 1
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_writer_sync_puts_are_plain_puts_msynced(make_spool, checksum):
+    sp = make_spool(capacity=8192, checksum=checksum, sync=True)
+    assert sp.put(b"a" * 5000) == 0
+    assert sp.put_many([b"b" * 2000, (b"c" * 1000, b"d" * 1000)]) == 1  # wraps: two spans
+    assert [f.data for f in sp.reader(start="earliest", verify=checksum).get_many(5)] == [
+        b"b" * 2000, b"c" * 1000 + b"d" * 1000]
 
 
 def test_writer_errors(make_spool):
@@ -355,3 +456,27 @@ def test_lease_table_grant_owned_due_and_free(make_spool):
         assert t.oldest(9, 900) == (9, 900) and t.take_free() == 0
     finally:
         reg.release()
+
+
+@pytest.mark.parametrize("how", ["abandon", "drop"])
+def test_an_abandoned_reservation_that_evicted_everything_leaves_an_empty_ring(make_spool, how):
+    """Regression: a reservation placed past a pad evicts every frame and sets FIRST_POS
+    at its own position; abandoned, that left FIRST_POS past NEXT_POS (fsck: "the ring
+    is empty but FIRST_POS != NEXT_POS"), and a put that then fitted exactly before the
+    ring's end was committed below FIRST_POS: unreadable ("cannot find the oldest
+    frame").  Now the ring goes back to empty at NEXT_POS (write.c's unplace)."""
+    from shmq.verify import verify
+
+    sp = make_spool(capacity=8192)
+    sp.put(b"a" * 3000)
+    sp.put(b"b" * 3000)  # NEXT_POS 6064: 2128 bytes before the ring's end
+    rv = sp.reserve(4000)  # a pad at 6064, the frame at 8192: both frames evicted
+    if how == "abandon":
+        rv.abandon()
+    else:
+        del rv  # dropped without commit: abandoned
+    assert verify(sp.path).ok
+    assert sp.put(b"z" * 2096) == 2  # exactly the 2128 bytes left
+    assert [(f.seq, len(f.data)) for f in sp.reader(start="earliest").get_many(5, block=False)] == [
+        (2, 2096)]
+    assert verify(sp.path).ok

@@ -45,21 +45,6 @@ PyObject *Cursor_reduce(Cursor *c, PyObject *Py_UNUSED(ignored)) {
                         "(e.g. functools.partial(shmq.Reader.get, reader))");
 }
 
-/* store_release(word, value): a release store of a control word, for the
- * Python general write path (sync=True, pins, deferred payloads), whose
- * frame bytes and headers are plain stores through the mmap: on aarch64 a
- * plain 8-byte store of NEXT_SEQ or FIRST_POS could become visible before
- * them.  Pairs with the readers' acquire loads of the same words, as the
- * core's own commit (commit_batch) and eviction (publish_first) do. */
-PyObject *Ring_store_release(Ring *r, PyObject *args) {
-    unsigned long long word, value;
-    if (!PyArg_ParseTuple(args, "KK", &word, &value)) return NULL;
-    if (!r->ctl) return PyErr_Format(PyExc_ValueError, "ring is closed");
-    if (word >= HEADER_BYTES / 8) return PyErr_Format(PyExc_IndexError, "control word %llu out of range", word);
-    st_rel(&r->ctl[word], (uint64_t)value);
-    Py_RETURN_NONE;
-}
-
 /* slow(owner, *args): the slow path a handle bound, on the handle itself. */
 static PyObject *call_slow(PyObject *owner_ref, PyObject *slow, PyObject *const *args, size_t nargs) {
     if (!slow) {

@@ -11,6 +11,7 @@
  *   core.h     this header
  *   wait.c     semaphore waits, doorbells, the reader's spin and park
  *   write.c    placement, eviction and commit: put, put_many, reserve
+ *   options.c  put_many's options: Deferred, before_commit, timestamps, sync
  *   zone.c     growable rings: the hot zone's pages (allocate, punch, trim)
  *   reserve.c  the Reservation type (zero-copy writes)
  *   read.c     the lock-free read loop and the private / group takes
@@ -23,11 +24,17 @@
  *   module.c   module state, init, module functions
  *
  * Thread and signal safety: every function here holds the GIL for the whole
- * time it holds the writer lock or a group lock, and never runs Python code
- * while holding one (the crash hook of the fault-injection harness aside).
- * Python signal handlers and other threads only run between bytecodes, so
- * a call is atomic for them: Ctrl-C can never leave a shared lock held.
- * The GIL is released only to wait for a lock that is not yet ours.
+ * time it holds the writer lock or a group lock, and runs no Python code
+ * while holding one, but for three callouts a caller asks for: put_many's
+ * Deferred fill() and before_commit() (options.c) and the crash hook of the
+ * fault-injection harness.  Python signal handlers and other threads only
+ * run between bytecodes, so a call without callouts is atomic for them:
+ * Ctrl-C can never leave a shared lock held; a callout that raises (a
+ * signal handler's exception included) aborts its batch and the lock is
+ * released before the exception propagates.  The GIL is released only to
+ * wait for a lock that is not yet ours, and, with the writer lock held
+ * (Ring.busy counted, so a close() meanwhile is deferred), around a growable
+ * ring's fallocate and a sync=True batch's msync.
  *
  * Memory ordering (C11 atomics, correct on x86-64 and aarch64):
  *   writer: payload and header stores, then a release store of NEXT_SEQ
@@ -80,6 +87,7 @@ typedef struct {
     double safety_net_s;        /* the longest futex sleep of a parked get (set_safety_net) */
     PyObject *EMPTY, *STUCK, *UNDECODED; /* get_obj's sentinels */
     PyTypeObject *FrameType, *RingType, *CursorType, *ReservationType, *LockType, *WaitingType, *QueuePortType;
+    PyTypeObject *DeferredType; /* shmq.Deferred: a payload written by fill() under the writer lock */
 } CoreState;
 
 /* Hot loops whose callers pass constant callbacks: inlined so the calls are
@@ -143,6 +151,8 @@ typedef struct {
     uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
     double lock_wait;              /* default wait before reporting a stuck lock (recovery timeout) */
     struct Reservation_ *reserved_by; /* an open reservation of this handle (it holds the lock) */
+    unsigned long callout;            /* thread running a write's Python callout (fill, before_commit) under
+                                         the writer lock; 0: none.  A put from it would deadlock. */
     PyObject *owner;    /* weak reference to the Python handle whose slow path completes put_api */
     PyObject *put_slow; /* owner's slow path, a plain function: put_slow(owner, data, block, timeout, codec) */
     int fast_put;       /* 0: put_api always takes the slow path (sync=True) */
@@ -154,7 +164,7 @@ typedef struct {
 typedef struct Reservation_ {
     PyObject_HEAD
     Ring *ring;
-    uint64_t seq, off, nbytes, stored, end;
+    uint64_t seq, off, nbytes, stored, end, start; /* start: NEXT_POS when placed (see unplace) */
     int codec, open; /* open: the writer lock is held for us */
     unsigned long thread;
     PyObject *view;
@@ -188,7 +198,20 @@ typedef struct {
     int nviews;
     uint64_t n;
     uint32_t crc;
+    PyObject *fill; /* a Deferred's fill (nviews 0; borrowed: the batch holds it); read only if WriteOpts.deferred */
 } Item;
+
+/* What put_many's keyword options ask of a batch (options.c parses them, write.c's
+ * write_locked acts on them); the plain path
+ * passes none (NULL) and reads none of it.  The Python callouts (fill,
+ * before_commit) run under the writer lock; one that raises aborts the
+ * batch: nothing is published (see write.c's unplace). */
+typedef struct {
+    PyObject *before_commit; /* before_commit(first_seq, [positions]) once placed, before any byte is written */
+    uint64_t *timestamps;    /* one per frame (ns), replacing the put time in its header; NULL: now */
+    int sync;                /* msync the batch's pages before the commit, the header page after it */
+    int deferred;            /* some item is a Deferred (Item.fill set): filled in place, crc after */
+} WriteOpts;
 
 /* Where a batch goes (write.c's place_batch): a frame that does not fit
  * before the ring's end is preceded by padding to the end (a PAD header if
@@ -269,14 +292,30 @@ int place_batch(Ring *r, Py_ssize_t count, const uint64_t *needs, uint64_t total
                 uint64_t *placed, Placement *pl);
 void write_pads(Ring *r, const Placement *pl, uint64_t ts);
 void commit_batch(Ring *r, uint64_t next_seq, uint64_t end, uint64_t count, uint64_t nbytes, uint64_t ts);
+void unplace(Ring *r, uint64_t seq0, uint64_t start);
 int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, uint64_t total, int codec,
-                     int64_t max_backlog, uint64_t *placed);
+                     int64_t max_backlog, uint64_t *placed, const WriteOpts *o);
 void populate_ahead(Ring *r, uint64_t pos, uint64_t len);
 /* with the GIL (takes the writer lock, may raise) */
 int load_item(Item *it, PyObject *o, int checksum);
 void release_items(Item *items, Py_ssize_t k);
-int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
-                   int patient);
+int64_t ring_write_opts(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
+                        int patient, const WriteOpts *o);
+static inline int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog,
+                                 double lock_wait, int patient) {
+    return ring_write_opts(r, items, count, codec, max_backlog, lock_wait, patient, NULL);
+}
+
+/* ---- options.c: put_many's options ---- */
+extern PyType_Spec deferred_spec;
+int load_deferred(Ring *r, Item *it, PyObject *o); /* 1: o is a Deferred (loaded), 0: it is not, -1: error */
+int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssize_t count, WriteOpts *o);
+void free_write_opts(WriteOpts *o);
+/* writer lock held; 0, or -1 with an exception: */
+int call_before_commit(Ring *r, PyObject *fn, uint64_t seq0, const uint64_t *placed, Py_ssize_t count);
+int fill_payload(Ring *r, PyObject *fill, char *dst, uint64_t n);
+int sync_ring(Ring *r, uint64_t a, uint64_t b); /* msync ring positions [a, b), GIL released */
+int sync_header(Ring *r);                       /* msync the header page */
 
 /* ---- zone.c ---- */
 int trim_due(Ring *r);
@@ -336,7 +375,6 @@ int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const 
 PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *Ring_bind(Ring *r, PyObject *args);
 PyObject *Ring_reduce(Ring *r, PyObject *ignored);
-PyObject *Ring_store_release(Ring *r, PyObject *args);
 PyObject *Cursor_reduce(Cursor *c, PyObject *ignored);
 PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *Cursor_bind(Cursor *c, PyObject *args);

@@ -103,7 +103,7 @@ _Static_assert(sizeof(FrameHeader) == FRAME_BYTES, "frame header is 32 bytes");
 #define ST_OK 0
 #define ST_LOCK_STUCK (-1) /* the lock was not free within lock_wait: Python checks the holder */
 #define ST_NO_ROOM (-2)    /* block/error policy (or maxsize): no room now */
-#define ST_SLOW (-3)       /* a zero-copy pin is in the way: Python's general path */
+#define ST_SLOW (-3)       /* a zero-copy pin is in the way: Python reclaims dead holders' pins, or waits */
 #define ST_TOO_LARGE (-4)  /* the frame or batch can never fit */
 #define ST_NO_SPACE (-5)   /* a growable spool could not allocate its next segment (ENOSPC) */
 #define ST_BACKLOG (-6)    /* max_backlog (a queue's maxsize) items wait: no room for items, not bytes */

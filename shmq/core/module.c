@@ -2,7 +2,7 @@
  * shmq/core/module.c: the module shmq._core -- multi-phase init (PEP 489),
  * its state (PEP 630: one CoreState per module object, so per interpreter),
  * its heap types (from the specs in ring.c, cursor.c, reserve.c, lock.c,
- * api.c and frame.c) and its functions.
+ * api.c, options.c and frame.c) and its functions.
  *
  * Objects keep a pointer to the state (Ring.st; a Cursor, Reservation or
  * QueuePort through its Ring), so the hot paths never look it up.  A type
@@ -156,7 +156,8 @@ static int core_exec(PyObject *m) {
     st->safety_net_s = 0.1;
     if (add_type(m, &ring_spec, &st->RingType) < 0 || add_type(m, &cursor_spec, &st->CursorType) < 0 ||
         add_type(m, &reservation_spec, &st->ReservationType) < 0 || add_type(m, &lock_spec, &st->LockType) < 0 ||
-        add_type(m, &waiting_spec, &st->WaitingType) < 0 || add_type(m, &queue_port_spec, &st->QueuePortType) < 0)
+        add_type(m, &waiting_spec, &st->WaitingType) < 0 || add_type(m, &queue_port_spec, &st->QueuePortType) < 0 ||
+        add_type(m, &deferred_spec, &st->DeferredType) < 0)
         return -1;
     if (!(st->FrameType = frame_type_new())) return -1;
     if (PyModule_AddObjectRef(m, "Frame", (PyObject *)st->FrameType) < 0) return -1;
@@ -201,7 +202,7 @@ static int core_exec(PyObject *m) {
 #define STATE_OBJECTS(X)                                                                                         \
     X(SpoolFormatError) X(crash_hook) X(pickle_loads) X(EmptyError) X(pickle_dumps) X(dumps_protocol)           \
     X(dumps_kwnames) X(inband_callback) X(EMPTY) X(STUCK) X(UNDECODED) X(FrameType) X(RingType) X(CursorType)   \
-    X(ReservationType) X(LockType) X(WaitingType) X(QueuePortType)
+    X(ReservationType) X(LockType) X(WaitingType) X(QueuePortType) X(DeferredType)
 
 static int core_traverse(PyObject *m, visitproc visit, void *arg) {
     CoreState *st = state_of(m);

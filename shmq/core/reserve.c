@@ -27,6 +27,7 @@ int reserve_locked(Ring *r, uint64_t nbytes, Reservation *rv) {
     rv->nbytes = nbytes;
     rv->stored = need;
     rv->end = pl.end;
+    rv->start = pl.start;
     return 0;
 }
 
@@ -83,6 +84,7 @@ static PyObject *Reservation_commit(Reservation *rv, PyObject *unused) {
 static PyObject *Reservation_abandon(Reservation *rv, PyObject *unused) {
     if (rv->open) {
         reservation_drop_view(rv);
+        if (rv->ring->have_buf) unplace(rv->ring, rv->seq, rv->start);
         reservation_unlock(rv); /* nothing was published: the space is reused by the next write */
     }
     Py_RETURN_NONE;
@@ -128,7 +130,10 @@ static PyObject *Reservation_exit(Reservation *rv, PyObject *args) {
 }
 
 static void Reservation_dealloc(Reservation *rv) {
-    if (rv->open) reservation_unlock(rv); /* dropped without commit: abandoned */
+    if (rv->open) { /* dropped without commit: abandoned */
+        if (rv->ring->have_buf) unplace(rv->ring, rv->seq, rv->start);
+        reservation_unlock(rv);
+    }
     Py_XDECREF(rv->view);
     Py_XDECREF(rv->ring);
     PyTypeObject *tp = Py_TYPE(rv);
@@ -176,6 +181,11 @@ PyObject *Ring_reserve(Ring *r, PyObject *args) {
     if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
         PyErr_SetString(PyExc_RuntimeError, "this thread already holds an open reservation of this spool: "
                                             "commit or abandon it first (it holds the writer lock)");
+        return NULL;
+    }
+    if (r->callout && r->callout == PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "reserve from a fill() or before_commit() of the same spool would "
+                                            "deadlock (they run under the writer lock)");
         return NULL;
     }
     if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);

@@ -66,10 +66,13 @@ static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromLongLong(res);
 }
 
-static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
-    /* put_many(items, codec=0, max_backlog=-1, lock_wait=default) -> first seq or status */
+static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* put_many(items, codec=0, max_backlog=-1, lock_wait=default, *, before_commit=None,
+     * timestamps=None, sync=False) -> first seq or status.  Items are bytes-likes,
+     * tuples of them, or Deferred payloads; the keywords are parsed only when given. */
     if (nargs < 1 || nargs > 4) {
-        PyErr_SetString(PyExc_TypeError, "put_many(items, codec=0, max_backlog=-1, lock_wait=None)");
+        PyErr_SetString(PyExc_TypeError, "put_many(items, codec=0, max_backlog=-1, lock_wait=None, *, "
+                                         "before_commit=None, timestamps=None, sync=False)");
         return NULL;
     }
     int codec;
@@ -84,12 +87,19 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "put_many() needs at least one item");
         return NULL;
     }
+    WriteOpts opts = {NULL, NULL, 0, 0};
+    if (kwnames && parse_write_opts(r, args + nargs, kwnames, count, &opts) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
     if (count > MAX_BATCH) {
+        free_write_opts(&opts);
         Py_DECREF(seq);
         return PyLong_FromLong(ST_TOO_LARGE);
     }
     Item *items = PyMem_Malloc(sizeof(Item) * (size_t)count);
     if (!items) {
+        free_write_opts(&opts);
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
@@ -97,15 +107,25 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t k;
     for (k = 0; k < count; k++) {
         if (load_item(&items[k], objs[k], r->checksum) < 0) {
+            /* a Deferred is no buffer: recognized only here, off the plain path */
+            int d = PyErr_ExceptionMatches(PyExc_TypeError) ? load_deferred(r, &items[k], objs[k]) : 0;
+            if (d > 0) {
+                PyErr_Clear();
+                opts.deferred = 1;
+                continue;
+            }
             release_items(items, k);
             PyMem_Free(items);
+            free_write_opts(&opts);
             Py_DECREF(seq);
             return NULL;
         }
     }
-    int64_t res = ring_write(r, items, count, codec, backlog, wait, 0);
+    const WriteOpts *o = opts.before_commit || opts.timestamps || opts.sync || opts.deferred ? &opts : NULL;
+    int64_t res = ring_write_opts(r, items, count, codec, backlog, wait, 0, o);
     release_items(items, count);
     PyMem_Free(items);
+    free_write_opts(&opts);
     Py_DECREF(seq);
     if (res == ST_PYERR) return NULL;
     return PyLong_FromLongLong(res);
@@ -252,19 +272,6 @@ static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Ring_zone_alloc(Ring *r, PyObject *args) {
-    /* zone_alloc(lo, hi) -> 0 or NO_SPACE: allocate a growable ring's offsets [lo, hi);
-     * the caller (Python's general write path) holds the writer lock */
-    unsigned long long lo, hi;
-    if (!PyArg_ParseTuple(args, "KK", &lo, &hi)) return NULL;
-    if (ring_check_open(r) < 0) return NULL;
-    if (!r->segment) return PyLong_FromLong(0);
-    int st = zone_alloc(r, lo, hi > r->ring_bytes ? r->ring_bytes : hi);
-    ring_finish(r); /* the caller's lock is its own semaphore handle: nothing of ours is held */
-    if (st == ST_PYERR) return NULL;
-    return PyLong_FromLong(st);
-}
-
 static PyObject *Ring_trim(Ring *r, PyObject *args) {
     /* trim(lock_wait) -> True, or None if the writer lock was not free within
      * lock_wait: a growable ring with nothing resident (after evicting what every
@@ -399,17 +406,14 @@ static void Ring_dealloc(Ring *r) {
 static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->max_payload); }
 
 static PyMethodDef Ring_methods[] = {
-    {"store_release", (PyCFunction)Ring_store_release, METH_VARARGS,
-     "store_release(word, value): a release store of a control word (the Python general write path's commit)"},
     {"__reduce__", (PyCFunction)Ring_reduce, METH_NOARGS, "pickles as its spool's core: sp.put pickles as the spool's put"},
     {"trim", (PyCFunction)Ring_trim, METH_VARARGS,
      "trim(lock_wait=0) -> True, or None if the lock was busy: a drained growable ring keeps its current segment and the start allocation"},
-    {"zone_alloc", (PyCFunction)Ring_zone_alloc, METH_VARARGS,
-     "zone_alloc(lo, hi) -> 0 or NO_SPACE (writer lock held): allocate a growable ring's offsets"},
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_FASTCALL,
      "put(data, codec=0, max_backlog=-1, lock_wait=None) -> seq, or a negative status"},
-    {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL,
-     "put_many(items, codec=0, max_backlog=-1, lock_wait=None) -> first seq, or a negative status"},
+    {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_FASTCALL | METH_KEYWORDS,
+     "put_many(items, codec=0, max_backlog=-1, lock_wait=None, *, before_commit=None, timestamps=None, "
+     "sync=False) -> first seq, or a negative status"},
     {"read", (PyCFunction)Ring_read, METH_VARARGS, "read(seq, pos, verify=False) -> (frame|None, seq, pos, lost, codec)"},
     {"put_api", (PyCFunction)(void (*)(void))Ring_put_api, METH_FASTCALL | METH_KEYWORDS,
      "put(data, block=True, timeout=None, codec=0) -> seq (see shmq.Spool.put)"},

@@ -1,16 +1,18 @@
 /*
  * shmq/core/write.c: the writer -- placement, eviction and commit, one of
- * each, shared by put, put_many and reserve (docs/format.md, "The compiled
- * core").
+ * each, shared by every write path: put, put_many (with its options) and
+ * reserve (docs/format.md, "The compiled core").  There is no other.
  *
  * Everything between taking the writer lock and releasing it is plain C
  * over the Ring (place_batch, make_room, write_pads, write_locked,
  * commit_batch): no Python object is touched on a sane ring, so a pthread
  * harness (stress/tsan.py) can call them under the lock without the GIL.
  * The exceptions, which need the GIL: a corrupt ring (SpoolFormatError),
- * the fault-injection hook, and a growable ring's page allocation (zone.c
- * releases the GIL around fallocate).  ring_write, load_item and
- * release_items are the entry points' side (buffers, the lock wait).
+ * the fault-injection hook, a growable ring's page allocation (zone.c
+ * releases the GIL around fallocate), and what put_many's options ask for
+ * (options.c: a Deferred's fill, before_commit, msync), reached only when
+ * a caller passes them.  ring_write, load_item and release_items are the
+ * entry points' side (buffers, the lock wait).
  *
  * Barrier pairs: the release store of NEXT_SEQ (commit_batch) pairs with
  * the readers' acquire load of it (read.c); the FIRST_POS store and release
@@ -100,7 +102,10 @@ static int publish_first(Ring *r, uint64_t seq, uint64_t pos, uint64_t next_seq)
 int make_room(Ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos) {
     uint64_t *c = r->ctl, ring = r->ring_bytes;
     uint64_t pin = pin_floor(r);
-    if (pin < limit) return ST_SLOW; /* a zero-copy view reads that frame */
+    if (pin < limit) { /* a zero-copy view reads that frame: Python waits for it (the room marker) */
+        take_full_marker(r);
+        return ST_SLOW;
+    }
     uint64_t seq = ld_rlx(&c[W_FIRST_SEQ]), pos = ld_rlx(&c[W_FIRST_POS]), start_seq = seq;
     uint64_t next_pos = ld_rlx(&c[W_NEXT_POS]);
     record_high_water(r);
@@ -211,6 +216,7 @@ int load_item(Item *it, PyObject *o, int checksum) {
     it->nviews = 0;
     it->n = 0;
     it->crc = 0;
+    it->fill = NULL;
     if (PyTuple_CheckExact(o)) {
         Py_ssize_t k = PyTuple_GET_SIZE(o);
         if (k > MAX_SEGS) {
@@ -326,15 +332,35 @@ void commit_batch(Ring *r, uint64_t next_seq, uint64_t end, uint64_t count, uint
     st_rlx(&c[r->rate_word], ld_rlx(&c[r->rate_word]) + count);
 }
 
+/* A placed batch (or reservation) that will not be committed (writer lock
+ * held): nothing of it is published, but place_batch may have evicted.
+ * Eviction that left frames resident stays (FIRST_POS at a resident frame,
+ * as after any eviction).  Eviction of everything stored FIRST_POS at the
+ * batch's first frame, past NEXT_POS when a pad precedes it: an empty ring
+ * is FIRST_POS == NEXT_POS (fsck checks it), and the next batch may be
+ * placed elsewhere, so FIRST_POS goes back to NEXT_POS (`start`).  Readers
+ * are unharmed: every evicted frame lies below `start`. */
+void unplace(Ring *r, uint64_t seq0, uint64_t start) {
+    uint64_t *c = r->ctl;
+    if (ld_rlx(&c[W_FIRST_SEQ]) >= seq0 && ld_rlx(&c[W_FIRST_POS]) != start) st_rel(&c[W_FIRST_POS], start);
+}
+
 /* Place, write and publish a batch (writer lock held).  Returns the first
  * seq, or a negative status (ST_PYERR: exception set).  Python-free on a sane
- * fixed ring without a crash hook (see the file's comment). */
+ * fixed ring without a crash hook or options `o` (see the file's comment).
+ * With `o`: before_commit runs once the batch is placed (evicted, pages
+ * allocated), before any byte is written; a Deferred's fill writes its
+ * payload in place, its crc computed after; imported timestamps go in the
+ * headers (the statistics count the put at now); sync msyncs the batch's
+ * pages before the commit.  A callout that raises aborts the batch
+ * (unplace): nothing published. */
 int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, uint64_t total, int codec,
-                     int64_t max_backlog, uint64_t *placed) {
+                     int64_t max_backlog, uint64_t *placed, const WriteOpts *o) {
     Placement pl;
     int st = place_batch(r, count, needs, total, max_backlog, placed, &pl);
     if (st != 0) return st;
     uint64_t ts = now_ns();
+    if (o && o->before_commit && call_before_commit(r, o->before_commit, pl.seq0, placed, count) < 0) goto abort;
     write_pads(r, &pl, ts);
     uint64_t nbytes = 0, seq = pl.seq0;
     uint16_t flags = r->checksum ? FLAG_CRC : 0;
@@ -342,8 +368,16 @@ int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, ui
     for (Py_ssize_t k = 0; k < count; k++) {
         uint64_t off = placed[k] % r->ring_bytes;
         FrameHeader h = {seq, (uint32_t)needs[k], (uint32_t)items[k].n, ts, items[k].crc, flags, (uint8_t)codec, 0};
-        memcpy(r->ring + off, &h, FRAME_BYTES);
         char *dst = r->ring + off + FRAME_BYTES;
+        if (o) {
+            if (o->timestamps) h.ts = o->timestamps[k];
+            if (o->deferred && items[k].fill) {
+                if (fill_payload(r, items[k].fill, dst, items[k].n) < 0) goto abort;
+                if (r->checksum) h.crc = crc_update(0, (const unsigned char *)dst, (size_t)items[k].n);
+                dst += items[k].n;
+            }
+        }
+        memcpy(r->ring + off, &h, FRAME_BYTES);
         for (int j = 0; j < items[k].nviews; j++) {
             memcpy(dst, items[k].views[j].buf, (size_t)items[k].views[j].len);
             dst += items[k].views[j].len;
@@ -352,14 +386,18 @@ int64_t write_locked(Ring *r, Item *items, Py_ssize_t count, uint64_t *needs, ui
         if (pad) memset(dst, 0, (size_t)pad);
         seq++;
         nbytes += items[k].n;
-        if (hooked && call_crash_hook(r->st, "frame-written") < 0) return ST_PYERR;
+        if (hooked && call_crash_hook(r->st, "frame-written") < 0) goto abort;
     }
+    if (o && o->sync && sync_ring(r, pl.start, pl.end) < 0) goto abort; /* durable before published */
     if (hooked) { /* the harness kills between the commit point and NEXT_POS */
         st_rel(&r->ctl[W_NEXT_SEQ], seq); /* <- the commit point */
         if (call_crash_hook(r->st, "committed") < 0) return ST_PYERR;
     }
     commit_batch(r, seq, pl.end, (uint64_t)count, nbytes, ts);
     return (int64_t)pl.seq0;
+abort:
+    unplace(r, pl.seq0, pl.start);
+    return ST_PYERR;
 }
 
 
@@ -441,12 +479,20 @@ static inline void wait_for_headroom(Ring *r, uint64_t total) {
 /* Write a batch (the GIL held): take the writer lock (up to lock_wait,
  * GIL released while waiting), write_locked, release, ring the readers'
  * doorbell.  The first seq, a status, or ST_PYERR. */
-int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
-                   int patient) {
-    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
-        PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
-                                            "thread would deadlock: commit or abandon it first");
-        return ST_PYERR;
+int64_t ring_write_opts(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t max_backlog, double lock_wait,
+                        int patient, const WriteOpts *o) {
+    if (r->reserved_by || r->callout) {
+        unsigned long me = PyThread_get_thread_ident();
+        if (r->reserved_by && r->reserved_by->thread == me) {
+            PyErr_SetString(PyExc_RuntimeError, "put inside an open reservation of the same spool in the same "
+                                                "thread would deadlock: commit or abandon it first");
+            return ST_PYERR;
+        }
+        if (r->callout == me) {
+            PyErr_SetString(PyExc_RuntimeError, "put from a fill() or before_commit() of the same spool would "
+                                                "deadlock (they run under the writer lock)");
+            return ST_PYERR;
+        }
     }
     uint64_t stack_needs[64], stack_placed[64];
     uint64_t *needs = stack_needs, *placed = stack_placed;
@@ -479,13 +525,16 @@ int64_t ring_write(Ring *r, Item *items, Py_ssize_t count, int codec, int64_t ma
         goto out;
     }
     st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
-    res = write_locked(r, items, count, needs, total, codec, max_backlog, placed);
+    res = write_locked(r, items, count, needs, total, codec, max_backlog, placed, o);
     wlock_release(r);
     if (res >= 0) {
         ring_bell(r, r->rsem);
         uint64_t next = ld_rlx(&r->ctl[W_NEXT_POS]);
         populate_ahead(r, next, total);
         prefetch_ahead(r, next);
+        /* ... and the commit itself (another writer's since, at worst).  Failing,
+         * the batch is published but not known durable: OSError says so. */
+        if (o && o->sync && sync_header(r) < 0) res = ST_PYERR;
     }
     ring_finish(r);
 out:

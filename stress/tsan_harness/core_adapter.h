@@ -258,6 +258,7 @@ static int64_t hx_resv_commit(hx_resv *rv) {
     return seq;
 }
 static int hx_resv_abandon(hx_resv *rv) {
+    unplace(rv->ring, rv->seq, rv->start); /* as Reservation.abandon */
     wlock_release(rv->ring); /* nothing was published: the space is reused by the next write */
     free(rv);
     return hx_error() ? -100 : 0;
