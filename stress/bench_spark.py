@@ -39,7 +39,7 @@ Every run's row count and score sum are checked against numpy.  Reported:
 rows/s (median of ``--repeats`` interleaved runs), and memory: the peak of
 the summed PSS (and RSS) of Spark's Python workers (``pyspark.daemon`` and
 the workers it forks) and of the sidecar's processes, sampled with psutil
-every 0.25 s during the timed job (the JVM is the same in every run and is
+every 0.5 s during the timed job (the JVM is the same in every run and is
 left out).  ``--model-mb 256`` adds 256 MiB of resident parameters to the
 model (not read by the scorer: a stand-in for a real model's weights).
 
@@ -410,11 +410,11 @@ def _scored(spark, kind, n, path, model_mb):
 
 class MemorySampler:
     """Peak of the summed RSS and PSS (psutil ``memory_full_info``) of the processes in
-    each group, sampled every ``interval`` s in a thread: ``spark_python`` (descendants of
+    each group (RSS only for the JVM), sampled every ``interval`` s in a thread: ``spark_python`` (descendants of
     this process whose command line runs ``pyspark.daemon`` or ``pyspark.worker``),
     ``sidecar`` (the sidecar process and its children) and ``jvm`` (the ``java`` child)."""
 
-    def __init__(self, sidecar_pid=None, interval=0.25):
+    def __init__(self, sidecar_pid=None, interval=0.5):
         import psutil
 
         self._psutil, self.sidecar_pid, self.interval = psutil, sidecar_pid, interval
@@ -450,8 +450,8 @@ class MemorySampler:
         for g, procs in self._groups().items():
             rss = pss = 0
             for p in procs:
-                try:
-                    mi = p.memory_full_info()
+                try:  # the JVM's PSS would mean reading its huge smaps: RSS only
+                    mi = p.memory_info() if g == "jvm" else p.memory_full_info()
                 except ps.Error:
                     continue
                 rss += mi.rss
@@ -522,14 +522,15 @@ def expected_score_sum(n):
     return float((x @ w + 1.0).sum())
 
 
-def sidecar_part(n, repeats, model_mbs, tmp):
-    """Rows/s (median of ``repeats`` interleaved runs) and peak memory of each kind."""
+def sidecar_part(n, repeats, model_mbs, tmp, only=None):
+    """Rows/s (median of ``repeats`` interleaved runs) and peak memory of each kind
+    (those whose name starts with one of ``only``, if given)."""
     import importlib.util
 
     results = {}
     want = expected_score_sum(n)
-    kinds = list(SIDECAR_KINDS)
-    if importlib.util.find_spec("pyspark.ml") is None:
+    kinds = [k for k in SIDECAR_KINDS if not only or any(k.startswith(o) for o in only)]
+    if importlib.util.find_spec("pyspark.ml") is None and SIDECAR_KINDS[3] in kinds:
         kinds.remove("predict_batch_udf, model per worker")
     for mb in model_mbs:
         runs = {k: [] for k in kinds}
@@ -551,18 +552,21 @@ def print_sidecar(results, n, repeats):
         model = "the example's model (4 weights)" + (f" + {mb} MiB resident parameters" if mb else "")
         print(f"\nScoring {n} rows on local[2], {model}; median of {repeats} runs (fresh "
               "SparkSession each); memory: peak summed PSS (RSS) of Spark's Python workers and "
-              "of the sidecar's processes, psutil every 0.25 s")
-        base = statistics.median(r["s"] for r in runs[SIDECAR_KINDS[2]])
+              "of the sidecar's processes, psutil every 0.5 s")
+        ref = runs.get(SIDECAR_KINDS[2]) or next(iter(runs.values()))
+        base = statistics.median(r["s"] for r in ref)
         for k, rs in runs.items():
             med = statistics.median(r["s"] for r in rs)
             mem = rs[-1]["mem"]  # memory of the last run (the runs agree to a few MiB)
             py, side = mem.get("spark_python", {}), mem.get("sidecar", {})
+            jvm = mem.get("jvm", {}).get("rss", 0)
             total = py.get("pss", 0) + side.get("pss", 0)
             print(f"  {k:<38} {n / med / 1e3:7.1f} k rows/s  {med:6.2f} s  "
                   f"({base / med:4.2f}x mapInArrow)  Python workers {py.get('pss', 0) * mib:6.0f} "
                   f"MiB PSS ({py.get('rss', 0) * mib:.0f} RSS, {py.get('procs', 0)} procs) + "
                   f"sidecar {side.get('pss', 0) * mib:5.0f} MiB PSS ({side.get('rss', 0) * mib:.0f} "
-                  f"RSS, {side.get('procs', 0)} procs) = {total * mib:6.0f} MiB")
+                  f"RSS, {side.get('procs', 0)} procs) = {total * mib:6.0f} MiB  "
+                  f"[JVM {jvm * mib:.0f} MiB RSS, not counted]")
 
 
 def machine():
@@ -580,6 +584,9 @@ def main():
     ap.add_argument("--model-mb", type=int, nargs="+", default=[0], metavar="MIB",
                     help="sidecar runs: resident model parameters (MiB) besides the example's "
                     "4 weights, one pass per value (default 0: the example's model as it is)")
+    ap.add_argument("--sidecar-kinds", nargs="+", metavar="PREFIX",
+                    help="sidecar runs: only the kinds starting with these (e.g. call_sidecar "
+                    "mapInArrow predict_batch_udf)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true",
                     help="transport: 100k rows, 3 repeats; sidecar: 100k rows, 1 run")
@@ -601,7 +608,8 @@ def main():
         if args.part in ("all", "transport"):
             out["transport"] = transport_part(args.rows, args.repeats, tmp)
         if args.part in ("all", "sidecar"):
-            res = sidecar_part(args.sidecar_rows, side_repeats, args.model_mb, tmp)
+            res = sidecar_part(args.sidecar_rows, side_repeats, args.model_mb, tmp,
+                               args.sidecar_kinds)
             print_sidecar(res, args.sidecar_rows, side_repeats)
             out["sidecar"] = {"rows": args.sidecar_rows, "repeats": side_repeats,
                               "by_model_mb": res}
