@@ -128,7 +128,7 @@ class Board:
     """
 
     def __init__(self, mm: mmap.mmap, row: int) -> None:
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm
         self._w = memoryview(mm).cast("Q")
         self._base = HDR_WORDS + row * ROW_WORDS
         self.row = row
