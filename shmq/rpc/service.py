@@ -103,6 +103,11 @@ class Service:
 
     Drive it with :meth:`serve` (handlers in worker processes, restarted
     when they die) or yourself: ``for call in svc: call.reply(...)``.
+    Every process that takes calls records them on the service's board
+    ``PATH.svc`` (:mod:`shmq.rpc.board`: its pid, calls answered, latency
+    and service-time histograms), which ``shmq stat``/``top``/``metrics``
+    read; the board is best effort (a worker that cannot use it serves
+    anyway, unrecorded).
     A handle works in the process that made it and in its children (it
     re-attaches after ``fork``, and pickles by path).
 
