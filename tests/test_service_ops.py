@@ -277,3 +277,26 @@ def test_a_hostile_board_never_blocks_and_is_never_trusted(spool_dir, plant, cap
         assert os.path.lexists(path)
         os.unlink(bp)
     shmq.Service.destroy(path)
+
+
+def test_a_board_locked_for_ever_costs_its_rows_not_the_calls(spool_dir, monkeypatch, caplog):
+    import fcntl
+
+    path = os.path.join(spool_dir, "svc")
+    svc, cl = shmq.Service(path), shmq.Client(path)
+    monkeypatch.setattr(B, "LOCK_WAIT_S", 0.1)
+    fd = os.open(path + ".svc", os.O_RDWR)  # as a process forked while a claimer held it would
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        t = threading.Thread(target=lambda: next(iter(svc)).reply("served"))
+        t.start()
+        assert cl.call("hi", timeout=T) == "served"
+        t.join(T)
+        assert "served unrecorded" in caplog.text or "not recorded" in caplog.text
+        assert "stayed locked" in caplog.text
+        assert B.service_status(path)["calls"] == 0  # readers never need the lock
+    finally:
+        os.close(fd)
+        cl.close()
+        svc.close()
+    shmq.Service.destroy(path)

@@ -142,7 +142,7 @@ class Board:
         """
         fd = _open_for_writing(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd, path)
             _map(fd).close()
         finally:
             os.close(fd)  # (no mapping kept: closing releases the flock)
@@ -158,8 +158,8 @@ class Board:
         """
         me = holder_word()
         fd = _open_for_writing(path)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # one claimer at a time (held for microseconds)
         try:
+            _lock(fd, path)  # one claimer at a time (held for microseconds)
             mm = _map(fd)
             w = memoryview(mm).cast("Q")
         except BaseException:
@@ -231,6 +231,28 @@ def _open_for_writing(path):
         os.close(fd)
         raise ShmqError(f"{path}: not a regular file owned by this user; not a service board")
     return fd
+
+
+#: A claimer waits this long for the board's flock, then serves unrecorded.
+LOCK_WAIT_S = 2.0
+
+
+def _lock(fd, path):
+    """The board's flock, waited for at most :data:`LOCK_WAIT_S` (bounded: a process forked
+    by another thread while a claimer held it would hold it for as long as it lives).
+
+    :raises shmq.ShmqError: not obtained in time.
+    """
+    end = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > end:
+                raise ShmqError(f"{path}: the service board stayed locked for "
+                                f"{LOCK_WAIT_S:g} s") from None
+            time.sleep(0.001)
 
 
 def _map(fd):
