@@ -6,7 +6,9 @@ and read-only helpers that find spools and summarize their rate series.
 
 Metric names (every sample carries ``spool="<path>"``; reader metrics also
 ``reader="<name>"`` and ``kind="reader"|"group"``) are listed in
-:data:`SPOOL_METRICS` and :data:`READER_METRICS` and in docs/cli.md.
+:data:`SPOOL_METRICS` and :data:`READER_METRICS` and in docs/cli.md; a
+service's (``shmq.Service``: its request queue plus the board ``PATH.svc``)
+carry ``service="<path>"`` and are in :data:`SERVICE_METRICS`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
     from .stats import SpoolStats
 
 __all__ = ["prometheus_text", "ShmqCollector", "SPOOL_METRICS", "READER_METRICS",
-           "spool_paths", "peek", "rate_at", "series_window"]
+           "spool_paths", "peek", "rate_at", "series_window", "service_snapshot",
+           "service_prometheus_text", "SERVICE_METRICS"]
 
 _NS = 1e-9
 
@@ -151,22 +154,26 @@ class ShmqCollector:
     def describe(self) -> list[Any]:
         return []  # do not scrape at registration time
 
-    def _snapshots(self) -> tuple[list[SpoolStats], list[str]]:
+    def _snapshots(self) -> tuple[list[SpoolStats], list[str], list[tuple[str, dict[str, Any]]]]:
         from .spool import Spool
 
-        out, failed = [], []
+        out, failed, services = [], [], []
         for path in spool_paths(self.paths):
             try:
                 with Spool.open(path) as sp:
                     out.append(sp.stats())
+                    svc = service_snapshot(sp)
             except Exception:  # one bad spool must not break the scrape
                 failed.append(path)
-        return out, failed
+                continue
+            if svc is not None and "error" not in svc:
+                services.append((path, svc))
+        return out, failed, services
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snaps, failed = self._snapshots()
+        snaps, failed, services = self._snapshots()
         up = GaugeMetricFamily("shmq_up", "1 if the spool could be read.", labels=["spool"])
         for s in snaps:
             up.add_metric([s.path], 1)
@@ -195,6 +202,13 @@ class ShmqCollector:
                 for r in s.readers:
                     fam.add_metric([s.path, r.name, r.kind], get(r))
             yield fam
+        fams: dict[str, Any] = {}
+        for path, snap in services:
+            for name, kind, doc, extra, v in _service_samples(snap):
+                if name not in fams:
+                    fams[name] = family(name, kind, doc, ["service"] + [k for k, _ in extra])
+                fams[name].add_metric([path] + [val for _, val in extra], v)
+        yield from fams.values()
 
 
 # --- finding spools and reading their header without attaching ------------
@@ -312,3 +326,82 @@ def workqueue_prometheus_text(path: str, wq: WorkQueueStats) -> str:
         out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge",
                 f"{name}{labels} {_num(getattr(wq, field))}"]
     return "\n".join(out) + "\n"
+
+
+# --- services (shmq.Service): the board PATH.svc and the request queue ---------
+
+
+def service_snapshot(spool: Any) -> dict[str, Any] | None:
+    """The service view of an open spool: None if no service board is next to it, else
+    :func:`shmq.rpc.board.service_status` plus ``queued`` and ``in_flight`` (the request
+    work queue's ``ready`` and ``in_flight``), or ``{"error": message}`` for a board that
+    cannot be read (not a regular file, not a board).  Reads only; never blocks."""
+    from .errors import ShmqError
+    from .rpc.board import board_path, service_status
+    from .workqueue import WorkQueue
+
+    try:  # a regular file only: a FIFO planted at PATH.svc must not block anyone
+        st = os.lstat(board_path(spool.path))
+    except OSError:
+        return None
+    if not _stat.S_ISREG(st.st_mode):
+        return {"error": f"{board_path(spool.path)}: not a regular file, not a service board"}
+    try:
+        out = service_status(spool.path)
+    except (OSError, ShmqError) as exc:
+        return {"error": str(exc)}
+    wq = WorkQueue.stats_of(spool)
+    out["queued"] = wq.ready if wq is not None else None
+    out["in_flight"] = wq.in_flight if wq is not None else None
+    return out
+
+
+#: (name, type, help, getter(service_snapshot dict)); latency gauges carry ``quantile``.
+SERVICE_METRICS = (
+    ("shmq_service_workers", "gauge", "Processes serving the service (holding a board row).",
+     lambda s: s["workers"]),
+    ("shmq_service_busy", "gauge", "Serving processes holding a call now.", lambda s: s["busy"]),
+    ("shmq_service_queued", "gauge", "Calls waiting in the request queue.",
+     lambda s: s["queued"]),
+    ("shmq_service_in_flight", "gauge", "Calls leased by a worker (being handled).",
+     lambda s: s["in_flight"]),
+    ("shmq_service_calls_total", "counter", "Calls answered (errors included).",
+     lambda s: s["calls"]),
+    ("shmq_service_failed_total", "counter", "Calls answered with an error.",
+     lambda s: s["failed"]),
+    ("shmq_service_expired_total", "counter", "Calls dropped: their caller had given up.",
+     lambda s: s["expired"]),
+)
+#: (name, help, key of the snapshot) for the quantile gauges (seconds, bucket midpoints).
+SERVICE_QUANTILES = (
+    ("shmq_service_latency_seconds", "Call latency, the caller's put to the reply written "
+     "(log buckets, within 12.5%).", "latency"),
+    ("shmq_service_service_seconds", "Service time, the call handed to the handler to its "
+     "answer (log buckets, within 12.5%).", "service_time"),
+)
+
+
+def _service_samples(snap: dict[str, Any]) -> Iterator[tuple[str, str, str, list[tuple[str, str]], float]]:
+    """``(name, kind, help, extra labels, value)`` of one service snapshot (values known only)."""
+    for name, kind, doc, get in SERVICE_METRICS:
+        v = get(snap)
+        if v is not None:
+            yield name, kind, doc, [], v
+    for name, doc, key in SERVICE_QUANTILES:
+        summary = snap[key]
+        for q in ("0.5", "0.99"):
+            v = summary["p50" if q == "0.5" else "p99"]
+            if v is not None:
+                yield name, "gauge", doc, [("quantile", q)], v
+
+
+def service_prometheus_text(path: str, snap: dict[str, Any]) -> str:
+    """Prometheus text exposition of a :func:`service_snapshot` for the service at ``path``."""
+    out: list[str] = []
+    seen = set()
+    for name, kind, doc, extra, v in _service_samples(snap):
+        if name not in seen:
+            seen.add(name)
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+        out.append(f"{name}{_labels([('service', path)] + extra)} {_num(v)}")
+    return "\n".join(out) + "\n" if out else ""

@@ -22,8 +22,30 @@ every frame.  Only the hand-over differs between contenders:
 Measured: seconds from ``save()`` until the sidecar has decoded the last
 frame; repeats are interleaved and the median is reported with ratios.
 
-    python stress/bench_spark.py --quick        # ~2-3 minutes
+The sidecar part (``--part sidecar``; issue 30) scores ``--sidecar-rows``
+rows (1M) with examples/spark_sidecar.py's numpy model and scorer on
+``local[2]``, four ways, each in a fresh SparkSession (so no Python worker
+keeps another contender's model) after a 20k-row warm-up in it:
+
+* ``call_sidecar, 2 sidecar workers`` / ``1 sidecar worker``: the model is
+  loaded in a sidecar ``shmq.Service`` (2 or 1 worker processes), Spark's
+  Python workers send it each Arrow batch (``shmq.spark.call_sidecar``);
+* ``mapInArrow, model per worker``: the example's ``score`` runs in Spark's
+  Python workers, each loading the model once (module-level cache);
+* ``predict_batch_udf, model per worker``: ``pyspark.ml.functions`` with the
+  same formula, the model loaded once per Python worker (its own cache).
+
+Every run's row count and score sum are checked against numpy.  Reported:
+rows/s (median of ``--repeats`` interleaved runs), and memory: the peak of
+the summed PSS (and RSS) of Spark's Python workers (``pyspark.daemon`` and
+the workers it forks) and of the sidecar's processes, sampled with psutil
+every 0.5 s during the timed job (the JVM is the same in every run and is
+left out).  ``--model-mb 256`` adds 256 MiB of resident parameters to the
+model (not read by the scorer: a stand-in for a real model's weights).
+
+    python stress/bench_spark.py --quick        # ~4-5 minutes
     python stress/bench_spark.py --rows 500000 --repeats 5 --json out.json
+    python stress/bench_spark.py --part sidecar --model-mb 0 256
 """
 
 from __future__ import annotations
@@ -34,6 +56,7 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -308,6 +331,244 @@ def run_once(spark, kind, n, tmp):
     return max(t_end, t1) - t0, t1 - t0
 
 
+# --- the sidecar comparison (issue 30): call_sidecar against the model in every worker -----
+#
+# The model and its scorer are examples/spark_sidecar.py's, imported as the module
+# ``spark_sidecar`` (the examples directory is put on PYTHONPATH before Spark starts,
+# so Spark's Python workers import it by reference, as a deployed package: its model
+# cache ``_model`` then lives once per Python worker process, like predict_batch_udf's).
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
+SIDECAR_KINDS = ("call_sidecar, 2 sidecar workers", "call_sidecar, 1 sidecar worker",
+                 "mapInArrow, model per worker", "predict_batch_udf, model per worker")
+FEATURES = 4
+
+
+def _model(model_mb):
+    """The example's model in this process (loaded once), plus ``model_mb`` MiB of resident
+    parameters that the scorer does not read (a stand-in for a real model's weights)."""
+    import numpy as np
+    import spark_sidecar as ex
+
+    m = ex.load_model()
+    if model_mb and "ballast" not in m:
+        m["ballast"] = np.full(model_mb << 17, 0.5)  # written: resident, not lazily mapped
+    return m
+
+
+def _sidecar_handler(model_mb):
+    import spark_sidecar as ex
+
+    def handle(batch):
+        _model(model_mb)
+        return ex.score(batch)  # the example's handler
+    return handle
+
+
+def sidecar_service(path, workers, model_mb, ready):
+    svc = shmq.Service(path)
+    ready.set()
+    svc.serve(_sidecar_handler(model_mb), workers=workers)  # until SIGTERM
+
+
+def _features_df(spark, n):
+    return spark.range(0, n, numPartitions=4).selectExpr(
+        "id", *[f"cast(id % {7 + i} as double) as f{i}" for i in range(FEATURES)])
+
+
+def _scored(spark, kind, n, path, model_mb):
+    """The scored DataFrame (``id``, ``score``) of ``kind`` over ``n`` rows."""
+    df = _features_df(spark, n)
+    if kind.startswith("call_sidecar"):
+        import shmq.spark
+
+        return shmq.spark.call_sidecar(df, path, "id long, score double, sidecar_pid long")
+    if kind.startswith("mapInArrow"):
+        def in_worker(batches):
+            import spark_sidecar as ex
+
+            for b in batches:
+                _model(model_mb)
+                yield ex.score(b)
+        return df.mapInArrow(in_worker, "id long, score double, sidecar_pid long")
+    from pyspark.ml.functions import predict_batch_udf
+
+    def make_predict_fn():  # called once per Python worker (predict_batch_udf caches it)
+        import numpy as np
+
+        m = _model(model_mb)
+        w, b = m["weights"], m["bias"]
+
+        def predict(f0, f1, f2, f3):  # the example's score() (one argument per column)
+            return np.column_stack([f0, f1, f2, f3]) @ w + b
+        return predict
+    from pyspark.sql.types import DoubleType
+
+    udf = predict_batch_udf(make_predict_fn, return_type=DoubleType(), batch_size=10_000)
+    return df.select("id", udf(*[f"f{i}" for i in range(FEATURES)]).alias("score"))
+
+
+class MemorySampler:
+    """Peak of the summed RSS and PSS (psutil ``memory_full_info``) of the processes in
+    each group (RSS only for the JVM), sampled every ``interval`` s in a thread: ``spark_python`` (descendants of
+    this process whose command line runs ``pyspark.daemon`` or ``pyspark.worker``),
+    ``sidecar`` (the sidecar process and its children) and ``jvm`` (the ``java`` child)."""
+
+    def __init__(self, sidecar_pid=None, interval=0.5):
+        import psutil
+
+        self._psutil, self.sidecar_pid, self.interval = psutil, sidecar_pid, interval
+        self.peak = {}  # group -> {"rss": bytes, "pss": bytes, "procs": n}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _groups(self):
+        ps = self._psutil
+        side = set()
+        if self.sidecar_pid:
+            try:
+                p = ps.Process(self.sidecar_pid)
+                side = {p.pid} | {c.pid for c in p.children(recursive=True)}
+            except ps.Error:
+                pass
+        out = {"spark_python": [], "sidecar": [], "jvm": []}
+        for c in ps.Process().children(recursive=True):
+            try:
+                if c.pid in side:
+                    out["sidecar"].append(c)
+                elif c.name() == "java":
+                    out["jvm"].append(c)
+                elif any("pyspark.daemon" in a or "pyspark.worker" in a or "pyspark/daemon" in a
+                         for a in c.cmdline()):
+                    out["spark_python"].append(c)
+            except ps.Error:
+                continue
+        return out
+
+    def sample(self):
+        ps = self._psutil
+        for g, procs in self._groups().items():
+            rss = pss = 0
+            for p in procs:
+                try:  # the JVM's PSS would mean reading its huge smaps: RSS only
+                    mi = p.memory_info() if g == "jvm" else p.memory_full_info()
+                except ps.Error:
+                    continue
+                rss += mi.rss
+                pss += getattr(mi, "pss", mi.rss)
+            cur = self.peak.setdefault(g, {"rss": 0, "pss": 0, "procs": 0})
+            cur["rss"] = max(cur["rss"], rss)
+            cur["pss"] = max(cur["pss"], pss)
+            cur["procs"] = max(cur["procs"], len(procs))
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.sample()
+
+
+def sidecar_run(kind, n, model_mb, tmp):
+    """One fresh SparkSession (so no Python worker keeps another contender's model), a
+    20k-row warm-up of ``kind`` (starts the Python workers and loads the model), then
+    the timed job over ``n`` rows.  Returns ``{"s", "count", "score_sum", "mem"}``."""
+    from pyspark.sql import SparkSession, functions as F
+
+    side = ready = None
+    path = os.path.join(tmp, f"scorer-{time.monotonic_ns()}")
+    if kind.startswith("call_sidecar"):
+        workers = 1 if "1 sidecar worker" in kind else 2
+        shmq.Service(path).close()
+        ready = CTX.Event()
+        side = CTX.Process(target=sidecar_service, args=(path, workers, model_mb, ready))
+        side.start()
+        if not ready.wait(60):
+            raise RuntimeError("the sidecar did not start")
+    spark = (SparkSession.builder.master("local[2]").appName("shmq-bench-sidecar")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        _scored(spark, kind, 20_000, path, model_mb).agg(F.count("*")).collect()  # warm-up
+        with MemorySampler(side.pid if side else None) as mem:
+            t0 = time.monotonic()
+            row = _scored(spark, kind, n, path, model_mb).agg(
+                F.count("*").alias("n"), F.sum("score").alias("s")).collect()[0]
+            dt = time.monotonic() - t0
+    finally:
+        spark.stop()
+        if side is not None:
+            os.kill(side.pid, signal.SIGTERM)
+            side.join(60)
+            shmq.Service.destroy(path)
+    return {"s": dt, "count": row["n"], "score_sum": row["s"], "mem": mem.peak}
+
+
+def expected_score_sum(n):
+    """The exact sum of the example's scores over ids 0..n-1 (numpy, in this process)."""
+    import numpy as np
+
+    ids = np.arange(n)
+    w = np.array([0.5, -1.0, 2.0, 0.25])
+    x = np.column_stack([(ids % (7 + i)).astype(float) for i in range(FEATURES)])
+    return float((x @ w + 1.0).sum())
+
+
+def sidecar_part(n, repeats, model_mbs, tmp, only=None):
+    """Rows/s (median of ``repeats`` interleaved runs) and peak memory of each kind
+    (those whose name starts with one of ``only``, if given)."""
+    import importlib.util
+
+    results = {}
+    want = expected_score_sum(n)
+    kinds = [k for k in SIDECAR_KINDS if not only or any(k.startswith(o) for o in only)]
+    if importlib.util.find_spec("pyspark.ml") is None and SIDECAR_KINDS[3] in kinds:
+        kinds.remove("predict_batch_udf, model per worker")
+    for mb in model_mbs:
+        runs = {k: [] for k in kinds}
+        for _ in range(repeats):
+            for k in kinds:
+                r = sidecar_run(k, n, mb, tmp)
+                if r["count"] != n or abs(r["score_sum"] - want) > 1e-6 * abs(want):
+                    raise RuntimeError(f"{k}: {r['count']} rows, score sum {r['score_sum']}; "
+                                       f"expected {n} rows, sum {want}")
+                runs[k].append(r)
+                print(f"    [{mb} MiB model] {k}: {r['s']:.2f} s", flush=True)
+        results[mb] = runs
+    return results
+
+
+def print_sidecar(results, n, repeats):
+    mib = 1 / 2**20
+    for mb, runs in results.items():
+        model = "the example's model (4 weights)" + (f" + {mb} MiB resident parameters" if mb else "")
+        print(f"\nScoring {n} rows on local[2], {model}; median of {repeats} runs (fresh "
+              "SparkSession each); memory: peak summed PSS (RSS) of Spark's Python workers and "
+              "of the sidecar's processes, psutil every 0.5 s")
+        ref = runs.get(SIDECAR_KINDS[2]) or next(iter(runs.values()))
+        base = statistics.median(r["s"] for r in ref)
+        for k, rs in runs.items():
+            med = statistics.median(r["s"] for r in rs)
+            mem = rs[-1]["mem"]  # memory of the last run (the runs agree to a few MiB)
+            py, side = mem.get("spark_python", {}), mem.get("sidecar", {})
+            jvm = mem.get("jvm", {}).get("rss", 0)
+            total = py.get("pss", 0) + side.get("pss", 0)
+            print(f"  {k:<38} {n / med / 1e3:7.1f} k rows/s  {med:6.2f} s  "
+                  f"({base / med:4.2f}x mapInArrow)  Python workers {py.get('pss', 0) * mib:6.0f} "
+                  f"MiB PSS ({py.get('rss', 0) * mib:.0f} RSS, {py.get('procs', 0)} procs) + "
+                  f"sidecar {side.get('pss', 0) * mib:5.0f} MiB PSS ({side.get('rss', 0) * mib:.0f} "
+                  f"RSS, {side.get('procs', 0)} procs) = {total * mib:6.0f} MiB  "
+                  f"[JVM {jvm * mib:.0f} MiB RSS, not counted]")
+
+
 def machine():
     return {"python": sys.version.split()[0], "platform": platform.platform(),
             "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}
@@ -315,15 +576,52 @@ def machine():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--part", choices=("all", "transport", "sidecar"), default="all",
+                    help="transport: the hand-over table; sidecar: call_sidecar against the "
+                    "model in every Python worker (default: both)")
+    ap.add_argument("--rows", type=int, default=200_000, help="rows of the transport runs")
+    ap.add_argument("--sidecar-rows", type=int, default=1_000_000, help="rows of the sidecar runs")
+    ap.add_argument("--model-mb", type=int, nargs="+", default=[0], metavar="MIB",
+                    help="sidecar runs: resident model parameters (MiB) besides the example's "
+                    "4 weights, one pass per value (default 0: the example's model as it is)")
+    ap.add_argument("--sidecar-kinds", nargs="+", metavar="PREFIX",
+                    help="sidecar runs: only the kinds starting with these (e.g. call_sidecar "
+                    "mapInArrow predict_batch_udf)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="100k rows, 3 repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help="transport: 100k rows, 3 repeats; sidecar: 100k rows, 1 run")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    side_repeats = args.repeats
     if args.quick:
         args.rows, args.repeats = 100_000, 3
+        args.sidecar_rows, side_repeats = 100_000, 1
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Spark's Python workers (and the spawned sidecar) import the example's model module
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.abspath(EXAMPLES), os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, os.path.abspath(EXAMPLES))
+    tmp = tempfile.mkdtemp(prefix="shmq-bench-spark-", dir="/dev/shm")
+    out = {"machine": machine()}
+    try:
+        if args.part in ("all", "transport"):
+            out["transport"] = transport_part(args.rows, args.repeats, tmp)
+        if args.part in ("all", "sidecar"):
+            res = sidecar_part(args.sidecar_rows, side_repeats, args.model_mb, tmp,
+                               args.sidecar_kinds)
+            print_sidecar(res, args.sidecar_rows, side_repeats)
+            out["sidecar"] = {"rows": args.sidecar_rows, "repeats": side_repeats,
+                              "by_model_mb": res}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def transport_part(n, repeats, tmp):
+    """The hand-over table: every kind on one SparkSession, interleaved repeats."""
     from pyspark.sql import SparkSession
 
     import shmq.spark
@@ -334,26 +632,23 @@ def main():
     spark.sparkContext.setLogLevel("ERROR")
     shmq.spark.register(spark)
     spark.dataSource.register(make_peer_source())
-    tmp = tempfile.mkdtemp(prefix="shmq-bench-spark-", dir="/dev/shm")
     kinds = ["noop", "shmq", "shmq+stamp", "unix socket", "mp.connection", "shmq arrow",
              "unix socket arrow"]
     runs = {k: [] for k in kinds}
     saves = {k: [] for k in kinds}
     try:
         for k in kinds:  # warm-up: Python workers, JIT, page cache
-            run_once(spark, k, min(args.rows, 20_000), tmp)
-        for _ in range(args.repeats):
+            run_once(spark, k, min(n, 20_000), tmp)
+        for _ in range(repeats):
             for k in kinds:  # interleaved
-                total, save = run_once(spark, k, args.rows, tmp)
+                total, save = run_once(spark, k, n, tmp)
                 runs[k].append(total)
                 saves[k].append(save)
     finally:
         spark.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-    n = args.rows
     size = statistics.mean(FRAME_BYTES) if FRAME_BYTES else 0
     print(f"\nSpark local[2] -> transport -> sidecar, {n} rows (JSON frames of {size:.0f} B, or "
-          f"Arrow batches), median of {args.repeats} interleaved runs; {machine()}")
+          f"Arrow batches), median of {repeats} interleaved runs; {machine()}")
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k in kinds:
         rate = n / med[k]
@@ -361,13 +656,9 @@ def main():
         note = ("  (no sidecar: Spark + JSON encoding only)" if k == "noop" else
                 "" if k == peer else f"  {peer}: {med[k] / med[peer]:4.2f}x the rate of this")
         print(f"  {k:<18} {rate / 1e3:8.1f} k rows/s  {med[k]:6.2f} s  "
-              f"(save() {statistics.median(saves[k]):5.2f} s){note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": n, "repeats": args.repeats, "machine": machine(),
-                       "runs_s": runs, "save_s": saves,
-                       "rows_per_s": {k: n / med[k] for k in kinds}}, f, indent=2)
-
+              f"(save() {statistics.median(saves[k]):5.2f} s){note}", flush=True)
+    return {"rows": n, "repeats": repeats, "runs_s": runs, "save_s": saves,
+            "rows_per_s": {k: n / med[k] for k in kinds}}
 
 if __name__ == "__main__":
     main()

@@ -86,6 +86,27 @@ def workqueue_text(wq) -> str:
             f"{wq.lease_slots_used}/{wq.lease_slots}")
 
 
+def _secs(v):
+    return "-" if v is None else human_duration(round(v * 1e9))
+
+
+def service_text(svc) -> str:
+    """The service lines of ``shmq stat`` (a :func:`shmq.metrics.service_snapshot`)."""
+    if "error" in svc:
+        return f"service: board unreadable: {svc['error']}"
+    pids = ", ".join(map(str, svc["pids"][:16])) + (", ..." if len(svc["pids"]) > 16 else "")
+    lat, st = svc["latency"], svc["service_time"]
+    q = "-" if svc["queued"] is None else f"{svc['queued']:,}"
+    f = "-" if svc["in_flight"] is None else f"{svc['in_flight']:,}"
+    return (f"service: {plural(svc['workers'], 'worker')}" + (f" (pids {pids})" if pids else "")
+            + f", {svc['busy']} busy; calls queued {q}, in flight {f}; answered "
+            f"{svc['calls']:,} ({svc['failed']:,} with an error), {svc['expired']:,} dropped "
+            "(caller gone)\n"
+            f"service latency: p50 {_secs(lat['p50'])}, p99 {_secs(lat['p99'])} over "
+            f"{plural(lat['count'], 'call')} (put to reply); service time p50 {_secs(st['p50'])}, "
+            f"p99 {_secs(st['p99'])} (handler and reply; log buckets, within 12.5%)")
+
+
 def stat_targets(args):
     """Spool paths named by ``args``: files as given (bare names resolved), directories
     expanded to the spools in them.
@@ -109,11 +130,13 @@ def stat_targets(args):
 
 def _one(sp, fmt):
     """The ``stat`` output of one open spool, as text to write."""
-    from ..metrics import prometheus_text, workqueue_prometheus_text
+    from ..metrics import (prometheus_text, service_prometheus_text, service_snapshot,
+                           workqueue_prometheus_text)
     from ..workqueue import WorkQueue
 
     st = sp.stats()
     wq = WorkQueue.stats_of(sp)
+    svc = service_snapshot(sp)
     from ..dispatch import board_path
 
     try:  # a regular file only: a FIFO planted at PATH.dispatch must not block stat
@@ -128,12 +151,17 @@ def _one(sp, fmt):
             from ..dispatch import status
 
             d["dispatcher"] = status(st.path)
+        if svc is not None:
+            d["service"] = svc
         return d
     if fmt == "prometheus":
-        return prometheus_text([st]) + (workqueue_prometheus_text(st.path, wq) if wq else "")
+        return (prometheus_text([st]) + (workqueue_prometheus_text(st.path, wq) if wq else "")
+                + (service_prometheus_text(st.path, svc) if svc and "error" not in svc else ""))
     text = stat_text(st)
     if wq is not None:
         text += "\n" + workqueue_text(wq)
+    if svc is not None:
+        text += "\n" + service_text(svc)
     if board:
         from ..dispatch import format_status, status
 

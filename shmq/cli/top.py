@@ -12,7 +12,7 @@ from .. import _mapping
 from ..errors import ShmqError
 from .args import positive_arg
 from .base import EXIT_NOT_FOUND, EXIT_OK, CliError, one_line, resolve_target
-from .fmt import human_rate, sparkline, table
+from .fmt import human_duration, human_rate, sparkline, table
 
 
 class Top:
@@ -69,6 +69,30 @@ class Top:
                 out.append((path, one_line(exc)))
         return out
 
+    def _service(self, path, name, mono):
+        """The SERVICES row of a spool with a service board (None without one)."""
+        from ..metrics import service_snapshot
+
+        have = self.handles.get(path)
+        svc = service_snapshot(have[0]) if have else None
+        if svc is None:
+            return None
+        if "error" in svc:
+            return [name, "?", svc["error"], "", "", "", "", "", "", "", ""]
+        key = (path, None)  # the service's calls counter, for CALLS/S
+        rate = None
+        if key in self.prev:
+            c0, t0 = self.prev[key]
+            if mono > t0:
+                rate = max(0, svc["calls"] - c0) / (mono - t0)
+        self.prev[key] = (svc["calls"], mono)
+        pids = ",".join(map(str, svc["pids"][:8])) + (",..." if len(svc["pids"]) > 8 else "")
+        return [name, str(svc["workers"]), pids or "-", str(svc["busy"]),
+                "-" if svc["queued"] is None else f"{svc['queued']:,}",
+                "-" if svc["in_flight"] is None else f"{svc['in_flight']:,}",
+                f"{svc['calls']:,}", f"{svc['failed']:,}", human_rate(rate),
+                _secs(svc["latency"]["p50"]), _secs(svc["latency"]["p99"])]
+
     def snapshot_rates(self):
         """Record the readers' counters (the next frame shows rates since now)."""
         self.frame()
@@ -92,7 +116,7 @@ class Top:
             anon = set(anonymous_paths())
         named = [os.path.dirname(p) for p, _ in snaps if p not in anon]
         base = os.path.commonpath(named) if named else ""
-        spools, readers = [], []
+        spools, readers, services = [], [], []
         for path, st in snaps:
             # an anonymous queue goes by its file name (shmq-q-...), which says what it is
             name = (os.path.basename(path) if path in anon
@@ -110,6 +134,9 @@ class Top:
             if self.anonymous:  # who has each anonymous queue open (its creator, usually)
                 spools[-1].append(",".join(map(str, _mapping.open_by(path))) or "-"
                                   if path in anon else "")
+            svc = self._service(path, name, mono)
+            if svc is not None:
+                services.append(svc)
             for r in st.readers:
                 key = (path, r.name)
                 rate = None
@@ -128,9 +155,17 @@ class Top:
             lines.append("")
             lines += table(["SPOOL", "READER", "KIND", "POSITION", "LAG", "LOST", "GET/S", "PID",
                             "ALIVE"], readers, "lllrrrrrl")
+        if services:
+            lines.append("")
+            lines += table(["SERVICE", "WORKERS", "PIDS", "BUSY", "QUEUED", "IN FLIGHT", "CALLS",
+                            "FAILED", "CALLS/S", "P50", "P99"], services, "lrlrrrrrrrr")
         if height:
             lines = lines[:height]
         return [ln[:width] for ln in lines]
+
+
+def _secs(v):
+    return "-" if v is None else human_duration(round(v * 1e9))
 
 
 def cmd_top(a) -> int:
@@ -210,7 +245,9 @@ def register(add):
             description="A live, refreshing view of the spools in DIR (default your private /dev/shm/shmq-UID) "
             "or of the given spool files: fill, frames, put/get rates of the last second from "
             "the control block's per-second series, a sparkline of the last 30 s of puts, "
-            "and every named reader with its lag, loss and read rate.  Quit with q or Ctrl-C.")
+            "every named reader with its lag, loss and read rate, and every service "
+            "(shmq.Service) with its workers, queued and in-flight calls, call rate and "
+            "latency p50/p99.  Quit with q or Ctrl-C.")
     p.add_argument("targets", nargs="*", metavar="DIR|PATH")
     p.add_argument("--once", action="store_true", help="print one frame and exit (no terminal "
                    "needed)")

@@ -1,7 +1,8 @@
 """Request/reply on one host: ``Service`` answers calls that ``Client`` makes.
 
-Parts: :mod:`.wire` (what travels), :mod:`.service` (the serving side),
-:mod:`.client` (the calling side).
+Parts: :mod:`.wire` (what travels), :mod:`.board` (the service's status
+file ``PATH.svc``: serving processes, call counts, latency histograms),
+:mod:`.service` (the serving side), :mod:`.client` (the calling side).
 
 How it maps onto the layers below (docs/service.md has the full design):
 

@@ -11,6 +11,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -18,10 +19,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Self
 
 from .._mapping import resolve_path
-from ..errors import Empty, LeaseLost, ShmqError
+from ..errors import Empty, LeaseLost, NotASpool, ShmqError
 from ..queue import Queue
 from ..spool import Spool
 from ..workqueue import Message, WorkQueue, WorkQueueStats
+from .board import Board, board_path
 from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, error_tuple
 
 if TYPE_CHECKING:
@@ -50,7 +52,8 @@ class Call:
     are dropped by the caller.
     """
 
-    __slots__ = ("_svc", "_msg", "request", "id", "attempt", "_reply_to", "_caller", "_done")
+    __slots__ = ("_svc", "_msg", "request", "id", "attempt", "_reply_to", "_caller", "_done",
+                 "_taken_ns")
 
     def __init__(self, svc: Service, msg: Message, cid: int, reply_to: str, caller: int,
                  request: Any) -> None:
@@ -62,6 +65,7 @@ class Call:
         self._reply_to = reply_to
         self._caller = caller
         self._done = False
+        self._taken_ns = time.monotonic_ns()  # service time: from here to the answer
 
     @property
     def done(self) -> bool:
@@ -99,6 +103,11 @@ class Service:
 
     Drive it with :meth:`serve` (handlers in worker processes, restarted
     when they die) or yourself: ``for call in svc: call.reply(...)``.
+    Every process that takes calls records them on the service's board
+    ``PATH.svc`` (:mod:`shmq.rpc.board`: its pid, calls answered, latency
+    and service-time histograms), which ``shmq stat``/``top``/``metrics``
+    read; the board is best effort (a worker that cannot use it serves
+    anyway, unrecorded).
     A handle works in the process that made it and in its children (it
     re-attaches after ``fork``, and pickles by path).
 
@@ -134,7 +143,13 @@ class Service:
         self._next_sweep = 0.0
         self._stopping = False
         self._wake_w: int | None = None
+        self._board: Board | None = None
+        self._board_tried = False
         self._queue()  # create it now: clients find the service at once
+        try:  # and its board: shmq stat shows a service (0 workers) before any serves
+            Board.create(board_path(self.path))
+        except (OSError, ShmqError) as exc:
+            log.warning("%s: no service board (calls are served, not recorded): %s", self.path, exc)
 
     def __reduce__(self) -> tuple[Callable[..., Service], tuple[Any, ...]]:
         return (_reopen_service, (self.name, self._opts))
@@ -149,6 +164,7 @@ class Service:
                                  liveness_interval=LIVENESS_INTERVAL_S)
             self._replies = OrderedDict()
             self._held = deque()
+            self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
         assert self._wq is not None  # set with _pid
         return self._wq
@@ -164,6 +180,9 @@ class Service:
             for q in self._replies.values():
                 q.close()
             self._replies.clear()
+            if self._board is not None:
+                self._board.release()
+                self._board = None
             assert self._wq is not None  # set with _pid
             self._wq.close()
         self._pid = self._wq = None
@@ -176,11 +195,27 @@ class Service:
 
     @staticmethod
     def destroy(name_or_path: StrPath) -> None:
-        """Remove a service's request queue (``PATH`` and ``PATH.dead``); calls in it are lost.
+        """Remove a service's request queue (``PATH`` and ``PATH.dead``) and its board
+        (``PATH.svc``); calls in the queue are lost.
 
         :raises FileNotFoundError: no service there.
+        :raises shmq.NotASpool: something other than a regular file is at ``PATH.svc``
+            (nothing is removed).
         """
-        WorkQueue.destroy(resolve_path(name_or_path))
+        path = resolve_path(name_or_path)
+        bp = board_path(path)
+        try:
+            st = os.lstat(bp)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise NotASpool(f"{bp}: not a regular file, not a service board; nothing removed")
+        WorkQueue.destroy(path)
+        if st is not None:
+            try:
+                os.unlink(bp)
+            except FileNotFoundError:
+                pass
 
     def stats(self) -> WorkQueueStats:
         """The request queue's :class:`shmq.WorkQueueStats`: ``ready`` (queued calls),
@@ -199,6 +234,8 @@ class Service:
         :raises shmq.Empty: no call within ``timeout``.
         """
         wq = self._queue()
+        if not self._board_tried:
+            self._claim_row()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if time.monotonic() >= self._next_sweep:
@@ -215,8 +252,12 @@ class Service:
                 continue
             if deadline_ns and time.time_ns() > deadline_ns:
                 _settle(msg)  # the caller raised Timeout already
+                if self._board is not None:
+                    self._board.expired()
                 continue
             call = Call(self, msg, cid, reply_to, caller, request)
+            if self._board is not None:
+                self._board.busy()
             if msg.attempt > self.max_attempts:
                 self._answer(call, ERR, (
                     "WorkerCrashed", f"the call took down its worker {msg.attempt - 1} times "
@@ -232,6 +273,18 @@ class Service:
             except Empty:
                 continue
 
+    def _claim_row(self):
+        self._board_tried = True
+        try:
+            self._board = Board.claim(board_path(self.path))
+        except (OSError, ShmqError) as exc:
+            log.warning("%s: no row on the service board (calls are served, not recorded): %s",
+                        self.path, exc)
+            return
+        if self._board is None:
+            log.warning("%s: every row of the service board is held by a live process; this "
+                        "one (pid %d) serves unrecorded", self.path, os.getpid())
+
     def _answer(self, call, status, value):
         if call._done:
             raise ValueError(f"call {call.id} was answered already")
@@ -241,6 +294,7 @@ class Service:
                 q.put((call.id, status, value))
             except Exception as exc:  # unpicklable, or beyond the reply queue's ceiling
                 if status == OK:
+                    status = ERR
                     err = error_tuple(exc)
                     msg = f"the reply could not be sent: {err[0]}: {err[1]}"
                     try:
@@ -251,6 +305,10 @@ class Service:
                     log.exception("%s: error reply to call %d lost", self.path, call.id)
             self._check_caller(call._reply_to, call._caller)
         call._done = True
+        if self._board is not None:
+            # latency: the caller's put (wall clock, this host) to the reply written
+            self._board.record(time.time_ns() - round(call._msg.enqueued_at * 1e9),
+                               time.monotonic_ns() - call._taken_ns, status != OK)
         _settle(call._msg)
 
     def _reply_queue(self, path):
