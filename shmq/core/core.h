@@ -272,8 +272,9 @@ static inline void ring_finish(Ring *r) {
 }
 
 /* ---- wait.c ---- */
-int sem_lock_on(sem_t *s, double wait_s, Ring *ring);
-static inline int sem_lock(sem_t *s, double wait_s) { return sem_lock_on(s, wait_s, NULL); }
+int sem_lock_as(sem_t *s, double wait_s, Ring *ring, uint64_t *word, uint64_t holder);
+static inline int sem_lock_on(sem_t *s, double wait_s, Ring *ring) { return sem_lock_as(s, wait_s, ring, NULL, 0); }
+static inline int sem_lock(sem_t *s, double wait_s) { return sem_lock_as(s, wait_s, NULL, NULL, 0); }
 int ring_closed_meanwhile(Ring *r, int held, sem_t *s);
 void ring_bell(Ring *r, sem_t *waiters);
 int wait_caught_up(Ring *r, uint64_t start, uint64_t lag, uint64_t lap_share);
@@ -363,7 +364,7 @@ PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t
                    uint64_t *known);
 void release_behind(Ring *r, uint64_t *released, uint64_t pos);
 void cursor_finish(Cursor *c);
-int group_lock(Cursor *c, double wait);
+int group_lock(Cursor *c, double wait, uint64_t *word, uint64_t holder);
 void flush_locked(Cursor *c);
 void named_commit(Cursor *c);
 int cursor_check(Cursor *c);

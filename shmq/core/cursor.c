@@ -121,7 +121,7 @@ static PyObject *Cursor_flush(Cursor *c, PyObject *args) {
     if (c->closed_msg || !c->ring->have_buf || c->slot < 0) Py_RETURN_TRUE;
     if (c->kind == K_GROUP) {
         if (!c->n) Py_RETURN_TRUE;
-        int lk = group_lock(c, wait);
+        int lk = group_lock(c, wait, NULL, 0);
         if (lk < 0) return NULL;
         if (lk > 0) Py_RETURN_FALSE;
         flush_locked(c);

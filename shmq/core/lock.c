@@ -30,11 +30,8 @@ static int lock_open(Lock *l) {
 
 /* 0 acquired, 1 not within wait, -1 exception */
 static int lock_take(Lock *l, double wait) {
-    int rc = sem_lock(l->sem, wait);
-    if (rc == 0) {
-        st_rlx(l->holder_word, l->holder);
-        l->owner = PyThread_get_thread_ident();
-    }
+    int rc = sem_lock_as(l->sem, wait, NULL, l->holder_word, l->holder); /* records the holder at once */
+    if (rc == 0) l->owner = PyThread_get_thread_ident();
     return rc;
 }
 

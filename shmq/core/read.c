@@ -206,14 +206,15 @@ void cursor_finish(Cursor *c) {
 /* Take the group lock like sem_lock; a close() of the reader or of its spool by
  * another thread meanwhile is deferred until we are out, then we give the lock
  * back and raise ValueError: nothing is touched after the handle is gone. */
-int group_lock(Cursor *c, double wait) {
+int group_lock(Cursor *c, double wait, uint64_t *word, uint64_t holder) {
     Ring *r = c->ring;
     c->busy++;
     r->busy++;
-    int lk = sem_lock(c->gsem, wait);
+    int lk = sem_lock_as(c->gsem, wait, NULL, word, holder); /* `word` (or NULL) recorded at once */
     c->busy--;
     r->busy--;
     if (c->closed_msg || r->closing) {
+        if (lk == 0 && word) st_rlx(word, 0);
         if (lk == 0) sem_post(c->gsem);
         int closed_reader = c->closed_msg != NULL;
         cursor_finish(c);
@@ -516,13 +517,12 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     Ring *r = c->ring;
     PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
     if (as_list && !(k.out = PyList_New(0))) return NULL;
-    int lk = group_lock(c, lock_wait);
+    uint64_t *s = cur_slot(c), pos, lost;
+    int lk = group_lock(c, lock_wait, &s[S_LOCK_HOLDER], r->holder);
     if (lk != 0) {
         Py_XDECREF(k.out);
         return lk < 0 ? NULL : PyLong_FromLong(ST_LOCK_STUCK);
     }
-    uint64_t *s = cur_slot(c), pos, lost;
-    st_rlx(&s[S_LOCK_HOLDER], r->holder);
     Sink sink = {copy_py, drop_py, taken_py, &k};
     Py_ssize_t got = group_take_in(c, max, &sink, &pos, &lost);
     st_rlx(&s[S_LOCK_HOLDER], 0);

@@ -189,10 +189,9 @@ PyObject *Ring_reserve(Ring *r, PyObject *args) {
         return NULL;
     }
     if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);
-    int lk = sem_lock_on(r->wsem, wait, r);
+    int lk = sem_lock_as(r->wsem, wait, r, &r->ctl[W_LOCK_HOLDER], r->holder); /* holder recorded at once */
     if (lk < 0) return NULL;
     if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
-    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
     Reservation *rv = PyObject_New(Reservation, r->st->ReservationType);
     if (!rv) {
         wlock_release(r);

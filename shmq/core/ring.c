@@ -281,10 +281,9 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
     if (!r->segment) Py_RETURN_TRUE;
-    int lk = sem_lock_on(r->wsem, wait, r);
+    int lk = sem_lock_as(r->wsem, wait, r, &r->ctl[W_LOCK_HOLDER], r->holder); /* holder recorded at once */
     if (lk < 0) return NULL;
     if (lk > 0) Py_RETURN_NONE;
-    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
     int rc = trim_locked(r);
     wlock_release(r);
     ring_finish(r);

@@ -28,9 +28,21 @@
  * handler raised: nothing is held at that point).  `ring` (a Ring, or NULL)
  * is marked busy while the GIL is released, so that another thread closing
  * it meanwhile defers the release and this call fails cleanly instead of
- * touching an unmapped file. */
-int sem_lock_on(sem_t *s, double wait_s, Ring *ring) {
-    if (sem_trywait(s) == 0) return 0;
+ * touching an unmapped file.
+ *
+ * `word` (or NULL): the lock's shared holder word, set to `holder` the
+ * moment the semaphore is taken, before the GIL is waited for again.  A
+ * lock that is held with no holder recorded for two recovery periods is
+ * broken as a dead holder's (shmq/_lock.py, recover_if_dead), and taking
+ * the GIL back can take that long in a process whose other threads hold it
+ * (seen under emulation: two consumers in the same critical section, one
+ * lease granted twice); recording it here leaves only the instant between
+ * the wait's return and this store. */
+int sem_lock_as(sem_t *s, double wait_s, Ring *ring, uint64_t *word, uint64_t holder) {
+    if (sem_trywait(s) == 0) {
+        if (word) st_rlx(word, holder);
+        return 0;
+    }
     if (errno != EAGAIN && errno != EINTR) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -51,8 +63,10 @@ int sem_lock_on(sem_t *s, double wait_s, Ring *ring) {
         Py_BEGIN_ALLOW_THREADS
         rc = SEM_WAIT_UNTIL(s, &dl);
         err = errno;
+        if (rc == 0 && word) st_rlx(word, holder); /* still mapped: `ring` is busy */
         Py_END_ALLOW_THREADS
         if (ring) ring->busy--;
+        if (ring && ring->closing && rc == 0 && word) st_rlx(word, 0); /* given back just below */
         if (ring && ring_closed_meanwhile(ring, rc == 0, s)) return -1;
         if (rc == 0) return 0;
         if (err == ETIMEDOUT) return 1;

@@ -519,12 +519,11 @@ int64_t ring_write_opts(Ring *r, Item *items, Py_ssize_t count, int codec, int64
         goto out;
     }
     if (patient && r->policy == 1) wait_for_headroom(r, total);
-    int lk = sem_lock_on(r->wsem, lock_wait, r);
+    int lk = sem_lock_as(r->wsem, lock_wait, r, &r->ctl[W_LOCK_HOLDER], r->holder); /* holder recorded at once */
     if (lk != 0) {
         res = lk > 0 ? ST_LOCK_STUCK : ST_PYERR;
         goto out;
     }
-    st_rlx(&r->ctl[W_LOCK_HOLDER], r->holder);
     res = write_locked(r, items, count, needs, total, codec, max_backlog, placed, o);
     wlock_release(r);
     if (res >= 0) {
