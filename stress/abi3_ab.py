@@ -22,6 +22,11 @@ A second, single-process table times the calls themselves (ns per ``Spool.put``,
 loops of CPU time), also interleaved: less exposed to scheduling noise than the
 two-process rows, and not a bench row.
 
+A third table counts the instructions each of those calls executes inside the core's
+C entry point (inclusive of what it calls: libpython's API functions too), with
+valgrind's callgrind (skipped without valgrind): independent of the machine's load,
+so it shows the limited API's cost where the timings cannot.
+
 Decision rule (docs/install.md, "Stable ABI (abi3)"): keep the abi3 build only if
 the bench rows stay within noise.  A row is printed "within noise" when the
 abi3 median lies inside the range of the full build's runs and vice versa.
@@ -39,6 +44,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -160,6 +166,77 @@ def micro(n: int = 40_000, loops: int = 5) -> None:
     print(json.dumps({**{k: v / n * 1e9 for k, v in best.items()}, "core": shmq._core.__file__}))
 
 
+IR_FUNCS = {"Ring_put_api": "Spool.put 100 B", "Cursor_get_api": "Reader.get 100 B",
+            "QueuePort_put": "Queue.put dict", "QueuePort_get": "Queue.get dict",
+            "core_encode_batch": "Queue.put_many 100: encode", "Ring_put_many": "Queue.put_many 100: write",
+            "Cursor_get_obj_many": "Queue.get_many 100"}
+IR_CALLS = 2000  # calls of each single entry point; IR_CALLS // 100 batches of 100
+
+
+def ir_loops() -> None:
+    """The calls IR_FUNCS names, IR_CALLS times each (batches: IR_CALLS // 100), for callgrind."""
+    import shmq
+    import shmq._core
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="shmq-abi3ab-")
+    path = os.path.join(d, "s")
+    sp = shmq.Spool.create(path, capacity="64MiB", on_full="block", checksum=False)
+    r = sp.reader("r0")
+    q = shmq.Queue()
+    x, obj = b"x" * 100, {"id": 1, "name": "item", "values": [1, 2, 3]}
+    batch = [obj] * 100
+    try:
+        for _ in range(IR_CALLS):
+            sp.put(x)
+        for _ in range(IR_CALLS):
+            r.get()
+        for _ in range(IR_CALLS):
+            q.put(obj)
+        for _ in range(IR_CALLS):
+            q.get()
+        for _ in range(IR_CALLS // 100):
+            q.put_many(batch)
+        for _ in range(IR_CALLS // 100):
+            assert len(q.get_many(100)) == 100
+    finally:
+        q.close()
+        r.close()
+        sp.close()
+        shmq.Spool.destroy(path)
+        os.rmdir(d)
+    print(json.dumps({"core": shmq._core.__file__}))
+
+
+def instructions(target: str, out: str, variant: str) -> dict[str, float]:
+    """Instructions per call inside each IR_FUNCS entry point (inclusive of what it calls), counted by
+    valgrind's callgrind with collection on only inside those functions: the same figure every run."""
+    cg = os.path.join(out, f"callgrind-{variant}.out")
+    env = dict(os.environ, PYTHONPATH=target, PYTHONHASHSEED="0")
+    env.pop("SHMQ_LIMITED_API", None)
+    cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={cg}",
+           *(f"--toggle-collect={f}" for f in IR_FUNCS), sys.executable, __file__, "--ir"]
+    r = subprocess.run(cmd, env=env, cwd=target, capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"callgrind failed:\n{r.stderr[-1500:]}")
+    if not json.loads(r.stdout.strip().splitlines()[-1])["core"].startswith(target):
+        raise RuntimeError(f"the callgrind run did not import the build in {target}")
+    ann = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", cg],
+                         capture_output=True, text=True, check=True).stdout
+    per_call = {}
+    for line in ann.splitlines():  # "  1,808,076 ( 2.76%)  .../api.c:Ring_put_api [.../_core...so]"
+        m = re.match(r"\s*([\d,]+) .*?:(\w+) \[", line)
+        if not m:
+            continue
+        name = m.group(2)
+        if name in IR_FUNCS and name not in per_call:
+            calls = IR_CALLS if name in ("Ring_put_api", "Cursor_get_api", "QueuePort_put", "QueuePort_get") \
+                else IR_CALLS // 100
+            per_call[name] = int(m.group(1).replace(",", "")) / calls
+    missing = set(IR_FUNCS) - set(per_call)
+    if missing:
+        raise RuntimeError(f"callgrind_annotate shows no {sorted(missing)}; see {cg}")
+    return per_call
+
+
 def spread(xs: list[float]) -> str:
     return f"{min(xs):.3f}..{max(xs):.3f}"
 
@@ -170,6 +247,7 @@ def main() -> None:
     ap.add_argument("--mode", default="quick", choices=("quick", "full", "smoke"), help="bench.py's scale")
     ap.add_argument("--out", help="directory for the builds and results.json (default: a new one in /tmp)")
     ap.add_argument("--no-micro", action="store_true", help="skip the single-process table")
+    ap.add_argument("--no-callgrind", action="store_true", help="skip the instruction counts (valgrind)")
     a = ap.parse_args()
     if sys.version_info < (3, 12):
         sys.exit("the limited-API core needs CPython >= 3.12 (shmq/core/abi.h)")
@@ -217,8 +295,20 @@ def main() -> None:
             pair = statistics.median(y / x for x, y in zip(f, s))
             print(f"{names[k]:26s} {'':17s} {mf:9.0f} {ms:9.0f} {ms / mf:9.3f} {pair:8.3f}  "
                   + " ".join(f"{x:.0f}" for x in f) + " | " + " ".join(f"{x:.0f}" for x in s))
+    irs: dict = {}
+    if not a.no_callgrind:
+        if not (shutil.which("valgrind") and shutil.which("callgrind_annotate")):
+            print("\n# no valgrind: instruction counts skipped (apt-get install valgrind)")
+        else:
+            irs = {b: instructions(targets[b], out, b) for b in BUILDS}
+            print(f"\n{'instructions per call (callgrind)':34s} {'C function':20s} {'full':>10s} {'abi3':>10s} "
+                  f"{'abi3/full':>9s}")
+            for fn, label in IR_FUNCS.items():
+                f, s = irs["full"][fn], irs["abi3"][fn]
+                print(f"{label:34s} {fn:20s} {f:10.0f} {s:10.0f} {s / f:9.3f}")
     with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump({"python": sys.version, "mode": a.mode, "runs": a.runs, "rows": res, "micro": mic}, fh, indent=1)
+        json.dump({"python": sys.version, "mode": a.mode, "runs": a.runs, "rows": res, "micro": mic,
+                   "instructions_per_call": irs}, fh, indent=1)
     print(f"\n# every figure: {os.path.join(out, 'results.json')}")
 
 
@@ -227,5 +317,7 @@ if __name__ == "__main__":
         one(*sys.argv[2:5])
     elif sys.argv[1:2] == ["--micro"]:
         micro()
+    elif sys.argv[1:2] == ["--ir"]:
+        ir_loops()
     else:
         main()
