@@ -125,6 +125,21 @@ static inline PyObject *shmq_call_one_arg(PyObject *func, PyObject *arg) {
 }
 #define PyObject_CallOneArg(func, arg) shmq_call_one_arg((func), (arg))
 
+/* Built with 3.13+ headers for the 3.12 limited API: api.c's 3.13 branch takes
+ * PyWeakref_GetRef, limited API only from 3.13; this is it on PyWeakref_GetObject
+ * (stable ABI, deprecated from 3.13: borrowed, taken at once under the GIL). */
+#if PY_VERSION_HEX >= 0x030D0000 && Py_LIMITED_API + 0 < 0x030D0000
+static inline int shmq_weakref_get_ref(PyObject *ref, PyObject **pobj) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    PyObject *o = PyWeakref_GetObject(ref);
+#pragma GCC diagnostic pop
+    *pobj = o && o != Py_None ? Py_NewRef(o) : NULL;
+    return o ? *pobj != NULL : -1;
+}
+#define PyWeakref_GetRef(ref, pobj) shmq_weakref_get_ref((ref), (pobj))
+#endif
+
 #endif /* Py_LIMITED_API */
 
 #endif /* SHMQ_CORE_ABI_H */
