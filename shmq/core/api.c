@@ -386,7 +386,7 @@ static void QueuePort_dealloc(QueuePort *q) {
     Py_XDECREF(q->put_slow);
     Py_XDECREF(q->get_slow);
     PyTypeObject *tp = Py_TYPE(q);
-    tp->tp_free((PyObject *)q);
+    SHMQ_TP_FREE(tp)((PyObject *)q);
     Py_DECREF(tp);
 }
 

@@ -68,6 +68,7 @@
 #include <unistd.h>
 
 #include "layout.h"
+#include "abi.h" /* the stable-ABI build (Py_LIMITED_API); nothing without it */
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it (EINVAL): only a missed optimization */

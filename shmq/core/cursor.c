@@ -204,7 +204,7 @@ static void Cursor_dealloc(Cursor *c) {
     Py_XDECREF(c->owner);
     Py_XDECREF(c->get_slow);
     PyTypeObject *tp = Py_TYPE(c);
-    tp->tp_free((PyObject *)c);
+    SHMQ_TP_FREE(tp)((PyObject *)c);
     Py_DECREF(tp);
 }
 

@@ -61,6 +61,11 @@ static PyObject *frame_repr(PyObject *f) {
     return out;
 }
 
+#ifdef Py_LIMITED_API
+static PyObject *frame_repr_method(PyObject *f, PyObject *Py_UNUSED(ignored)) { return frame_repr(f); }
+static PyMethodDef frame_repr_def = {"__repr__", frame_repr_method, METH_NOARGS, NULL};
+#endif
+
 static PyStructSequence_Field frame_fields[] = {
     {"seq", "Sequence number (strictly increasing)."},
     {"timestamp_ns", "Wall-clock ns when it was put."},
@@ -79,7 +84,19 @@ static PyStructSequence_Desc frame_desc = {
 PyTypeObject *frame_type_new(void) {
     PyTypeObject *t = PyStructSequence_NewType(&frame_desc);
     if (!t) return NULL;
+#ifndef Py_LIMITED_API
     t->tp_repr = frame_repr;
     PyType_Modified(t);
+#else
+    /* No slot writes in the limited API: a __repr__ method set on the (mutable)
+     * type points its tp_repr at that method (abi.h). */
+    PyObject *m = PyDescr_NewMethod(t, &frame_repr_def);
+    if (!m || PyObject_SetAttrString((PyObject *)t, "__repr__", m) < 0) {
+        Py_XDECREF(m);
+        Py_DECREF(t);
+        return NULL;
+    }
+    Py_DECREF(m);
+#endif
     return t;
 }

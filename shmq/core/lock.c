@@ -156,7 +156,7 @@ static void Lock_dealloc(Lock *l) {
     lock_release_res(l);
     Lock_clear(l);
     PyTypeObject *tp = Py_TYPE(l);
-    tp->tp_free((PyObject *)l);
+    SHMQ_TP_FREE(tp)((PyObject *)l);
     Py_DECREF(tp);
 }
 
@@ -228,7 +228,7 @@ static PyObject *Waiting_close(Waiting *w, PyObject *unused) {
 static void Waiting_dealloc(Waiting *w) {
     if (w->sem) sem_close(w->sem);
     PyTypeObject *tp = Py_TYPE(w);
-    tp->tp_free((PyObject *)w);
+    SHMQ_TP_FREE(tp)((PyObject *)w);
     Py_DECREF(tp);
 }
 

@@ -137,7 +137,7 @@ static void Reservation_dealloc(Reservation *rv) {
     Py_XDECREF(rv->view);
     Py_XDECREF(rv->ring);
     PyTypeObject *tp = Py_TYPE(rv);
-    tp->tp_free((PyObject *)rv);
+    SHMQ_TP_FREE(tp)((PyObject *)rv);
     Py_DECREF(tp);
 }
 

@@ -103,12 +103,12 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
-    PyObject **objs = PySequence_Fast_ITEMS(seq);
+    shmq_fast_items objs = SHMQ_FAST_ITEMS(seq);
     Py_ssize_t k;
     for (k = 0; k < count; k++) {
-        if (load_item(&items[k], objs[k], r->checksum) < 0) {
+        if (load_item(&items[k], SHMQ_FAST_AT(objs, k), r->checksum) < 0) {
             /* a Deferred is no buffer: recognized only here, off the plain path */
-            int d = PyErr_ExceptionMatches(PyExc_TypeError) ? load_deferred(r, &items[k], objs[k]) : 0;
+            int d = PyErr_ExceptionMatches(PyExc_TypeError) ? load_deferred(r, &items[k], SHMQ_FAST_AT(objs, k)) : 0;
             if (d > 0) {
                 PyErr_Clear();
                 opts.deferred = 1;
@@ -398,7 +398,7 @@ static void Ring_dealloc(Ring *r) {
     Py_XDECREF(r->owner);
     Py_XDECREF(r->put_slow);
     PyTypeObject *tp = Py_TYPE(r);
-    tp->tp_free((PyObject *)r);
+    SHMQ_TP_FREE(tp)((PyObject *)r);
     Py_DECREF(tp);
 }
 

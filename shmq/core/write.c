@@ -203,7 +203,7 @@ static int get_segment(PyObject *o, Py_buffer *v) {
         return -1;
     }
     PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "frames are bytes-like objects, not %.100s", Py_TYPE(o)->tp_name);
+    SHMQ_ERR_TYPE_NAME(PyExc_TypeError, "frames are bytes-like objects, not", o);
     return -1;
 }
 
