@@ -53,7 +53,7 @@ static void Deferred_dealloc(Deferred *d) {
     PyObject_GC_UnTrack(d);
     Py_XDECREF(d->fill);
     PyTypeObject *tp = Py_TYPE(d);
-    tp->tp_free((PyObject *)d);
+    SHMQ_TP_FREE(tp)((PyObject *)d);
     Py_DECREF(tp);
 }
 
