@@ -169,7 +169,7 @@ class Spool:
         self.ring.check_control()
         self.slots = SlotTable(m, self.ring)
         self.pins = Pins(m, self.ring, self.slots, self.writer_lock, self.notify_space)
-        self.writer = Writer(self, self.ring, self.slots, self.pins, self.writer_lock,
+        self.writer = Writer(self, self.ring, self.pins, self.writer_lock,
                              self.data_bell, self.space_bell, policy=self._policy,
                              checksum=self.checksum, sync=self._sync)
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()

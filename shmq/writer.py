@@ -28,7 +28,6 @@ from .waiting import check_block_timeout, retry_stuck
 
 __all__ = ["Writer", "Deferred", "set_crash_hook"]
 
-_NO_PIN_MARK = (1 << 64) - 1  # the core's full_marker() pin when no pin is held (pin_floor's UINT64_MAX)
 _LOCK_STUCK, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.SLOW, _core.TOO_LARGE
 _NO_SPACE, _BACKLOG = _core.NO_SPACE, _core.BACKLOG
 
@@ -62,13 +61,12 @@ class Writer:
     ``owner`` is the :class:`shmq.Spool` facade (its ``allocated``, for the no-space error).
     """
 
-    def __init__(self, owner, ring, slots, pins, lock, data_bell, space_bell, *, policy, checksum,
+    def __init__(self, owner, ring, pins, lock, data_bell, space_bell, *, policy, checksum,
                  sync):
         self._owner = owner
         self.path = ring.path
         self._ring = ring
         self._core = ring.core
-        self._slots = slots
         self._pins = pins
         self._lock = lock
         self._data_bell = data_bell
@@ -174,13 +172,10 @@ class Writer:
             self._wait_for_room(marker, deadline, timeout, error=got != _SLOW, poll=got == _SLOW)
 
     def room_marker(self):
-        """What must change before a writer blocked on a full spool retries
-        (the same pair as the core's ``full_marker()``): the slowest named
-        cursor (or FIRST_POS) and the oldest pin."""
-        floor = self._slots.floor(F.S_POS)
-        pin = self._pins.floor(None)
-        return (self._ring.ctl[F.W_FIRST_POS] if floor is None else floor,
-                _NO_PIN_MARK if pin is None else pin)
+        """What must change before a writer blocked on a full spool retries: the
+        slowest named cursor (or FIRST_POS) and the oldest pin, now, computed by the
+        core as its ``full_marker()`` (taken under the lock when it found no room)."""
+        return self._core.room_marker()
 
     def _reclaim_pins(self, marker) -> bool:
         """After the core found a zero-copy pin in the way (ST_SLOW, ``marker`` taken

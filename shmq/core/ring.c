@@ -296,6 +296,16 @@ static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
     return Py_BuildValue("(KK)", r->full_floor, r->full_pin);
 }
 
+/* The room marker now (no lock: each word is one atomic load), computed as
+ * take_full_marker computes full_marker()'s, so a waiter compares like with
+ * like; the handle's recorded marker is left alone. */
+static PyObject *Ring_room_marker(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    uint64_t f;
+    if (!slot_floor(r, S_POS, &f)) f = ld_rlx(&r->ctl[W_FIRST_POS]);
+    return Py_BuildValue("(KK)", f, pin_floor(r));
+}
+
 void ring_release(Ring *r) {
     if (r->busy) { /* another thread is in fallocate or a lock wait on this handle */
         r->closing = 1;
@@ -431,6 +441,7 @@ static PyMethodDef Ring_methods[] = {
      "bell_wait(space, seen, timeout): sleep until the doorbell word moves from seen"},
     {"set_fd", (PyCFunction)Ring_set_fd, METH_VARARGS, "set_fd(fd, holder): after fork"},
     {"full_marker", (PyCFunction)Ring_full_marker, METH_NOARGS, "room marker taken under the lock when full"},
+    {"room_marker", (PyCFunction)Ring_room_marker, METH_NOARGS, "the room marker now (compare with full_marker())"},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},
     {NULL}};
 
