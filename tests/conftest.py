@@ -172,6 +172,23 @@ def _private_dir():
     return default_dir()
 
 
+def _remove_private_dir(private):
+    """Remove the private directory this run created, with shmq gc's registry in it
+    (the library's bookkeeping: empty once every registered spool is destroyed);
+    return what is still in them, [] once removed."""
+    from shmq._mapping import registry_dir
+
+    registry = registry_dir()
+    try:
+        if os.path.isdir(registry):
+            os.rmdir(registry)
+        os.rmdir(private)  # created by bare-name tests; empty when they cleaned up
+        return []
+    except OSError:
+        return [f"{d}/{n}" for d in (private, registry) if os.path.isdir(d)
+                for n in sorted(os.listdir(d))]
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if the suite left semaphores or spool directories in /dev/shm.
 
@@ -194,10 +211,11 @@ def pytest_sessionfinish(session, exitstatus):
         leaked = sorted(_our_leftovers() - before - _mapped_by_live_processes())
     private = _private_dir()
     if not session.config._shmq_private_dir_existed and os.path.isdir(private):
-        try:
-            os.rmdir(private)  # created by bare-name tests; empty when they cleaned up
-        except OSError:
-            leaked += [f"{private}/{n}" for n in sorted(os.listdir(private))]
+        left = _remove_private_dir(private)
+        if left:  # as above: a worker's last handles may still be closing
+            psutil.wait_procs(psutil.Process().children(recursive=True), timeout=bound(10))
+            left = _remove_private_dir(private)
+        leaked += left
     if leaked:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")
         msg = f"tests left {len(leaked)} item(s) in /dev/shm: {leaked[:10]}"
