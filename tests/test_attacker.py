@@ -109,7 +109,8 @@ def _destroy(*paths):
 
 
 def _semaphores_of(path):
-    """Unlink every semaphore of spool ``path``, whoever owns it (test cleanup)."""
+    """Unlink every semaphore of spool ``path``, whoever owns it, and forget the spool in
+    shmq gc's registry, as ``Spool.destroy`` would (test cleanup, before unlinking it)."""
     import posix_ipc
 
     prefix = _mapping.read_geometry(path)["sem_prefix"]
@@ -119,6 +120,7 @@ def _semaphores_of(path):
                 posix_ipc.unlink_semaphore("/" + name[len("sem."):])
             except posix_ipc.ExistentialError:
                 pass
+    _mapping.unregister_spool(prefix)
 
 
 # --- attacker actions (run in the child, as the attacker) -------------------------------
