@@ -333,12 +333,12 @@ def workqueue_prometheus_text(path: str, wq: WorkQueueStats) -> str:
 
 def service_snapshot(spool: Any) -> dict[str, Any] | None:
     """The service view of an open spool: None if no service board is next to it, else
-    :func:`shmq.rpc.board.service_status` plus ``queued`` and ``in_flight`` (the request
-    work queue's ``ready`` and ``in_flight``), or ``{"error": message}`` for a board that
+    :func:`shmq.rpc.board.service_status` (``in_flight`` among it) plus ``queued`` (calls
+    waiting in the request ring), or ``{"error": message}`` for a board that
     cannot be read (not a regular file, not a board).  Reads only; never blocks."""
     from .errors import ShmqError
     from .rpc.board import board_path, service_status
-    from .workqueue import WorkQueue
+    from .rpc.service import queued_calls
 
     try:  # a regular file only: a FIFO planted at PATH.svc must not block anyone
         st = os.lstat(board_path(spool.path))
@@ -350,9 +350,7 @@ def service_snapshot(spool: Any) -> dict[str, Any] | None:
         out = service_status(spool.path)
     except (OSError, ShmqError) as exc:
         return {"error": str(exc)}
-    wq = WorkQueue.stats_of(spool)
-    out["queued"] = wq.ready if wq is not None else None
-    out["in_flight"] = wq.in_flight if wq is not None else None
+    out["queued"] = queued_calls(spool)
     return out
 
 
@@ -363,7 +361,7 @@ SERVICE_METRICS = (
     ("shmq_service_busy", "gauge", "Serving processes holding a call now.", lambda s: s["busy"]),
     ("shmq_service_queued", "gauge", "Calls waiting in the request queue.",
      lambda s: s["queued"]),
-    ("shmq_service_in_flight", "gauge", "Calls leased by a worker (being handled).",
+    ("shmq_service_in_flight", "gauge", "Calls taken by a worker and not answered yet.",
      lambda s: s["in_flight"]),
     ("shmq_service_calls_total", "counter", "Calls answered (errors included).",
      lambda s: s["calls"]),

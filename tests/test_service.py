@@ -149,7 +149,7 @@ def test_timeout_without_service_names_it(spool_dir):
 def test_timeout_with_stopped_service_and_expired_calls_dropped(svc_path, service):
     shmq.Service(svc_path).close()  # the queue exists, no worker runs
     with shmq.Client(svc_path) as cl:
-        with pytest.raises(shmq.Timeout, match="svc.*queued, none being handled"):
+        with pytest.raises(shmq.Timeout, match="svc.*queued, no worker serving"):
             cl.call("late", timeout=0.2)
         service()  # the late call is dropped (its caller gave up), never answered
         # one worker, FIFO: an answer to "late" would have arrived first, as a duplicate

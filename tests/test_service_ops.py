@@ -63,7 +63,7 @@ def blocked_service(spool_dir):
     try:
         caller.start()
         pids = {started.get(timeout=T), started.get(timeout=T)}  # both handlers hold a call
-        _wait_for(lambda: (svc.stats().in_flight, svc.stats().ready) == (2, 2), "2 + 2 calls")
+        _wait_for(lambda: (svc.stats().in_flight, svc.stats().queued) == (2, 2), "2 + 2 calls")
         t_blocked = time.monotonic()
         yield {"path": path, "svc": svc, "pids": pids, "go": go, "t_blocked": t_blocked,
                "caller": caller, "out": out, "proc": proc}

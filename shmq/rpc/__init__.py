@@ -6,13 +6,15 @@ file ``PATH.svc``: serving processes, call counts, latency histograms),
 
 How it maps onto the layers below (docs/service.md has the full design):
 
-* **Requests** are messages of a :class:`shmq.WorkQueue` at the service's
-  path: ``(call id, reply queue path, caller identity, deadline, request)``.
-  Workers lease them, so a worker SIGKILLed mid-call (or the whole service)
-  leaves the call in the queue, and it is delivered again (at-least-once to
-  handlers) as soon as a consumer sees the holder dead.  The queue is a
-  fixed-size ``block`` spool: a slow service makes callers wait in ``put``
-  (bounded memory), never an unbounded backlog.
+* **Requests** are frames of the service's request ring at its path
+  (:mod:`.requests`): ``(call id, reply queue path, caller identity,
+  deadline, attempt, request)``.  Workers take them as one group, in the
+  compiled core; each publishes the seqs in its hands on the board.  A
+  worker SIGKILLed mid-call (or the whole service) leaves its call in no
+  live worker's hands: its caller, which keeps every call it waits for,
+  sees that and sends it again (at-least-once to handlers).  The ring is a
+  fixed-size ``block`` spool: a slow service makes callers wait in
+  ``put`` (bounded memory), never an unbounded backlog.
 * **Replies** go to one anonymous :class:`shmq.Queue` per client process,
   named by its path in each request: only that process reads it, so a
   reply can never reach another caller.  The queue is removed when the
@@ -22,7 +24,7 @@ How it maps onto the layers below (docs/service.md has the full design):
   in each reply; the client keeps the calls it waits for and drops a reply
   whose call is not pending (a duplicate from a redelivery, or a call that
   timed out).
-* **Trust**: request bodies are unpickled only from a work queue that is
+* **Trust**: requests are unpickled only from a ring that is
   ours and private (:func:`shmq.codec.require_trust`), replies only from a
   queue we created; ``trusted=True`` opts in as elsewhere.
 
@@ -32,6 +34,6 @@ service (the caller has raised :class:`shmq.Timeout` already).
 
 from ..errors import RemoteError
 from .client import Client
-from .service import Call, Service
+from .service import Call, Service, ServiceStats
 
-__all__ = ["Service", "Client", "Call", "RemoteError"]
+__all__ = ["Service", "Client", "Call", "ServiceStats", "RemoteError"]

@@ -10,7 +10,11 @@ service's workers and read by ``shmq stat``/``top``/``metrics`` (and
   (claimed on its first ``Service.get``): its holder word (pid and start
   time, as lock holders'; 0 once released), calls answered, answered with
   an error, dropped because the caller had given up, the wall-clock time
-  the call in hand was taken (0: idle), then two histograms of
+  the call in hand was taken (0: idle), the request-ring seqs it holds
+  (``[lo, hi)`` and how many: what callers read to tell a call in a live
+  worker's hands from one lost with a dead worker, see :mod:`shmq.rpc`),
+  redelivered calls taken, and its lease (seconds a call may stay in its
+  hands before callers send it again), then two histograms of
   :data:`BUCKETS` counters: call **latency** (the request's enqueue by the
   caller to the reply written into the caller's reply queue: queueing,
   redelivery after a crash, the handler and the reply) and **service
@@ -53,13 +57,13 @@ from ..errors import ShmqError
 if TYPE_CHECKING:
     from _typeshed import StrPath
 
-__all__ = ["board_path", "Board", "service_status", "bucket_of", "bucket_mid_s", "quantile",
+__all__ = ["board_path", "Board", "service_status", "held_ranges", "bucket_of", "bucket_mid_s", "quantile",
            "ROWS", "BUCKETS"]
 
 log = logging.getLogger("shmq.service")
 
 MAGIC = int.from_bytes(b"SHMQSVC1", "little")
-VERSION = 1
+VERSION = 2  # 2: rows hold the request seqs in hand, redeliveries and the lease
 HDR_WORDS = 16
 (H_MAGIC, H_VERSION, H_ROWS, H_BUCKETS, H_CREATED_NS) = range(5)
 #: Serving processes recorded at once (more serve unrecorded: logged once each).
@@ -69,8 +73,9 @@ SUB = 4
 MAX_EXP = 35
 BUCKETS = 1 + SUB * (MAX_EXP + 1)
 # row words
-(R_HOLDER, R_CALLS, R_FAILED, R_EXPIRED, R_BUSY_NS) = range(5)
-ROW_HDR = 8
+(R_HOLDER, R_CALLS, R_FAILED, R_EXPIRED, R_BUSY_NS, R_HELD_LO, R_HELD_HI, R_HELD_N,
+ R_REDELIVERED, R_LEASE_NS) = range(10)
+ROW_HDR = 16
 R_LATENCY = ROW_HDR
 R_SERVICE = ROW_HDR + BUCKETS
 ROW_WORDS = ROW_HDR + 2 * BUCKETS
@@ -178,6 +183,8 @@ class Board:
                 return None
             base = HDR_WORDS + pick * ROW_WORDS
             w[base + R_BUSY_NS] = 0
+            w[base + R_HELD_N] = w[base + R_HELD_LO] = w[base + R_HELD_HI] = 0
+            w[base + R_LEASE_NS] = 0
             w[base + R_HOLDER] = me
         finally:
             w.release()
@@ -190,6 +197,25 @@ class Board:
     def busy(self) -> None:
         """A call was taken: the row shows it in hand since now."""
         self._w[self._base + R_BUSY_NS] = time.time_ns()
+
+    def hold(self, lo: int, hi: int, n: int) -> None:
+        """Publish the request seqs in hand: every one of them lies in ``[lo, hi)``
+        (``n`` of them).  Called right after a take and after each answer."""
+        w, b = self._w, self._base
+        # hi first: a reader may see the old range widened, never one that misses
+        # a seq in hand (callers also look twice before they send a call again)
+        w[b + R_HELD_HI] = hi
+        w[b + R_HELD_LO] = lo
+        w[b + R_HELD_N] = n
+
+    def set_lease(self, seconds: float) -> None:
+        w = self._w
+        w[self._base + R_LEASE_NS] = round(seconds * 1e9)
+
+    def redelivered(self) -> None:
+        """Count a call taken again (a caller sent it again after its worker died)."""
+        w, b = self._w, self._base
+        w[b + R_REDELIVERED] = w[b + R_REDELIVERED] + 1
 
     def idle(self) -> None:
         self._w[self._base + R_BUSY_NS] = 0
@@ -216,6 +242,7 @@ class Board:
         if self._mm is None:
             return
         self._w[self._base + R_BUSY_NS] = 0
+        self._w[self._base + R_HELD_N] = 0
         if self._w[self._base + R_HOLDER] == holder_word():
             self._w[self._base + R_HOLDER] = 0
         self._w.release()
@@ -276,17 +303,8 @@ def _map(fd):
     return mm
 
 
-def service_status(path: StrPath) -> dict[str, Any]:
-    """What the board of the service at ``path`` says, from any process (reads only).
-
-    Returns ``{"board", "created_ns", "workers", "pids", "busy", "calls",
-    "failed", "expired", "latency", "service_time"}``: ``workers`` and
-    ``pids`` are the live processes holding a row (serving), ``busy`` how
-    many of them hold a call now, ``calls`` the calls answered (``failed``
-    of them with an error), ``expired`` the calls dropped because their
-    caller had given up; ``latency`` and ``service_time`` are
-    ``{"count", "p50", "p99", "max"}`` in seconds (None when no
-    call was recorded).  Totals count every process that ever held a row.
+def _read_board(path: StrPath) -> memoryview:
+    """The board of the service at ``path`` as u64 words (a copy, read with ``pread``).
 
     :raises FileNotFoundError: no board (no service ever ran at ``path``).
     :raises shmq.ShmqError: ``PATH.svc`` is not a regular file, or not a board.
@@ -302,13 +320,53 @@ def service_status(path: StrPath) -> dict[str, Any]:
     w = memoryview(raw).cast("Q")
     if (w[H_MAGIC], w[H_VERSION], w[H_ROWS], w[H_BUCKETS]) != (MAGIC, VERSION, ROWS, BUCKETS):
         raise ShmqError(f"{bp}: not a service board (bad magic, version or geometry)")
-    pids, busy, calls, failed, expired = [], 0, 0, 0, 0
+    return w
+
+
+def held_ranges(path: StrPath) -> list[tuple[int, int, int, int]]:
+    """``(lo, hi, since_ns, lease_ns)`` of every live serving process holding calls: the
+    request seqs in its hands lie in ``[lo, hi)``, the first was taken at ``since_ns``
+    (wall clock), and it may keep a call ``lease_ns`` before callers send it again.
+
+    :raises FileNotFoundError: no board.
+    :raises shmq.ShmqError: not a board.
+    """
+    w = _read_board(path)
+    out = []
+    for r in range(ROWS):
+        b = HDR_WORDS + r * ROW_WORDS
+        h = w[b + R_HOLDER]
+        if h and w[b + R_HELD_N] and holder_alive(h):
+            out.append((w[b + R_HELD_LO], w[b + R_HELD_HI], w[b + R_BUSY_NS], w[b + R_LEASE_NS]))
+    return out
+
+
+def service_status(path: StrPath) -> dict[str, Any]:
+    """What the board of the service at ``path`` says, from any process (reads only).
+
+    Returns ``{"board", "created_ns", "workers", "pids", "busy", "in_flight",
+    "calls", "failed", "expired", "redeliveries", "latency", "service_time"}``:
+    ``workers`` and ``pids`` are the live processes holding a row (serving),
+    ``busy`` how many of them hold a call now, ``in_flight`` the calls they
+    hold (taken, not answered yet), ``calls`` the calls answered (``failed``
+    of them with an error), ``expired`` the calls dropped because their
+    caller had given up, ``redeliveries`` the calls taken again after a
+    worker died with them; ``latency`` and ``service_time`` are
+    ``{"count", "p50", "p99", "max"}`` in seconds (None when no
+    call was recorded).  Totals count every process that ever held a row.
+
+    :raises FileNotFoundError: no board (no service ever ran at ``path``).
+    :raises shmq.ShmqError: ``PATH.svc`` is not a regular file, or not a board.
+    """
+    w = _read_board(path)
+    pids, busy, in_flight, calls, failed, expired, again = [], 0, 0, 0, 0, 0, 0
     lat, svc = [0] * BUCKETS, [0] * BUCKETS
     for r in range(ROWS):
         b = HDR_WORDS + r * ROW_WORDS
         calls += w[b + R_CALLS]
         failed += w[b + R_FAILED]
         expired += w[b + R_EXPIRED]
+        again += w[b + R_REDELIVERED]
         for i in range(BUCKETS):
             lat[i] += w[b + R_LATENCY + i]
             svc[i] += w[b + R_SERVICE + i]
@@ -316,9 +374,11 @@ def service_status(path: StrPath) -> dict[str, Any]:
         if h and holder_alive(h):
             pids.append(holder_pid(h))
             busy += bool(w[b + R_BUSY_NS])
-    return {"board": bp, "created_ns": w[H_CREATED_NS], "workers": len(pids),
-            "pids": sorted(pids), "busy": busy, "calls": calls, "failed": failed,
-            "expired": expired, "latency": _summary(lat), "service_time": _summary(svc)}
+            in_flight += w[b + R_HELD_N]
+    return {"board": board_path(path), "created_ns": w[H_CREATED_NS], "workers": len(pids),
+            "pids": sorted(pids), "busy": busy, "in_flight": in_flight, "calls": calls,
+            "failed": failed, "expired": expired, "redeliveries": again,
+            "latency": _summary(lat), "service_time": _summary(svc)}
 
 
 def _summary(counts):

@@ -1,5 +1,14 @@
-"""The calling side: :class:`Client` sends calls to a service's request work queue and
+"""The calling side: :class:`Client` sends calls to a service's request ring and
 matches the replies in its per-process reply queue to the calls waiting for them.
+
+A call a worker took and died with is sent again by its caller: while it
+waits, the caller looks (every :data:`RECHECK_S`) for calls that are
+neither queued (seq at or past the workers' group position), nor in a live
+worker's hands (the service board's held ranges), nor answered (replies
+read after both looks); a call found so twice in a row is sent again with
+its attempt count raised.  Looking twice covers the microseconds between a
+worker's take and its board update; a call sent twice is answered twice,
+and the second answer is dropped here by call id.
 
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 """
@@ -17,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Self
 
 from .._lock import holder_word
 from .._mapping import resolve_path
-from ..errors import Empty, Full, RemoteError, Timeout, TooLarge
+from ..errors import Empty, Full, RemoteError, ShmqError, Timeout, UntrustedSpool
 from ..queue import Queue
-from ..workqueue import WorkQueue
-from .wire import NS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, label
+from .board import held_ranges, service_status
+from .requests import open_ring, send, taken_up_to
+from .wire import NS, OK, label
 
 if TYPE_CHECKING:
     from _typeshed import StrPath
@@ -28,18 +38,28 @@ if TYPE_CHECKING:
 __all__ = ["Client"]
 
 _SETUP_LOCK = threading.Lock()
+#: How often a waiting caller looks for calls lost with a dead worker (and how long
+#: a lost call waits before it is sent again: two looks).
+RECHECK_S = 0.25
 
 
 class _Pending:
-    """A call waiting for its reply; ``event`` (asyncio) or the client's condition wakes it."""
+    """A call waiting for its reply; ``event`` (asyncio) or the client's condition wakes it.
 
-    __slots__ = ("done", "status", "value", "loop", "event")
+    ``obj``, ``wall`` and ``attempt`` are what sending it again needs; ``seq`` is
+    where it sits in the request ring, ``strikes`` how many looks in a row found it
+    nowhere.
+    """
 
-    def __init__(self, loop=None):
+    __slots__ = ("done", "status", "value", "loop", "event", "obj", "wall", "attempt", "seq",
+                 "strikes")
+
+    def __init__(self, obj=None, wall=0, loop=None):
         self.done = False
         self.status = self.value = None
         self.loop = loop
         self.event = asyncio.Event() if loop is not None else None
+        self.obj, self.wall, self.attempt, self.seq, self.strikes = obj, wall, 1, -1, 0
 
 
 class Client:
@@ -86,7 +106,8 @@ class Client:
         self._pending = {}
         self._reading = False
         self._ids = itertools.count(1)
-        self._wq = None
+        self._ring = None
+        self._next_look = 0.0
         self._replies = Queue()
         self._reply_path = self._replies.path
         # A multiprocessing child exits with os._exit (no atexit): remove the
@@ -111,8 +132,8 @@ class Client:
         self._closed = True
         if self._pid == os.getpid():
             self._replies.close()
-            if self._wq is not None:
-                self._wq.close()
+            if self._ring is not None:
+                self._ring.close()
 
     def __enter__(self) -> Self:
         return self
@@ -123,48 +144,44 @@ class Client:
     # -- sending --------------------------------------------------------------------
 
     def _attach(self, deadline):
-        """The service's work queue, waiting (up to ``deadline``) for it to exist."""
-        if self._wq is not None:
-            return self._wq
+        """The service's request ring, waiting (up to ``deadline``) for it to exist."""
+        if self._ring is not None:
+            return self._ring
         while True:
+            why = f"nothing at {self.path}"
             if os.path.lexists(self.path):
                 with self._put_lock:
-                    if self._wq is not None:
-                        return self._wq
+                    if self._ring is not None:
+                        return self._ring
                     try:
-                        self._wq = WorkQueue.open(self.path, trusted=self._trusted,
-                                                  capacity=REQUEST_CAPACITY,
-                                                  max_attempts=WQ_MAX_ATTEMPTS)
-                        return self._wq
+                        self._ring = open_ring(self.path, self._trusted)
+                        return self._ring
                     except FileNotFoundError:
                         pass
+                    except UntrustedSpool:
+                        raise
+                    except ShmqError as exc:  # being created (no group yet), or not a service
+                        why = str(exc)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise Timeout(f"{self._label()} is not running: nothing at {self.path} "
+                raise Timeout(f"{self._label()} is not running: {why} "
                               "(start it with shmq.Service(...).serve(...))")
             # No doorbell exists before the file does: look again in a moment.
             time.sleep(0.02 if left is None else min(0.02, left))
 
-    def _send(self, objs, deadline, wall_deadline):
+    def _send(self, objs, deadline, wall_deadline, loop=None):
         """Register and enqueue calls; return their ids."""
-        wq = self._attach(deadline)
+        ring = self._attach(deadline)
         ids = [next(self._ids) for _ in objs]
+        ps = [_Pending(obj, wall_deadline, loop) for obj in objs]
         with self._lock:
-            for cid in ids:
-                self._pending[cid] = _Pending()
-        bodies = [(cid, self._reply_path, self._me, wall_deadline, obj) for cid, obj in zip(ids, objs)]
+            for cid, p in zip(ids, ps):
+                self._pending[cid] = p
+        calls = [(cid, self._reply_path, self._me, wall_deadline, 1, obj) for cid, obj in zip(ids, objs)]
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             with self._put_lock:
-                try:
-                    wq.put_many(bodies, timeout=left)
-                except TooLarge:
-                    if len(bodies) == 1:
-                        raise
-                    # larger than the request ring as one atomic batch: one by one
-                    for body in bodies:
-                        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                        wq.put(body, timeout=left)
+                seqs = send(ring, calls, left)
         except Full:
             self._abandon(ids)
             raise Timeout(f"{self._label()} did not take the call within the timeout: its "
@@ -172,12 +189,58 @@ class Client:
         except BaseException:
             self._abandon(ids)
             raise
+        for p, seq in zip(ps, seqs):
+            p.seq = seq
         return ids
 
     def _abandon(self, ids):
         with self._lock:
             for cid in ids:
                 self._pending.pop(cid, None)
+
+    def _look(self):
+        """Role held: send again the calls a dead worker took (see the module docstring).
+
+        Order matters: the group's position, then the held ranges, then the
+        replies; a worker replies before it drops a call from its range, so a
+        call answered in between is found answered.
+        """
+        self._next_look = time.monotonic() + RECHECK_S
+        ring = self._ring
+        if ring is None:
+            return
+        try:
+            taken = taken_up_to(ring)
+            held = held_ranges(self.path)
+        except FileNotFoundError:
+            held = []  # no board: nothing is known to be held
+        except (OSError, ShmqError):
+            return
+        if taken is None:
+            return
+        items = self._read(0)
+        now = time.time_ns()
+        lost = []
+        with self._lock:
+            if items:
+                self._deliver(items)
+            for cid, p in self._pending.items():
+                if p.done or p.seq < 0:
+                    continue
+                if p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
+                                         for lo, hi, since, lease in held):
+                    p.strikes = 0
+                    continue
+                p.strikes += 1
+                if p.strikes >= 2:
+                    lost.append((cid, p))
+        for cid, p in lost:
+            p.strikes, p.attempt = 0, p.attempt + 1
+            try:
+                with self._put_lock:
+                    [p.seq] = send(ring, [(cid, self._reply_path, self._me, p.wall, p.attempt, p.obj)], 0)
+            except (Full, Timeout):
+                p.attempt -= 1  # the ring is full: the next look tries again
 
     # -- receiving ------------------------------------------------------------------
 
@@ -210,6 +273,8 @@ class Client:
     def _read(self, timeout):
         """Role held: the replies that arrive within ``timeout`` (maybe none)."""
         try:
+            if timeout == 0:
+                return self._replies.get_many(self.window, block=False)
             return self._replies.get_many(self.window, timeout=timeout)
         except Empty:
             return []
@@ -233,7 +298,10 @@ class Client:
                     self._cv.wait(left)
             items = []
             try:
-                items = self._read(left)
+                wait = RECHECK_S if left is None else min(left, RECHECK_S)
+                items = self._read(wait)
+                if time.monotonic() >= self._next_look:
+                    self._look()
             finally:
                 self._release_role(items)
 
@@ -241,10 +309,12 @@ class Client:
         what = "the call" if n == 1 else f"{n} calls"
         hint = ""
         try:
-            st = self._wq.stats()
-            if st.ready and not st.in_flight:
-                hint = f": {st.ready} call(s) queued, none being handled; is the service running?"
-        except Exception:
+            from .service import queued_calls
+
+            queued = queued_calls(self._ring)
+            if queued and not service_status(self.path)["workers"]:
+                hint = f": {queued} call(s) queued, no worker serving; is the service running?"
+        except Exception:  # noqa: BLE001  (a hint only)
             pass
         return Timeout(f"{self._label()} did not answer {what} in time{hint}")
 
@@ -299,13 +369,9 @@ class Client:
         self._check()
         deadline, wall = self._deadlines(timeout)
         loop = asyncio.get_running_loop()
-        [cid] = self._send([obj], deadline, wall)
-        p = _Pending(loop)
+        [cid] = self._send([obj], deadline, wall, loop)
         with self._lock:
-            if self._pending[cid].done:  # answered before we swapped in the async waiter
-                p = self._pending[cid]
-            else:
-                self._pending[cid] = p
+            p = self._pending[cid]
         try:
             while True:
                 with self._lock:
@@ -326,10 +392,13 @@ class Client:
                     items = []
                     try:
                         try:
-                            items = [await self._replies.get_async(timeout=left)]
+                            wait = RECHECK_S if left is None else min(left, RECHECK_S)
+                            items = [await self._replies.get_async(timeout=wait)]
                             items += self._read(0)
                         except Empty:
                             pass
+                        if time.monotonic() >= self._next_look:
+                            self._look()
                     finally:
                         self._release_role(items)
                 else:

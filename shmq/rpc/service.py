@@ -1,4 +1,4 @@
-"""The serving side: :class:`Service` takes calls from its request work queue,
+"""The serving side: :class:`Service` takes calls from its request ring,
 :class:`Call` answers one, ``serve`` runs handlers in supervised worker processes.
 
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
@@ -16,30 +16,52 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
+from .. import codec as _codec
 from .._mapping import resolve_path
-from ..errors import Empty, LeaseLost, NotASpool, ShmqError
+from ..errors import NotASpool, ShmqError
 from ..queue import Queue
 from ..spool import Spool
-from ..workqueue import Message, WorkQueue, WorkQueueStats
-from .board import Board, board_path
-from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, WQ_MAX_ATTEMPTS, error_tuple
+from .board import Board, board_path, service_status
+from .requests import GROUP, create_or_open, decode, taken_up_to
+from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, error_tuple
 
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
 
     from _typeshed import StrPath
 
-__all__ = ["Service", "Call"]
+__all__ = ["Service", "Call", "ServiceStats"]
 
 log = logging.getLogger("shmq.service")
 
-#: Workers check lease holders (a SIGKILLed worker's calls) this often.
-LIVENESS_INTERVAL_S = 0.2
 #: A stop request is noticed within this (a worker's get wakes this often).
 STOP_POLL_S = 0.2
 _REPLY_HANDLES = 256  # reply queues a worker keeps open (LRU)
+
+
+class ServiceStats(NamedTuple):
+    """A service's state: ``queued`` calls in the request ring, ``in_flight`` calls
+    taken and not answered yet, serving ``workers`` (``busy`` of them with a call in
+    hand), and the totals of its board: ``calls`` answered (``failed`` with an error),
+    ``expired`` (dropped: the caller had given up), ``redeliveries`` (calls taken
+    again after a worker died holding them)."""
+
+    queued: int
+    in_flight: int
+    workers: int
+    busy: int
+    calls: int
+    failed: int
+    expired: int
+    redeliveries: int
+
+
+def queued_calls(spool: Spool) -> int | None:
+    """Calls waiting in the request ring ``spool`` (None if it has no workers' group)."""
+    pos = taken_up_to(spool)
+    return None if pos is None else max(0, spool.next_seq - pos)
 
 
 class Call:
@@ -52,19 +74,20 @@ class Call:
     are dropped by the caller.
     """
 
-    __slots__ = ("_svc", "_msg", "request", "id", "attempt", "_reply_to", "_caller", "_done",
-                 "_taken_ns")
+    __slots__ = ("_svc", "_seq", "request", "id", "attempt", "_reply_to", "_caller", "_done",
+                 "_taken_ns", "_sent_ns")
 
-    def __init__(self, svc: Service, msg: Message, cid: int, reply_to: str, caller: int,
-                 request: Any) -> None:
+    def __init__(self, svc: Service, seq: int, cid: int, reply_to: str, caller: int,
+                 attempt: int, request: Any, sent_ns: int) -> None:
         self._svc = svc
-        self._msg = msg
+        self._seq = seq
         self.request = request
         self.id = cid
-        self.attempt = msg.attempt
+        self.attempt = attempt
         self._reply_to = reply_to
         self._caller = caller
         self._done = False
+        self._sent_ns = sent_ns
         self._taken_ns = time.monotonic_ns()  # service time: from here to the answer
 
     @property
@@ -96,27 +119,30 @@ class Service:
     """The serving side of a request/reply service at ``name_or_path``.
 
     A bare name lives in the private directory (docs/security.md), like a
-    spool's.  The service owns the request work queue at that path (and
-    ``PATH.dead``), created on first use and kept across restarts, so calls
-    in flight when the service stops are answered when it comes back;
-    :meth:`destroy` removes it.
+    spool's.  The service owns the request ring at that path (a ``block``
+    spool; see :mod:`shmq.rpc.requests`), created on first use and kept
+    across restarts, so calls queued when the service stops are answered
+    when it comes back; :meth:`destroy` removes it.
 
     Drive it with :meth:`serve` (handlers in worker processes, restarted
     when they die) or yourself: ``for call in svc: call.reply(...)``.
-    Every process that takes calls records them on the service's board
-    ``PATH.svc`` (:mod:`shmq.rpc.board`: its pid, calls answered, latency
-    and service-time histograms), which ``shmq stat``/``top``/``metrics``
-    read; the board is best effort (a worker that cannot use it serves
-    anyway, unrecorded).
+    Every process that takes calls holds a row of the service's board
+    ``PATH.svc`` (:mod:`shmq.rpc.board`): the request seqs in its hands,
+    its pid, calls answered, latency and service-time histograms.  Callers
+    read the held seqs to send again a call that a dead worker took;
+    ``shmq stat``/``top``/``metrics`` read the rest.  A worker that cannot
+    claim a row serves anyway (logged): its long calls may then be sent
+    twice (the duplicate answer is dropped by the caller).
     A handle works in the process that made it and in its children (it
     re-attaches after ``fork``, and pickles by path).
 
     ``capacity``: the request ring (a slow service makes callers wait when
     it is full).  ``max_attempts``: deliveries of a call that kills its
     worker before it is answered with a ``WorkerCrashed`` error.  ``lease``:
-    seconds a handler may run before its call is delivered to another
-    worker too.  ``prefetch``: calls a worker leases at once when they are
-    waiting (fewer lock round trips; a worker that dies holds more).
+    seconds a handler may hold a call before callers send it again (to
+    another worker; the first answer wins).  ``prefetch``: calls a worker
+    takes at once when they are waiting (fewer lock round trips; a worker
+    that dies holds more).
     """
 
     def __init__(self, name_or_path: StrPath, *, capacity: int | str = REQUEST_CAPACITY,
@@ -126,26 +152,29 @@ class Service:
             raise ValueError("max_attempts must be an int >= 1")
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
             raise ValueError("lease must be a positive number of seconds")
-        self.name = os.fspath(name_or_path)
-        self.path = resolve_path(name_or_path)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be an int >= 1")
+        self.name = os.fspath(name_or_path)
+        self.path = resolve_path(name_or_path)
         self._opts: dict[str, Any] = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
                                           prefetch=prefetch, trusted=trusted)
         self.prefetch = prefetch
-        self._held: deque[Message] = deque()  # calls leased by get_many, not handed out yet
         self.max_attempts = max_attempts
         self.lease = float(lease)
         self._trusted = trusted
         self._pid: int | None = None
-        self._wq: WorkQueue | None = None
-        self._replies: OrderedDict[str, Queue] = OrderedDict()  # reply queue path -> Queue handle, LRU
+        self._spool: Spool | None = None
+        self._reader: Any = None
+        self._held: deque[Any] = deque()  # frames taken, not handed out yet
+        self._open: set[int] = set()      # seqs taken and not answered (held or handed out)
+        self._hi = 0                      # one past the last seq taken
+        self._replies: OrderedDict[str, Queue] = OrderedDict()  # reply queue path -> Queue, LRU
         self._next_sweep = 0.0
         self._stopping = False
         self._wake_w: int | None = None
         self._board: Board | None = None
         self._board_tried = False
-        self._queue()  # create it now: clients find the service at once
+        self._ring()  # create it now: clients find the service at once
         try:  # and its board: shmq stat shows a service (0 workers) before any serves
             Board.create(board_path(self.path))
         except (OSError, ShmqError) as exc:
@@ -157,35 +186,42 @@ class Service:
     def __repr__(self) -> str:
         return f"<shmq.Service {self.path}>"
 
-    def _queue(self) -> WorkQueue:
-        if self._pid != os.getpid():  # first use, or a forked child: its own handles
-            self._wq = WorkQueue(self.path, capacity=self._opts["capacity"],
-                                 max_attempts=WQ_MAX_ATTEMPTS, trusted=self._trusted,
-                                 liveness_interval=LIVENESS_INTERVAL_S)
+    def _ring(self) -> Any:
+        """This process's member of the workers' group (made again in a forked child)."""
+        if self._pid != os.getpid():
+            sp = create_or_open(self.path, self._opts["capacity"])
+            try:
+                _codec.require_trust(sp, self._trusted)  # requests are pickles: ours and private
+                self._reader = sp.reader(GROUP, group=True)
+            except BaseException:
+                sp.close()
+                raise
+            self._spool = sp
             self._replies = OrderedDict()
-            self._held = deque()
+            self._held, self._open, self._hi = deque(), set(), 0
             self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
-        assert self._wq is not None  # set with _pid
-        return self._wq
+        return self._reader
 
     def close(self) -> None:
-        """Detach this process's handles (the request queue stays; see :meth:`destroy`)."""
+        """Detach this process's handles (the request ring stays; see :meth:`destroy`).
+
+        Calls taken and not answered are given up: their callers see them in no
+        live worker's hands and send them again.
+        """
         if self._pid == os.getpid():
-            while self._held:  # leased by get_many but never handed out: back to the queue
-                try:
-                    self._held.popleft().nack()
-                except LeaseLost:
-                    pass
+            self._held.clear()
+            self._open.clear()
             for q in self._replies.values():
                 q.close()
             self._replies.clear()
             if self._board is not None:
                 self._board.release()
                 self._board = None
-            assert self._wq is not None  # set with _pid
-            self._wq.close()
-        self._pid = self._wq = None
+            self._reader.close()
+            assert self._spool is not None  # set with _pid
+            self._spool.close()
+        self._pid = self._spool = self._reader = None
 
     def __enter__(self) -> Self:
         return self
@@ -195,8 +231,8 @@ class Service:
 
     @staticmethod
     def destroy(name_or_path: StrPath) -> None:
-        """Remove a service's request queue (``PATH`` and ``PATH.dead``) and its board
-        (``PATH.svc``); calls in the queue are lost.
+        """Remove a service's request ring (``PATH``) and its board (``PATH.svc``);
+        calls in the ring are lost.
 
         :raises FileNotFoundError: no service there.
         :raises shmq.NotASpool: something other than a regular file is at ``PATH.svc``
@@ -210,30 +246,38 @@ class Service:
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise NotASpool(f"{bp}: not a regular file, not a service board; nothing removed")
-        WorkQueue.destroy(path)
+        Spool.destroy(path)
         if st is not None:
             try:
                 os.unlink(bp)
             except FileNotFoundError:
                 pass
 
-    def stats(self) -> WorkQueueStats:
-        """The request queue's :class:`shmq.WorkQueueStats`: ``ready`` (queued calls),
-        ``in_flight`` (calls being handled), ``redeliveries`` and more."""
-        return self._queue().stats()
+    def stats(self) -> ServiceStats:
+        """The service's :class:`ServiceStats` (the ring's queue, the board's counts)."""
+        self._ring()
+        assert self._spool is not None
+        try:
+            b = service_status(self.path)
+        except (OSError, ShmqError):
+            b = dict.fromkeys(("in_flight", "workers", "busy", "calls", "failed", "expired",
+                               "redeliveries"), 0)
+        return ServiceStats(queued_calls(self._spool) or 0, b["in_flight"], b["workers"], b["busy"],
+                            b["calls"], b["failed"], b["expired"], b["redeliveries"])
 
     # -- taking calls ---------------------------------------------------------------
 
     def get(self, timeout: float | None = None) -> Call:
         """The next call to answer (blocks; no polling).
 
-        Calls whose caller gave up (deadline passed) are dropped here; a call
-        that has taken down its worker ``max_attempts`` times is answered
-        with a :class:`shmq.RemoteError` (``WorkerCrashed``) and skipped.
+        Calls whose caller gave up (deadline passed, or its process is gone)
+        are dropped here; a call that has taken down its worker
+        ``max_attempts`` times is answered with a :class:`shmq.RemoteError`
+        (``WorkerCrashed``) and skipped.
 
         :raises shmq.Empty: no call within ``timeout``.
         """
-        wq = self._queue()
+        reader = self._ring()
         if not self._board_tried:
             self._claim_row()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,48 +286,68 @@ class Service:
                 self._sweep()
             if not self._held:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._held.extend(wq.get_many(self.prefetch, timeout=left, lease=self.lease))
-            msg = self._held.popleft()
+                frames = reader.get_many(self.prefetch, timeout=left)
+                self._open.update(f.seq for f in frames)
+                self._hi = frames[-1].seq + 1
+                self._publish()  # at once: callers must see these in our hands
+                self._held.extend(frames)
+            f = self._held.popleft()
             try:
-                cid, reply_to, caller, deadline_ns, request = msg.body
-            except (TypeError, ValueError):
-                log.warning("%s: dropping message %d: not a call", self.path, msg.id)
-                _settle(msg)
+                cid, reply_to, caller, deadline_ns, attempt, request = decode(f)
+            except Exception as exc:  # noqa: BLE001  (not a call: written by something else)
+                log.warning("%s: dropping frame %d: not a call (%s)", self.path, f.seq, exc)
+                self._settle(f.seq)
                 continue
-            if deadline_ns and time.time_ns() > deadline_ns:
-                _settle(msg)  # the caller raised Timeout already
+            if (deadline_ns and time.time_ns() > deadline_ns) or not _alive(caller):
+                self._settle(f.seq)  # the caller raised Timeout already, or is gone
                 if self._board is not None:
                     self._board.expired()
                 continue
-            call = Call(self, msg, cid, reply_to, caller, request)
+            call = Call(self, f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns)
             if self._board is not None:
                 self._board.busy()
-            if msg.attempt > self.max_attempts:
+                if attempt > 1:
+                    self._board.redelivered()
+            if attempt > self.max_attempts:
                 self._answer(call, ERR, (
-                    "WorkerCrashed", f"the call took down its worker {msg.attempt - 1} times "
+                    "WorkerCrashed", f"the call took down its worker {attempt - 1} times "
                     f"(max_attempts={self.max_attempts}); not retried", None))
                 continue
             return call
 
     def __iter__(self) -> Iterator[Call]:
         """Calls, forever (until :meth:`stop`, or a signal when serving)."""
+        from ..errors import Empty
+
         while not self._stopping:
             try:
                 yield self.get(timeout=STOP_POLL_S)
             except Empty:
                 continue
 
+    def _publish(self):
+        """Our row shows the seqs in our hands (all in [min open, hi))."""
+        if self._board is not None:
+            o = self._open
+            self._board.hold(min(o) if o else self._hi, self._hi, len(o))
+
+    def _settle(self, seq):
+        self._open.discard(seq)
+        self._publish()
+
     def _claim_row(self):
         self._board_tried = True
         try:
             self._board = Board.claim(board_path(self.path))
         except (OSError, ShmqError) as exc:
-            log.warning("%s: no row on the service board (calls are served, not recorded): %s",
-                        self.path, exc)
+            log.warning("%s: no row on the service board (calls are served, not recorded; "
+                        "callers may send long calls twice): %s", self.path, exc)
             return
         if self._board is None:
             log.warning("%s: every row of the service board is held by a live process; this "
                         "one (pid %d) serves unrecorded", self.path, os.getpid())
+        else:
+            self._board.set_lease(self.lease)
 
     def _answer(self, call, status, value):
         if call._done:
@@ -307,9 +371,9 @@ class Service:
         call._done = True
         if self._board is not None:
             # latency: the caller's put (wall clock, this host) to the reply written
-            self._board.record(time.time_ns() - round(call._msg.enqueued_at * 1e9),
+            self._board.record(time.time_ns() - call._sent_ns,
                                time.monotonic_ns() - call._taken_ns, status != OK)
-        _settle(call._msg)
+        self._settle(call._seq)  # after the reply: a caller never sees it neither held nor answered
 
     def _reply_queue(self, path):
         q = self._replies.get(path)
@@ -438,11 +502,15 @@ class Service:
         return p
 
 
-def _settle(msg):
+def _alive(caller):
+    """False if the caller's process is gone (its holder word's pid); True if unsure."""
     try:
-        msg.ack()
-    except LeaseLost:
-        pass  # redelivered meanwhile (our lease expired): the copy answers too; dedup drops it
+        os.kill(caller & 0xFFFFFFFF, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, TypeError, ValueError):
+        pass
+    return True
 
 
 def _parent_death_signal(sig):

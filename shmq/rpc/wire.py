@@ -1,7 +1,8 @@
 """What a call and its reply look like on the way, shared by the service and the client.
 
-A request is a work-queue message whose body is the tuple
-``(call id, reply queue path, caller identity word, deadline ns, request)``;
+A request is a frame of the service's request ring holding the tuple
+``(call id, reply queue path, caller identity word, deadline ns, attempt, request)``
+(:mod:`shmq.rpc.requests`);
 a reply is the tuple ``(call id, status, value)`` put into the caller's
 reply queue, ``value`` being the reply (``OK``) or ``(type name, message,
 traceback)`` (``ERR``).
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 import traceback
 
-__all__ = ["OK", "ERR", "NS", "REQUEST_CAPACITY", "MAX_ATTEMPTS", "WQ_MAX_ATTEMPTS", "label",
-           "error_tuple"]
+__all__ = ["OK", "ERR", "NS", "REQUEST_CAPACITY", "MAX_ATTEMPTS", "label", "error_tuple"]
 
 OK, ERR = 0, 1
 NS = 1_000_000_000
@@ -20,9 +20,6 @@ NS = 1_000_000_000
 #: many times a call may take its worker down before it is answered with an error.
 REQUEST_CAPACITY = "16MiB"
 MAX_ATTEMPTS = 10
-#: What the work queue itself stores: high, so that the service (which can still
-#: answer the caller) gives up on a call, not the work queue's dead-letter spool.
-WQ_MAX_ATTEMPTS = 1_000_000
 
 
 def label(name, path):

@@ -1,0 +1,123 @@
+"""The service's request ring: a ``block`` spool at the service's path whose calls
+workers take as one group, and what a call looks like in it.
+
+A call is one frame, the pickle (protocol 5, out-of-band buffers written
+straight into the ring) of ``(call id, reply queue path, caller identity
+word, deadline ns, attempt, request)``.  Workers take frames as members of
+the group :data:`GROUP` (each frame to exactly one of them, in the core,
+a few microseconds per take); the group's position is what callers read to
+tell a call still queued (its seq at or past it) from one taken.
+
+There is no per-call lease record: what a worker holds it publishes on
+the service board (:meth:`shmq.rpc.board.Board.hold`), and a caller sends
+a call again when it is neither queued, nor in a live worker's hands, nor
+answered (:mod:`shmq.rpc.client`).  The ring is fixed-size and ``block``:
+a slow service makes callers wait in ``put`` (bounded memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _format as F
+from .. import codec as _codec
+from ..errors import ShmqError
+from ..spool import Spool
+
+__all__ = ["GROUP", "create_or_open", "open_ring", "send", "decode", "taken_up_to"]
+
+#: The workers' group on the request ring.
+GROUP = "calls"
+
+
+def create_or_open(path: str, capacity: int | str) -> Spool:
+    """The request ring at ``path``, created (with its group) if missing.
+
+    :raises shmq.ShmqError: a spool of another kind is there (not ``block``).
+    """
+    try:
+        sp = Spool.create(path, capacity=capacity, on_full="block")
+    except FileExistsError:
+        sp = Spool.open(path)
+    try:
+        if sp.on_full != "block":
+            raise ShmqError(f"{path}: a '{sp.on_full}' spool is there, not a service's "
+                            "request ring (Service.destroy it, or use another name)")
+        sp.reader(GROUP, group=True).close()  # the group exists before any call is put
+    except BaseException:
+        sp.close()
+        raise
+    return sp
+
+
+def open_ring(path: str, trusted: bool = False) -> Spool:
+    """A caller's handle on an existing request ring (never creates one).
+
+    The ring must pass the trust rule (docs/security.md) like the service's
+    side: a ring another user can write or read is not where our calls go.
+
+    :raises FileNotFoundError: no service there (yet).
+    :raises shmq.UntrustedSpool: another user owns it or can write it.
+    :raises shmq.ShmqError: what is there is not a request ring.
+    """
+    sp = Spool.open(path)
+    try:
+        _codec.require_trust(sp, trusted)
+        if sp.on_full != "block" or sp.slots.find(GROUP) is None:
+            raise ShmqError(f"{path}: not a service's request ring (no '{GROUP}' group)")
+    except BaseException:
+        sp.close()
+        raise
+    return sp
+
+
+def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> list[int]:
+    """Put the call tuples, in order, and return their seqs.
+
+    Runs of calls with the same codec go in one atomic batch; a batch
+    larger than the ring goes call by call.
+
+    :raises shmq.Full: no room within ``timeout``.
+    :raises shmq.TooLarge: a single call can never fit in the ring.
+    """
+    from ..errors import TooLarge
+
+    encoded = _codec.encode_many(calls)
+    seqs: list[int] = []
+    i = 0
+    while i < len(encoded):
+        codec = encoded[i][1]
+        j = i + 1
+        while j < len(encoded) and encoded[j][1] == codec:
+            j += 1
+        items = [e[0] for e in encoded[i:j]]
+        if len(items) == 1 and codec == F.CODEC_PICKLE:
+            seqs.append(spool.put(items[0], timeout=timeout, codec=codec))  # the core's fast put
+        else:
+            try:
+                first = spool.put_many(items, timeout=timeout, codec=codec)
+                seqs += range(first, first + len(items))
+            except TooLarge:
+                if len(items) == 1:
+                    raise
+                for item in items:
+                    seqs.append(spool.put_many([item], timeout=timeout, codec=codec))
+        i = j
+    return seqs
+
+
+def decode(frame: Any) -> Any:
+    """A call tuple from its frame (the ring's trust was required when it was opened)."""
+    data = frame.data
+    if frame.codec == F.CODEC_PICKLE_OOB:
+        data = bytearray(data) if not isinstance(data, bytearray) else data
+    return _codec.decode_item(data, frame.codec)
+
+
+def taken_up_to(spool: Spool) -> int | None:
+    """The group's position: every call with a smaller seq was taken by a worker
+    (None if the group is gone)."""
+    i = spool.slots.find(GROUP)
+    if i is None:
+        return None
+    return spool.slots.cursor(i)[0]
