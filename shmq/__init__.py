@@ -18,7 +18,7 @@ from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them here
     from .dispatch import Context, Dispatcher
-    from .rpc import Call, Client, Service
+    from .rpc import Call, Client, Service, ServiceStats
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ __all__ = [
     "ShmqError", "Empty", "Full", "Timeout", "FrameLost", "SpoolFormatError", "TooLarge",
     "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
-    "Service", "Client", "Call", "RemoteError",
+    "Service", "Client", "Call", "ServiceStats", "RemoteError",
     "FORMAT_VERSION",
 ]
 
@@ -38,7 +38,7 @@ def __getattr__(name: str) -> Any:
         from . import dispatch
 
         return getattr(dispatch, name)
-    if name in ("Service", "Client", "Call"):  # request/reply (asyncio, multiprocessing): on use
+    if name in ("Service", "Client", "Call", "ServiceStats"):  # request/reply (asyncio, multiprocessing): on use
         from . import rpc
 
         return getattr(rpc, name)

@@ -47,6 +47,8 @@ def handler(req):
             return {"released": req["n"]}
         if op == "unpicklable":
             return lambda: None
+        if op == "crash":  # every delivery takes its worker down
+            os.kill(os.getpid(), signal.SIGKILL)
     return {"echo": req, "pid": os.getpid()}
 
 
@@ -304,6 +306,108 @@ cl._check()
 print(cl._reply_path, flush=True)
 cl.call({req!r}, timeout=60)
 """
+
+
+def test_call_that_kills_every_worker_gets_worker_crashed_and_others_are_answered(service, svc_path):
+    """A call sent again after its worker died may be what kills workers: after
+    ``max_attempts`` deliveries it is answered with WorkerCrashed, and the calls
+    pipelined around it still get their own answers."""
+    service(workers=1, max_attempts=2)
+    with shmq.Client(svc_path) as cl:
+        res = {}
+
+        def call(key, req):
+            try:
+                res[key] = cl.call(req, timeout=T)
+            except shmq.RemoteError as exc:
+                res[key] = exc
+
+        ts = [threading.Thread(target=call, args=(k, r)) for k, r in
+              (("a", "a"), ("crash", {"op": "crash"}), ("b", "b"))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(T)
+        assert res["a"]["echo"] == "a" and res["b"]["echo"] == "b"
+        assert isinstance(res["crash"], shmq.RemoteError)
+        assert res["crash"].type_name == "WorkerCrashed"
+        assert "max_attempts=2" in str(res["crash"])
+        assert cl.call("after", timeout=T)["echo"] == "after"
+
+
+def test_call_held_past_its_lease_is_sent_to_another_worker(service, svc_path, spool_dir):
+    """A live worker that holds a call longer than its lease: the caller sends it
+    again, another worker answers, and the late first answer is dropped."""
+    service(workers=2, lease=0.5)
+    req, started, go = _blocking_call(spool_dir, 5)
+    st = Started(started)
+    try:
+        with shmq.Client(svc_path) as cl:
+            res = {}
+            t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
+            t.start()
+            first = st.next()
+            second = st.next()  # sent again past the lease: the other worker took it
+            assert second != first
+            release(go)  # one of them answers (both read the same FIFO)
+            t.join(T)
+            assert res["r"] == {"released": 5}
+            release(go)  # the other one finishes too; its answer is a duplicate
+            assert cl.call("after", timeout=T)["echo"] == "after"
+    finally:
+        st.close()
+
+
+def test_call_in_a_live_workers_hands_is_not_sent_again(service, svc_path, spool_dir):
+    """The caller looks for lost calls every RECHECK_S while it waits: a call a live
+    worker holds (within its lease) is found on the board and left alone."""
+    from shmq.rpc.client import RECHECK_S
+
+    service(workers=2)
+    req, started, go = _blocking_call(spool_dir, 6)
+    st = Started(started)
+    try:
+        with shmq.Client(svc_path) as cl:
+            res = {}
+            t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
+            t.start()
+            st.next()
+            # four looks' time: a second delivery would start on the idle worker
+            ready, _w, _x = select.select([st.fd], [], [], 4 * RECHECK_S)
+            assert not ready, "the call was delivered again while a live worker held it"
+            release(go)
+            t.join(T)
+            assert res["r"] == {"released": 6}
+            assert cl.duplicates == 0
+    finally:
+        st.close()
+
+
+def test_get_many_takes_what_is_waiting(svc_path):
+    svc = shmq.Service(svc_path)
+    cl = shmq.Client(svc_path)
+    try:
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=cl.call_many(range(5), timeout=T)))
+        t.start()
+        got = []
+        while len(got) < 5:
+            calls = svc.get_many(3, timeout=T)
+            assert 1 <= len(calls) <= 3
+            got += calls
+        assert sorted(c.request for c in got) == list(range(5))
+        st = svc.stats()
+        assert (st.in_flight, st.queued) == (5, 0)
+        for c in got:
+            c.reply(c.request * 10)
+        t.join(T)
+        assert res["r"] == [0, 10, 20, 30, 40]
+        assert svc.stats().in_flight == 0
+        with pytest.raises(shmq.Empty):
+            svc.get_many(3, timeout=0.05)
+    finally:
+        cl.close()
+        svc.close()
 
 
 def test_client_killed_mid_call_leaves_nothing(service, svc_path, spool_dir):

@@ -300,3 +300,42 @@ def test_a_board_locked_for_ever_costs_its_rows_not_the_calls(spool_dir, monkeyp
         cl.close()
         svc.close()
     shmq.Service.destroy(path)
+
+
+def _hold_and_die(path, ready):
+    b = B.Board.claim(path + ".svc")
+    b.set_lease(7.0)
+    b.busy()
+    b.hold(10, 13, 3)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_held_ranges_are_what_callers_trust_and_only_live_ones(spool_dir):
+    """The board's held seqs: a live row's range and lease are read back; a dead
+    row's are not (its calls must be sent again); in_flight counts live ones."""
+    path = os.path.join(spool_dir, "svc")
+    shmq.Service(path).close()
+    b = B.Board.claim(path + ".svc")
+    try:
+        b.set_lease(2.5)
+        b.busy()
+        b.hold(4, 9, 2)
+        [(lo, hi, since, lease)] = B.held_ranges(path)
+        assert (lo, hi, lease) == (4, 9, 2_500_000_000) and since > 0
+        assert B.service_status(path)["in_flight"] == 2
+        b.record_many([(1_000, 2_000, False), (3_000, 4_000, True)])
+        d = B.service_status(path)
+        assert (d["calls"], d["failed"]) == (2, 1)
+        b.hold(9, 9, 0)  # answered both
+        assert B.held_ranges(path) == [] and B.service_status(path)["in_flight"] == 0
+        ready = FORK.Event()
+        p = FORK.Process(target=_hold_and_die, args=(path, ready))
+        p.start()
+        assert ready.wait(T)
+        p.join(T)
+        assert B.held_ranges(path) == []  # its holder is dead: nobody holds 10..12
+        assert B.service_status(path)["in_flight"] == 0
+    finally:
+        b.release()
+    shmq.Service.destroy(path)

@@ -222,15 +222,23 @@ class Board:
 
     def record(self, latency_ns: int, service_ns: int, failed: bool) -> None:
         """Count one answered call: its latency and service time, and whether it was an error."""
+        self.record_many([(latency_ns, service_ns, failed)])
+
+    def record_many(self, answers: list[tuple[int, int, bool]]) -> None:
+        """:meth:`record` of each ``(latency_ns, service_ns, failed)``, the calls count last."""
         w, b = self._w, self._base
-        i = b + R_LATENCY + bucket_of(max(0, latency_ns))
-        w[i] = w[i] + 1
-        i = b + R_SERVICE + bucket_of(max(0, service_ns))
-        w[i] = w[i] + 1
+        lat, svc = b + R_LATENCY, b + R_SERVICE
+        failed = 0
+        for latency_ns, service_ns, bad in answers:
+            i = lat + bucket_of(latency_ns if latency_ns > 0 else 0)
+            w[i] += 1
+            i = svc + bucket_of(service_ns if service_ns > 0 else 0)
+            w[i] += 1
+            failed += bad
         if failed:
-            w[b + R_FAILED] = w[b + R_FAILED] + 1
+            w[b + R_FAILED] += failed
         w[b + R_BUSY_NS] = 0
-        w[b + R_CALLS] = w[b + R_CALLS] + 1  # last: a reader sees the buckets first
+        w[b + R_CALLS] += len(answers)  # last: a reader sees the buckets first
 
     def expired(self) -> None:
         """Count a call dropped because its caller had given up."""

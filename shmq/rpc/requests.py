@@ -17,10 +17,12 @@ a slow service makes callers wait in ``put`` (bounded memory).
 
 from __future__ import annotations
 
+from pickle import loads as _loads
 from typing import Any
 
 from .. import _format as F
 from .. import codec as _codec
+from .._core import encode_batch
 from ..errors import ShmqError
 from ..spool import Spool
 
@@ -82,6 +84,14 @@ def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> l
     """
     from ..errors import TooLarge
 
+    batch = encode_batch(calls) if len(calls) > 1 else None  # all in-band pickles: one C call
+    if batch is not None:
+        parts, codec = batch
+        try:
+            first = spool.put_many(parts, timeout=timeout, codec=codec)
+            return list(range(first, first + len(parts)))
+        except TooLarge:
+            pass  # larger than the ring as one batch: call by call below
     encoded = _codec.encode_many(calls)
     seqs: list[int] = []
     i = 0
@@ -108,9 +118,11 @@ def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> l
 
 def decode(frame: Any) -> Any:
     """A call tuple from its frame (the ring's trust was required when it was opened)."""
+    if frame.codec == F.CODEC_PICKLE:
+        return _loads(frame.data)  # the common case, without the codec layer's dispatch
     data = frame.data
-    if frame.codec == F.CODEC_PICKLE_OOB:
-        data = bytearray(data) if not isinstance(data, bytearray) else data
+    if frame.codec == F.CODEC_PICKLE_OOB and not isinstance(data, bytearray):
+        data = bytearray(data)  # the buffers outlive the frame
     return _codec.decode_item(data, frame.codec)
 
 

@@ -78,7 +78,7 @@ class Call:
                  "_taken_ns", "_sent_ns")
 
     def __init__(self, svc: Service, seq: int, cid: int, reply_to: str, caller: int,
-                 attempt: int, request: Any, sent_ns: int) -> None:
+                 attempt: int, request: Any, sent_ns: int, taken_ns: int) -> None:
         self._svc = svc
         self._seq = seq
         self.request = request
@@ -88,7 +88,7 @@ class Call:
         self._caller = caller
         self._done = False
         self._sent_ns = sent_ns
-        self._taken_ns = time.monotonic_ns()  # service time: from here to the answer
+        self._taken_ns = taken_ns  # service time: from here to the answer
 
     @property
     def done(self) -> bool:
@@ -277,43 +277,85 @@ class Service:
 
         :raises shmq.Empty: no call within ``timeout``.
         """
+        return self.get_many(1, timeout)[0]
+
+    def get_many(self, max_calls: int = 64, timeout: float | None = None) -> list[Call]:
+        """1..``max_calls`` calls to answer, blocking only for the first (as :meth:`get`).
+
+        Every call returned is in this process's hands until answered: take
+        only as many as you will answer soon (a call held longer than
+        ``lease`` is sent again by its caller).
+
+        :raises shmq.Empty: no call within ``timeout``.
+        """
         reader = self._ring()
         if not self._board_tried:
             self._claim_row()
         deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Call] = []
+        alive: dict[int, bool] = {}  # callers looked up in this batch
         while True:
             if time.monotonic() >= self._next_sweep:
                 self._sweep()
             if not self._held:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                frames = reader.get_many(self.prefetch, timeout=left)
-                self._open.update(f.seq for f in frames)
-                self._hi = frames[-1].seq + 1
-                self._publish()  # at once: callers must see these in our hands
-                self._held.extend(frames)
-            f = self._held.popleft()
-            try:
-                cid, reply_to, caller, deadline_ns, attempt, request = decode(f)
-            except Exception as exc:  # noqa: BLE001  (not a call: written by something else)
-                log.warning("%s: dropping frame %d: not a call (%s)", self.path, f.seq, exc)
-                self._settle(f.seq)
-                continue
-            if (deadline_ns and time.time_ns() > deadline_ns) or not _alive(caller):
-                self._settle(f.seq)  # the caller raised Timeout already, or is gone
+                if out:  # more only if they are there already
+                    self._take(reader, max(max_calls - len(out), self.prefetch), block=False)
+                else:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._take(reader, max(max_calls, self.prefetch), timeout=left)
+            now, mono = time.time_ns(), time.monotonic_ns()
+            held = self._held
+            while held and len(out) < max_calls:
+                call = self._admit(held.popleft(), now, mono, alive)
+                if call is not None:
+                    out.append(call)
+            if out and (len(out) >= max_calls or not held):
                 if self._board is not None:
-                    self._board.expired()
-                continue
-            call = Call(self, f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns)
+                    self._board.busy()
+                return out
+
+    def _take(self, reader, n, block=True, timeout=None):
+        """Take up to ``n`` calls into our hands (and show them on our row at once)."""
+        from ..errors import Empty
+
+        try:
+            frames = reader.get_many(n, block, timeout)
+        except Empty:
+            if block:
+                raise
+            return
+        self._open.update(f.seq for f in frames)
+        self._hi = frames[-1].seq + 1
+        self._publish()  # at once: callers must see these in our hands
+        self._held.extend(frames)
+
+    def _admit(self, f, now, mono, alive):
+        """The call in frame ``f``, or None if it is dropped or answered here (``now``,
+        ``mono``: the wall and monotonic clocks in ns; ``alive``: caller word -> liveness,
+        filled as callers are seen)."""
+        try:
+            cid, reply_to, caller, deadline_ns, attempt, request = decode(f)
+        except Exception as exc:  # noqa: BLE001  (not a call: written by something else)
+            log.warning("%s: dropping frame %d: not a call (%s)", self.path, f.seq, exc)
+            self._settle(f.seq)
+            return None
+        live = alive.get(caller)
+        if live is None:
+            live = alive[caller] = _alive(caller)
+        if (deadline_ns and now > deadline_ns) or not live:
+            self._settle(f.seq)  # the caller raised Timeout already, or is gone
             if self._board is not None:
-                self._board.busy()
-                if attempt > 1:
-                    self._board.redelivered()
-            if attempt > self.max_attempts:
-                self._answer(call, ERR, (
-                    "WorkerCrashed", f"the call took down its worker {attempt - 1} times "
-                    f"(max_attempts={self.max_attempts}); not retried", None))
-                continue
-            return call
+                self._board.expired()
+            return None
+        call = Call(self, f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns, mono)
+        if attempt > 1 and self._board is not None:
+            self._board.redelivered()
+        if attempt > self.max_attempts:
+            self._answer(call, ERR, (
+                "WorkerCrashed", f"the call took down its worker {attempt - 1} times "
+                f"(max_attempts={self.max_attempts}); not retried", None))
+            return None
+        return call
 
     def __iter__(self) -> Iterator[Call]:
         """Calls, forever (until :meth:`stop`, or a signal when serving)."""
@@ -350,30 +392,62 @@ class Service:
             self._board.set_lease(self.lease)
 
     def _answer(self, call, status, value):
-        if call._done:
-            raise ValueError(f"call {call.id} was answered already")
-        q = self._reply_queue(call._reply_to)
-        if q is not None:
+        self._answer_all([(call, status, value)])
+
+    def _answer_all(self, answers):
+        """Send ``(call, status, value)`` answers: one batch per caller's reply queue
+        (one wake-up per caller), then settle them (reply first: a caller never
+        finds a call neither in our hands nor answered)."""
+        for call, _s, _v in answers:
+            if call._done:
+                raise ValueError(f"call {call.id} was answered already")
+        by_queue: dict[Any, list[tuple[Call, int, Any]]] = {}
+        for a in answers:
+            by_queue.setdefault(a[0]._reply_to, []).append(a)
+        failed = set()
+        for path, group in by_queue.items():
+            q = self._reply_queue(path)
+            if q is None:
+                continue
             try:
-                q.put((call.id, status, value))
-            except Exception as exc:  # unpicklable, or beyond the reply queue's ceiling
-                if status == OK:
-                    status = ERR
-                    err = error_tuple(exc)
-                    msg = f"the reply could not be sent: {err[0]}: {err[1]}"
-                    try:
-                        q.put((call.id, ERR, ("ReplyError", msg, err[2])))
-                    except Exception:
-                        log.exception("%s: reply to call %d lost", self.path, call.id)
+                if len(group) == 1:
+                    c, st, v = group[0]
+                    q.put((c.id, st, v))  # the core's whole put
                 else:
-                    log.exception("%s: error reply to call %d lost", self.path, call.id)
-            self._check_caller(call._reply_to, call._caller)
-        call._done = True
+                    q.put_many([(c.id, st, v) for c, st, v in group])
+            except Exception:  # noqa: BLE001  (unpicklable, or too large: say so, one by one)
+                for c, st, v in group:
+                    if not self._put_reply(q, c, st, v):
+                        failed.add(c)
+            self._check_caller(path, group[0][0]._caller)
+        now, mono = time.time_ns(), time.monotonic_ns()
+        settle = self._open.discard
+        for call, _s, _v in answers:
+            call._done = True
+            settle(call._seq)
         if self._board is not None:
             # latency: the caller's put (wall clock, this host) to the reply written
-            self._board.record(time.time_ns() - call._sent_ns,
-                               time.monotonic_ns() - call._taken_ns, status != OK)
-        self._settle(call._seq)  # after the reply: a caller never sees it neither held nor answered
+            self._board.record_many([(now - c._sent_ns, mono - c._taken_ns, st != OK or c in failed)
+                                     for c, st, _v in answers])
+        self._publish()
+
+    def _put_reply(self, q, call, status, value):
+        """One reply; one that cannot be sent is answered with a ``ReplyError``.
+        Returns False if what was sent is an error the handler did not raise."""
+        try:
+            q.put((call.id, status, value))
+            return True
+        except Exception as exc:  # noqa: BLE001  unpicklable, or beyond the reply queue's ceiling
+            if status == OK:
+                err = error_tuple(exc)
+                msg = f"the reply could not be sent: {err[0]}: {err[1]}"
+                try:
+                    q.put((call.id, ERR, ("ReplyError", msg, err[2])))
+                except Exception:  # noqa: BLE001
+                    log.exception("%s: reply to call %d lost", self.path, call.id)
+            else:
+                log.exception("%s: error reply to call %d lost", self.path, call.id)
+            return False
 
     def _reply_queue(self, path):
         q = self._replies.get(path)
@@ -532,17 +606,51 @@ def _worker_main(name, opts, handler, parent):
     if os.getppid() != parent:  # the supervisor died before we set the death signal
         return
     try:
-        for call in svc:
-            try:
-                out = handler(call.request)
-            except Exception as exc:
-                call.fail(exc)
-            else:
-                call.reply(out)
-            if os.getppid() != parent:
-                break
+        _serve_batches(svc, handler, parent)
     finally:
         svc.close()
+
+
+#: A serving worker takes as many waiting calls at once as its handler answers in
+#: about this long (from its recent service times), at most BATCH_MAX: one take
+#: and one reply batch per caller instead of one of each per call, without holding
+#: calls that another worker could be answering.
+BATCH_S = 0.001
+BATCH_MAX = 64
+
+
+def _serve_batches(svc, handler, parent):
+    """A worker's loop: take a batch, run the handler on each call, answer the batch."""
+    from ..errors import Empty
+
+    per_call = BATCH_S  # seconds per call, smoothed; starts at one call per take
+    while not svc._stopping:
+        n = max(1, min(BATCH_MAX, int(BATCH_S / per_call)))
+        try:
+            calls = svc.get_many(n, timeout=STOP_POLL_S)
+        except Empty:
+            continue
+        t0 = time.perf_counter()
+        # A call sent again (its worker died with it) may be what kills workers:
+        # answer one call at a time around it, and take one at a time after it, so
+        # that calls taken with it are not lost (and their attempts spent) again.
+        careful = any(c.attempt > 1 for c in calls)
+        answers = []
+        for call in calls:
+            try:
+                answers.append((call, OK, handler(call.request)))
+            except Exception as exc:  # noqa: BLE001  (the caller gets it as RemoteError)
+                answers.append((call, ERR, error_tuple(exc)))
+            if careful:
+                svc._answer_all(answers)
+                answers = []
+        if answers:
+            svc._answer_all(answers)
+        per_call = 0.8 * per_call + 0.2 * max(1e-7, (time.perf_counter() - t0) / len(calls))
+        if careful:
+            per_call = BATCH_S
+        if os.getppid() != parent:
+            break
 
 
 def _reopen_service(name, opts):

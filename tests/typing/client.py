@@ -159,7 +159,7 @@ def services(name: str) -> None:
         assert_type(c, shmq.Call)
         c.fail(ValueError("bad request"))
         break
-    assert_type(svc.stats(), shmq.WorkQueueStats)
+    assert_type(svc.stats(), shmq.ServiceStats)
     svc.serve(upper, workers=2, mp_context="spawn")
     svc.close()
     shmq.Service.destroy(name)
