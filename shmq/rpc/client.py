@@ -175,6 +175,8 @@ class Client:
         ids = [next(self._ids) for _ in objs]
         ps = [_Pending(obj, wall_deadline, loop) for obj in objs]
         with self._lock:
+            if not self._pending:  # the first look for lost calls: when these are RECHECK_S old
+                self._next_look = time.monotonic() + RECHECK_S
             for cid, p in zip(ids, ps):
                 self._pending[cid] = p
         calls = [(cid, self._reply_path, self._me, wall_deadline, 1, obj) for cid, obj in zip(ids, objs)]
