@@ -369,6 +369,9 @@ SERVICE_METRICS = (
      lambda s: s["failed"]),
     ("shmq_service_expired_total", "counter", "Calls dropped: their caller had given up.",
      lambda s: s["expired"]),
+    ("shmq_service_redeliveries_total", "counter",
+     "Calls taken again: sent again by their caller after a worker died holding them.",
+     lambda s: s["redeliveries"]),
 )
 #: (name, help, key of the snapshot) for the quantile gauges (seconds, bucket midpoints).
 SERVICE_QUANTILES = (

@@ -101,7 +101,7 @@ def service_text(svc) -> str:
     return (f"service: {plural(svc['workers'], 'worker')}" + (f" (pids {pids})" if pids else "")
             + f", {svc['busy']} busy; calls queued {q}, in flight {f}; answered "
             f"{svc['calls']:,} ({svc['failed']:,} with an error), {svc['expired']:,} dropped "
-            "(caller gone)\n"
+            f"(caller gone), {svc['redeliveries']:,} redelivered (worker died)\n"
             f"service latency: p50 {_secs(lat['p50'])}, p99 {_secs(lat['p99'])} over "
             f"{plural(lat['count'], 'call')} (put to reply); service time p50 {_secs(st['p50'])}, "
             f"p99 {_secs(st['p99'])} (handler and reply; log buckets, within 12.5%)")

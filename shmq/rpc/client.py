@@ -236,13 +236,20 @@ class Client:
                 p.strikes += 1
                 if p.strikes >= 2:
                     lost.append((cid, p))
-        for cid, p in lost:
-            p.strikes, p.attempt = 0, p.attempt + 1
-            try:
-                with self._put_lock:
-                    [p.seq] = send(ring, [(cid, self._reply_path, self._me, p.wall, p.attempt, p.obj)], 0)
-            except (Full, Timeout):
-                p.attempt -= 1  # the ring is full: the next look tries again
+        # Never wait here for another thread's put (it may wait for room for as long
+        # as its timeout, and we hold the reader role): the next look tries again.
+        if not lost or not self._put_lock.acquire(blocking=False):
+            return
+        try:
+            for cid, p in lost:
+                try:
+                    [p.seq] = send(ring, [(cid, self._reply_path, self._me, p.wall, p.attempt + 1,
+                                           p.obj)], 0)
+                except (Full, Timeout):
+                    break  # the ring is full: the next look tries again
+                p.strikes, p.attempt = 0, p.attempt + 1
+        finally:
+            self._put_lock.release()
 
     # -- receiving ------------------------------------------------------------------
 
