@@ -570,3 +570,21 @@ def test_chaos_quick(tmp_path):
     assert res["violations"] == 0 and res["kills"] > 0
     assert res["replies"] == res["calls"] > 0
     print(proc.stdout)
+
+
+def test_something_else_at_the_path_is_refused_not_taken_over(spool_dir):
+    """A work queue (what an older shmq's service left) or an overwrite spool at the
+    service's path: a clear error, and the file is left as it was."""
+    wq_path = os.path.join(spool_dir, "old")
+    shmq.WorkQueue(wq_path).close()
+    with pytest.raises(shmq.ShmqError, match="work queue.*not a service's request ring"):
+        shmq.Service(wq_path)
+    with pytest.raises(shmq.Timeout, match="not a service's request ring"):
+        shmq.Client(wq_path).call(1, timeout=0.1)
+    shmq.WorkQueue.destroy(wq_path)
+    sp_path = os.path.join(spool_dir, "sp")
+    shmq.Spool.create(sp_path, capacity=65536).close()
+    with pytest.raises(shmq.ShmqError, match="'overwrite' spool is there"):
+        shmq.Service(sp_path)
+    with shmq.Spool.open(sp_path) as sp:
+        assert sp.readers() == []  # no group was added

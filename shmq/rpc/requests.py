@@ -37,14 +37,22 @@ def create_or_open(path: str, capacity: int | str) -> Spool:
 
     :raises shmq.ShmqError: a spool of another kind is there (not ``block``).
     """
+    # Open first: every worker (re)start attaches to the ring, and a create that
+    # loses to an existing file still makes (and, unless killed, removes) a whole
+    # pre-allocated temporary spool with its semaphores.
     try:
-        sp = Spool.create(path, capacity=capacity, on_full="block")
-    except FileExistsError:
         sp = Spool.open(path)
+    except FileNotFoundError:
+        try:
+            sp = Spool.create(path, capacity=capacity, on_full="block")
+        except FileExistsError:  # another process created it meanwhile
+            sp = Spool.open(path)
     try:
-        if sp.on_full != "block":
-            raise ShmqError(f"{path}: a '{sp.on_full}' spool is there, not a service's "
-                            "request ring (Service.destroy it, or use another name)")
+        if sp.on_full != "block" or (sp.slots.find(GROUP) is None and sp.slots.find("wq") is not None):
+            kind = "a work queue (an older shmq's service?)" if sp.on_full == "block" else \
+                f"a '{sp.on_full}' spool"
+            raise ShmqError(f"{path}: {kind} is there, not a service's request ring "
+                            "(Service.destroy it, or use another name)")
         sp.reader(GROUP, group=True).close()  # the group exists before any call is put
     except BaseException:
         sp.close()
