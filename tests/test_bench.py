@@ -121,3 +121,23 @@ def test_bench_dispatch_runs_and_reports(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["median"]) == {"publish", "ingress"}
     assert all(v > 0 for v in data["median"].values())
+
+
+def test_bench_service_runs_every_row_against_its_peers(tmp_path):
+    """stress/bench_service.py (a smoke run: tiny, one repeat; no timing asserted):
+    every measurement and peer of issue 30 runs and is summarized with its target."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("pyarrow")
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_service.py"), "--quick",
+                           "--calls", "50", "--pipe-calls", "128", "--arrow-calls", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data["medians"]) == {
+        f"small/{k}/{q}" for k in ("shmq", "socket", "pyzmq", "mp.connection") for q in ("p50", "p99")
+    } | {"pipelined/shmq/calls/s", "pipelined/socket/calls/s", "arrow/shmq/calls/s",
+         "arrow/socket+arrow-ipc/calls/s"}
+    assert all(v > 0 for v in data["medians"].values())
+    text = "\n".join(data["summary"])
+    assert "target >= 3x" in text and "target >= 1.5x" in text
