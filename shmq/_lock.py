@@ -30,8 +30,14 @@ from .errors import Timeout
 #: Linux's largest possible pid (PID_MAX_LIMIT, include/linux/threads.h).
 PID_MAX_LIMIT = 4 * 1024 * 1024
 
-#: How long a waiter trusts a lock holder before checking whether it is alive.
+#: How long a waiter trusts a lock holder between checks of whether it is alive.
 LOCK_RECOVERY_TIMEOUT_S = 1.0
+#: ... except the first check, made this soon: locks are held for microseconds, so
+#: a wait this long already means a slow, stopped or dead holder, and a dead one is
+#: broken at once (the check costs one ``kill(pid, 0)`` and a /proc read).  Waiting
+#: a whole period first let a holder's death stall everyone for a second, and a
+#: process killed that often (a chaos run) before it looked never recovered a lock.
+FIRST_LOOK_S = 0.05
 
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
@@ -136,9 +142,9 @@ class RecoverableLock(_core.Lock):
 
     Guarantees: mutual exclusion among live processes and threads; a holder
     that dies holding the lock delays other processes by at most about
-    ``recovery_timeout`` (plus one more period if it died in the two-store
-    window where no holder is recorded) before one of them takes the lock
-    over, bumping the fencing token in ``words[token_word]`` and calling
+    ``FIRST_LOOK_S`` (or ``recovery_timeout`` if that is shorter; one more
+    period if it died in the two-store window where no holder is recorded)
+    before one of them takes the lock over, bumping the fencing token in ``words[token_word]`` and calling
     ``on_recover`` while holding it, so the protected structure can be
     repaired.  A holder that is alive but slow is never broken.
 
@@ -156,7 +162,7 @@ class RecoverableLock(_core.Lock):
     """
 
     __slots__ = ("sem", "words", "holder", "token_word", "breaks_word", "file",
-                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_seen")
+                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_since")
 
     def __init__(self, sem, words, holder, token_word, file, recovery_byte, *,
                  breaks_word=None, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, on_recover=None):
@@ -174,28 +180,31 @@ class RecoverableLock(_core.Lock):
         self.recovery_byte = recovery_byte
         self.recovery_timeout = recovery_timeout
         self.on_recover = on_recover
-        self._unknown_seen = 0
+        self._unknown_since: float | None = None  # when a look first found no holder recorded
 
     def recover_if_dead(self) -> bool:
         """Break the lock if its recorded holder is dead; True if it was broken.
 
-        Called after a wait of about ``recovery_timeout`` for the lock
-        failed (by ``with lock:`` and by the compiled core's callers).  A
-        broken lock is released again at once (the caller retries), so
-        Python holds the lock only while ``on_recover`` repairs the
-        structure.  A lock held with no holder recorded is broken only if
-        that persists for a second period (a holder between sem_wait and
-        recording itself, or killed between clearing and sem_post).
+        Called after a wait for the lock failed (``FIRST_LOOK_S`` the first
+        time, ``recovery_timeout`` after that; by ``with lock:`` and by the
+        compiled core's callers).  A broken lock is released again at once
+        (the caller retries), so Python holds the lock only while
+        ``on_recover`` repairs the structure.  A lock held with no holder
+        recorded is broken only if looks have found it so for at least one
+        whole ``recovery_timeout`` (a holder between sem_wait and recording
+        itself, or killed between clearing and sem_post).
         """
         word = self.words[self.holder]
         if word and holder_alive(word):
-            self._unknown_seen = 0
+            self._unknown_since = None
             return False
         if not word:
-            self._unknown_seen += 1
-            if self._unknown_seen < 2:
+            now = time.monotonic()
+            if self._unknown_since is None:
+                self._unknown_since = now
+            if now - self._unknown_since < self.recovery_timeout:
                 return False
-        self._unknown_seen = 0
+        self._unknown_since = None
         if self._break(word):
             self.release()
             return True
@@ -212,8 +221,8 @@ class RecoverableLock(_core.Lock):
         if self.try_acquire(0):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        wait = min(self.recovery_timeout, FIRST_LOOK_S)
         while True:
-            wait = self.recovery_timeout
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
@@ -222,6 +231,7 @@ class RecoverableLock(_core.Lock):
             if self.try_acquire(wait):
                 return
             self.recover_if_dead()
+            wait = self.recovery_timeout
 
     def _break(self, word) -> bool:
         """Take over a dead holder's lock; True if this process now owns it."""

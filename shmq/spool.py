@@ -42,7 +42,7 @@ from ._format import (
     W_LAST_PUT_NS,
     W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES, W_RATE,
 )
-from ._lock import LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word
+from ._lock import FIRST_LOOK_S, LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
     destroy_file, resolve_path, sem_name, unlink_semaphores,
@@ -138,7 +138,10 @@ class Spool:
                 m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
                 geo["slot_count"], F.POLICIES.index(self._policy), self.checksum,
                 sem_name(prefix, SEM_WRITER), sem_name(prefix, SEM_READ_WAITERS),
-                sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(), float(recovery_timeout))
+                sem_name(prefix, SEM_SPACE_WAITERS), m.fd, holder_word(),
+                # how long the core waits for a lock before handing it to the
+                # Python paths that look at its holder (retry_stuck): FIRST_LOOK_S
+                float(min(recovery_timeout, FIRST_LOOK_S)))
         except ValueError as exc:
             if isinstance(exc, SpoolFormatError):
                 raise

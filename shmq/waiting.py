@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from ._lock import FIRST_LOOK_S
+
 __all__ = ["check_block_timeout", "retry_stuck", "retry_async"]
 
 
@@ -62,8 +64,10 @@ def retry_stuck(call, lock, limit, is_stuck, on_timeout):
     is called and must raise.  A live holder is never broken.
     """
     rt = lock.recovery_timeout
+    period = min(rt, FIRST_LOOK_S)  # the first look comes soon (see FIRST_LOOK_S)
     while True:
-        wait = rt if limit is None else max(0.0, min(rt, limit - time.monotonic()))
+        wait = period if limit is None else max(0.0, min(period, limit - time.monotonic()))
+        period = rt
         out = call(wait)
         if not is_stuck(out):
             return out

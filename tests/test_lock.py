@@ -7,6 +7,7 @@ give it, so a failure points at the lock and not at the spool around it.
 
 import mmap
 import os
+import time
 import signal
 import subprocess
 import sys
@@ -164,10 +165,16 @@ def test_recycled_pid_is_treated_as_dead(shared):
 
 def test_unrecorded_holder_is_broken_only_when_it_persists(shared):
     # Held with no holder recorded: a live holder may be between sem_wait and
-    # recording itself, so the first look never breaks it; the second does.
+    # recording itself, so looks within one recovery period never break it
+    # (however many: the first look comes after FIRST_LOOK_S); one a whole
+    # period after the first such look does.
     shared.sem.acquire(0)
+    t0 = time.monotonic()
     assert shared.lock.recover_if_dead() is False
+    assert shared.lock.recover_if_dead() is False or time.monotonic() - t0 >= RECOVERY_S
     assert shared.words[TOKEN] == 0
+    while time.monotonic() - t0 < RECOVERY_S:  # a lower bound being checked, not a sync
+        time.sleep(RECOVERY_S / 4)
     assert shared.lock.recover_if_dead() is True  # broken, and released for the caller to retry
     assert shared.words[TOKEN] == 1 and shared.recovered == [0]
     assert shared.sem.value == 1 and shared.words[HOLDER] == 0

@@ -32,7 +32,7 @@
  *
  * `word` (or NULL): the lock's shared holder word, set to `holder` the
  * moment the semaphore is taken, before the GIL is waited for again.  A
- * lock that is held with no holder recorded for two recovery periods is
+ * lock that is held with no holder recorded for a whole recovery period is
  * broken as a dead holder's (shmq/_lock.py, recover_if_dead), and taking
  * the GIL back can take that long in a process whose other threads hold it
  * (seen under emulation: two consumers in the same critical section, one
