@@ -6,6 +6,7 @@ bounded and synchronized on events and replies, never on sleeps.
 """
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -335,27 +336,36 @@ def test_call_that_kills_every_worker_gets_worker_crashed_and_others_are_answere
         assert cl.call("after", timeout=T)["echo"] == "after"
 
 
-def test_call_held_past_its_lease_is_sent_to_another_worker(service, svc_path, spool_dir):
-    """A live worker that holds a call longer than its lease: the caller sends it
-    again, another worker answers, and the late first answer is dropped."""
-    service(workers=2, lease=0.5)
-    req, started, go = _blocking_call(spool_dir, 5)
+@contextlib.contextmanager
+def _one_blocking_call(service, svc_path, spool_dir, n, **opts):
+    """A service of 2 workers (``opts``) and a thread calling it with a call that
+    blocks in its handler: yields ``(client, started FIFO reader, go FIFO, result,
+    thread)``; the call's first start has not been read from the FIFO yet."""
+    service(workers=2, **opts)
+    req, started, go = _blocking_call(spool_dir, n)
     st = Started(started)
     try:
         with shmq.Client(svc_path) as cl:
             res = {}
             t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
             t.start()
-            first = st.next()
-            second = st.next()  # sent again past the lease: the other worker took it
-            assert second != first
-            release(go)  # one of them answers (both read the same FIFO)
-            t.join(T)
-            assert res["r"] == {"released": 5}
-            release(go)  # the other one finishes too; its answer is a duplicate
-            assert cl.call("after", timeout=T)["echo"] == "after"
+            yield cl, st, go, res, t
     finally:
         st.close()
+
+
+def test_call_held_past_its_lease_is_sent_to_another_worker(service, svc_path, spool_dir):
+    """A live worker that holds a call longer than its lease: the caller sends it
+    again, another worker answers, and the late first answer is dropped."""
+    with _one_blocking_call(service, svc_path, spool_dir, 5, lease=0.5) as (cl, st, go, res, t):
+        first = st.next()
+        second = st.next()  # sent again past the lease: the other worker took it
+        assert second != first
+        release(go)  # one of them answers (both read the same FIFO)
+        t.join(T)
+        assert res["r"] == {"released": 5}
+        release(go)  # the other one finishes too; its answer is a duplicate
+        assert cl.call("after", timeout=T)["echo"] == "after"
 
 
 def test_call_in_a_live_workers_hands_is_not_sent_again(service, svc_path, spool_dir):
@@ -363,24 +373,15 @@ def test_call_in_a_live_workers_hands_is_not_sent_again(service, svc_path, spool
     worker holds (within its lease) is found on the board and left alone."""
     from shmq.rpc.client import RECHECK_S
 
-    service(workers=2)
-    req, started, go = _blocking_call(spool_dir, 6)
-    st = Started(started)
-    try:
-        with shmq.Client(svc_path) as cl:
-            res = {}
-            t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
-            t.start()
-            st.next()
-            # four looks' time: a second delivery would start on the idle worker
-            ready, _w, _x = select.select([st.fd], [], [], 4 * RECHECK_S)
-            assert not ready, "the call was delivered again while a live worker held it"
-            release(go)
-            t.join(T)
-            assert res["r"] == {"released": 6}
-            assert cl.duplicates == 0
-    finally:
-        st.close()
+    with _one_blocking_call(service, svc_path, spool_dir, 6) as (cl, st, go, res, t):
+        st.next()
+        # four looks' time: a second delivery would start on the idle worker
+        ready, _w, _x = select.select([st.fd], [], [], 4 * RECHECK_S)
+        assert not ready, "the call was delivered again while a live worker held it"
+        release(go)
+        t.join(T)
+        assert res["r"] == {"released": 6}
+        assert cl.duplicates == 0
 
 
 def test_get_many_takes_what_is_waiting(svc_path):
