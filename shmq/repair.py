@@ -102,10 +102,12 @@ def _break_lock(v, sem, words, holder, token_word, recovery_byte, what, actions,
                 return
             time.sleep(0.02)
     token = words[token_word]
-    lock = RecoverableLock(sem, words, holder, token_word, v, recovery_byte, **lock_kw)
+    # recovery_timeout=0: the engine breaks a lock held with no holder recorded once
+    # that has persisted for its recovery period, which the loop above just saw
+    lock = RecoverableLock(sem, words, holder, token_word, v, recovery_byte,
+                           recovery_timeout=0.0, **lock_kw)
     try:
-        # a lock held with no holder recorded is broken on the second look, as in the engine
-        broke = lock.recover_if_dead() or (not word and lock.recover_if_dead())
+        broke = lock.recover_if_dead()
     finally:
         lock.close()
     if broke:
