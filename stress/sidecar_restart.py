@@ -6,10 +6,11 @@ scoring Arrow batches with the example's numpy model), in its own process
 group.  A Spark job (``local[2]``) scores ``--rows`` rows through
 ``shmq.spark.call_sidecar`` (``--batch-rows`` rows per call).  When the
 service has answered about a third of the calls *and* holds at least one
-call (leased by a worker), the whole sidecar (supervisor and workers) is
-SIGKILLed at once (``killpg``); a new sidecar is started on the same
-service path.  Its workers find the dead workers' leases and answer those
-calls again; the job's output is then checked:
+call (in a worker's hands; each call sleeps ``--handler-delay`` in the
+handler so that the kill lands mid-call), the whole sidecar (supervisor
+and workers) is SIGKILLed at once (``killpg``); a new sidecar is started
+on the same service path.  The tasks' clients find their calls in no live
+worker's hands and send them again; the job's output is then checked:
 
 * every id of ``0 .. rows-1`` exactly once (no row missing, none twice);
 * every score equal to the example's formula, computed here with numpy;
@@ -39,18 +40,30 @@ CTX = mp.get_context("spawn")
 FEATURES = 4
 
 
-def sidecar(path, ready):
-    import spark_sidecar as ex
+class _Slowed:
+    """The example's scorer, plus ``delay`` seconds per call: the example scores a
+    batch in about a millisecond, so without it the kill lands between calls."""
 
+    def __init__(self, delay):
+        self.delay = delay
+
+    def __call__(self, batch):
+        import spark_sidecar as ex
+
+        time.sleep(self.delay)
+        return ex.score(batch)
+
+
+def sidecar(path, ready, delay):
     os.setpgrp()  # its own group: one killpg takes the supervisor and its workers at once
     svc = shmq.Service(path)
     ready.set()
-    svc.serve(ex.score, workers=2)
+    svc.serve(_Slowed(delay), workers=2)
 
 
-def start_sidecar(path):
+def start_sidecar(path, delay):
     ready = CTX.Event()
-    p = CTX.Process(target=sidecar, args=(path, ready))
+    p = CTX.Process(target=sidecar, args=(path, ready, delay))
     p.start()
     if not ready.wait(60):
         raise RuntimeError("the sidecar did not start")
@@ -62,6 +75,8 @@ def main():
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--batch-rows", type=int, default=10_000)
     ap.add_argument("--quick", action="store_true", help="100k rows")
+    ap.add_argument("--handler-delay", type=float, default=0.05,
+                    help="seconds each call sleeps in the sidecar (the kill then lands mid-call)")
     args = ap.parse_args()
     if args.quick:
         args.rows = 100_000
@@ -81,7 +96,7 @@ def main():
     d = tempfile.mkdtemp(prefix="shmq-sidecar-restart-", dir="/dev/shm")
     path = os.path.join(d, "scorer")
     svc = shmq.Service(path)  # this process only reads the request queue's statistics
-    side = [start_sidecar(path)]
+    side = [start_sidecar(path, args.handler_delay)]
     spark = (SparkSession.builder.master("local[2]").appName("shmq-sidecar-restart")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .getOrCreate())
@@ -93,13 +108,13 @@ def main():
         """SIGKILL the sidecar once a third of the calls are answered and one is held."""
         while not stop.wait(0.01):
             st = svc.stats()
-            if st.acked >= calls // 3 and st.in_flight >= 1:
+            if st.calls >= calls // 3 and st.in_flight >= 1:
                 p = side[0]
                 os.killpg(p.pid, signal.SIGKILL)
                 p.join(30)
-                killed.update(at=time.monotonic(), acked=st.acked, in_flight=st.in_flight,
-                              ready=st.ready, pid=p.pid)
-                side[0] = start_sidecar(path)  # the same service path: its calls are still there
+                killed.update(at=time.monotonic(), answered=st.calls, in_flight=st.in_flight,
+                              queued=st.queued, pid=p.pid)
+                side[0] = start_sidecar(path, args.handler_delay)  # the same service path: its calls are still there
                 killed["restarted"] = time.monotonic()
                 return
 
@@ -138,8 +153,8 @@ def main():
           f"Spark local[2], {elapsed:.1f} s")
     if killed:
         print(f"  sidecar (pid {killed['pid']}, 2 workers) SIGKILLed at {killed['at'] - t0:.1f} s "
-              f"with {killed['acked']} calls answered, {killed['in_flight']} held by its "
-              f"workers, {killed['ready']} queued; restarted in "
+              f"with {killed['answered']} calls answered, {killed['in_flight']} held by its "
+              f"workers, {killed['queued']} queued; restarted in "
               f"{killed['restarted'] - killed['at']:.2f} s")
     else:
         print("  the sidecar was NOT killed (the job finished before a third of its calls "

@@ -8,8 +8,8 @@ at ``service`` *on the host the task runs on*, and the reply batches make
 up the resulting DataFrame.
 
 Guarantees are the service's: every batch gets exactly one reply (a
-worker or the whole sidecar killed and restarted mid-call: the call is
-redelivered, the duplicate answer dropped), within ``timeout`` seconds per
+worker or the whole sidecar killed and restarted mid-call: the task's
+client sends the call again, a duplicate answer is dropped), within ``timeout`` seconds per
 group of ``window`` batches, or the task fails with :class:`shmq.Timeout`
 (and Spark retries it: a retried task resends its batches, which the
 handler sees again: make it a pure function of the batch).
