@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -50,6 +51,13 @@ def handler(req):
             return lambda: None
         if op == "crash":  # every delivery takes its worker down
             os.kill(os.getpid(), signal.SIGKILL)
+        if op == "until_file":  # as "block", but every delivery is let go by one file
+            with open(req["started"], "w") as f:
+                f.write(f"{os.getpid()}\n")
+            deadline = time.monotonic() + 60
+            while not os.path.exists(req["go"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return {"released": req["n"]}
     return {"echo": req, "pid": os.getpid()}
 
 
@@ -337,12 +345,15 @@ def test_call_that_kills_every_worker_gets_worker_crashed_and_others_are_answere
 
 
 @contextlib.contextmanager
-def _one_blocking_call(service, svc_path, spool_dir, n, **opts):
+def _one_blocking_call(service, svc_path, spool_dir, n, op="block", **opts):
     """A service of 2 workers (``opts``) and a thread calling it with a call that
-    blocks in its handler: yields ``(client, started FIFO reader, go FIFO, result,
-    thread)``; the call's first start has not been read from the FIFO yet."""
+    blocks in its handler (``op`` "block": until the go FIFO is opened for writing;
+    "until_file": until ``go + ".file"`` exists): yields ``(client, started FIFO
+    reader, go FIFO, result, thread)``; the call's first start has not been read yet."""
     service(workers=2, **opts)
     req, started, go = _blocking_call(spool_dir, n)
+    if op == "until_file":
+        req = dict(req, op=op, go=go + ".file")
     st = Started(started)
     try:
         with shmq.Client(svc_path) as cl:
@@ -357,15 +368,16 @@ def _one_blocking_call(service, svc_path, spool_dir, n, **opts):
 def test_call_held_past_its_lease_is_sent_to_another_worker(service, svc_path, spool_dir):
     """A live worker that holds a call longer than its lease: the caller sends it
     again, another worker answers, and the late first answer is dropped."""
-    with _one_blocking_call(service, svc_path, spool_dir, 5, lease=0.5) as (cl, st, go, res, t):
+    with _one_blocking_call(service, svc_path, spool_dir, 5, lease=0.5, op="until_file") \
+            as (cl, st, go, res, t):
         first = st.next()
         second = st.next()  # sent again past the lease: the other worker took it
         assert second != first
-        release(go)  # one of them answers (both read the same FIFO)
+        with open(go + ".file", "w"):  # both deliveries go on (the file lets every one go)
+            pass
         t.join(T)
         assert res["r"] == {"released": 5}
-        release(go)  # the other one finishes too; its answer is a duplicate
-        assert cl.call("after", timeout=T)["echo"] == "after"
+        assert cl.call("after", timeout=T)["echo"] == "after"  # the late answer: dropped
 
 
 def test_call_in_a_live_workers_hands_is_not_sent_again(service, svc_path, spool_dir):
