@@ -6,7 +6,8 @@ waits, the caller looks (every :data:`RECHECK_S`) for calls that are
 neither queued (seq at or past the workers' group position), nor in a live
 worker's hands (the service board's held ranges), nor answered (replies
 read after both looks); a call found so twice in a row is sent again with
-its attempt count raised.  Looking twice covers the microseconds between a
+its attempt count raised (after a resend it takes four looks: a call
+whose holder cannot be seen is resent once a second, not twice).  Looking twice covers the microseconds between a
 worker's take and its board update; a call sent twice is answered twice,
 and the second answer is dropped here by call id.
 
@@ -48,7 +49,7 @@ class _Pending:
 
     ``obj``, ``wall`` and ``attempt`` are what sending it again needs; ``seq`` is
     where it sits in the request ring, ``strikes`` how many looks in a row found it
-    nowhere.
+    nowhere (2 send it again the first time, 4 after that).
     """
 
     __slots__ = ("done", "status", "value", "loop", "event", "obj", "wall", "attempt", "seq",
@@ -211,14 +212,14 @@ class Client:
         ring = self._ring
         if ring is None:
             return
+        taken = taken_up_to(ring)
+        if taken is None:
+            return
         try:
-            taken = taken_up_to(ring)
             held = held_ranges(self.path)
         except FileNotFoundError:
-            held = []  # no board: nothing is known to be held
+            held = []  # no board: nothing is known to be held (backoff below bounds resends)
         except (OSError, ShmqError):
-            return
-        if taken is None:
             return
         items = self._read(0)
         now = time.time_ns()
@@ -234,7 +235,10 @@ class Client:
                     p.strikes = 0
                     continue
                 p.strikes += 1
-                if p.strikes >= 2:
+                # twice in a row the first time, four times after a resend: a call
+                # whose holder cannot be seen (a worker without a board row) is
+                # sent again once a second while it runs, not twice
+                if p.strikes >= (2 if p.attempt == 1 else 4):
                     lost.append((cid, p))
         # Never wait here for another thread's put (it may wait for room for as long
         # as its timeout, and we hold the reader role): the next look tries again.
