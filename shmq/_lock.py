@@ -162,7 +162,8 @@ class RecoverableLock(_core.Lock):
     """
 
     __slots__ = ("sem", "words", "holder", "token_word", "breaks_word", "file",
-                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_since")
+                 "recovery_byte", "recovery_timeout", "on_recover", "_unknown_since",
+                 "_unknown_last")
 
     def __init__(self, sem, words, holder, token_word, file, recovery_byte, *,
                  breaks_word=None, recovery_timeout=LOCK_RECOVERY_TIMEOUT_S, on_recover=None):
@@ -180,7 +181,8 @@ class RecoverableLock(_core.Lock):
         self.recovery_byte = recovery_byte
         self.recovery_timeout = recovery_timeout
         self.on_recover = on_recover
-        self._unknown_since: float | None = None  # when a look first found no holder recorded
+        self._unknown_since = 0.0  # when the looks of this wait first found no holder recorded
+        self._unknown_last = -1e9   # ... and when one last did
 
     def recover_if_dead(self) -> bool:
         """Break the lock if its recorded holder is dead; True if it was broken.
@@ -196,15 +198,19 @@ class RecoverableLock(_core.Lock):
         """
         word = self.words[self.holder]
         if word and holder_alive(word):
-            self._unknown_since = None
+            self._unknown_last = -1e9
             return False
         if not word:
+            # Only consecutive looks of one wait count (they come at most a period
+            # apart): a look that caught another holder's instant before it recorded
+            # itself, in an earlier wait, must not count towards breaking this one.
             now = time.monotonic()
-            if self._unknown_since is None:
+            if now - self._unknown_last > 1.5 * self.recovery_timeout + FIRST_LOOK_S:
                 self._unknown_since = now
+            self._unknown_last = now
             if now - self._unknown_since < self.recovery_timeout:
                 return False
-        self._unknown_since = None
+        self._unknown_last = -1e9
         if self._break(word):
             self.release()
             return True

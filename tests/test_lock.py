@@ -180,6 +180,20 @@ def test_unrecorded_holder_is_broken_only_when_it_persists(shared):
     assert shared.sem.value == 1 and shared.words[HOLDER] == 0
 
 
+def test_an_old_look_without_holder_does_not_count(shared):
+    # A look that caught a holder in its instant before recording itself, in an
+    # earlier wait, must not count: only consecutive looks (at most a period
+    # apart) of one wait add up to the whole period that breaks an unrecorded lock.
+    shared.sem.acquire(0)
+    assert shared.lock.recover_if_dead() is False  # an earlier wait's look
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5 * RECOVERY_S + _lock.FIRST_LOOK_S + 0.05:
+        time.sleep(RECOVERY_S / 4)  # a lower bound being checked, not a sync
+    assert shared.lock.recover_if_dead() is False  # a new wait: starts counting again
+    assert shared.words[TOKEN] == 0
+    shared.sem.release()
+
+
 def test_released_lock_is_not_broken_by_a_stale_look(shared):
     # A waiter that saw a dead holder's word re-checks under the recovery lock:
     # if the lock was released meanwhile (the semaphore is up), nothing is broken.
