@@ -469,14 +469,8 @@ class Service:
     def _check_caller(self, path, caller):
         """A caller whose pid is gone: remove its reply queue (its resource tracker
         normally does; this covers a tracker killed with it).  0.5 us: ``kill(pid, 0)``."""
-        try:
-            os.kill(caller & 0xFFFFFFFF, 0)
-            return
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError, TypeError):
-            return
-        self._forget(path, destroy=True)
+        if not _alive(caller):
+            self._forget(path, destroy=True)
 
     def _forget(self, path, destroy):
         q = self._replies.pop(path, None)
