@@ -39,6 +39,8 @@ import tempfile
 import time
 import traceback
 
+from stopflag import StopFlag
+
 RECOVERY_S = 0.1
 OP_TIMEOUT_S = 0.2
 SLACK_S = 3.0  # a loaded 2-vCPU machine: scheduling, not hangs
@@ -227,7 +229,7 @@ def main(argv=None):
     path = os.path.join(work, "spool")
     shmq.Spool.create(path, capacity="256KiB", on_full="overwrite", readers=8).close()
     roles = ["writer", "writer_many", "named", "group", "group2", "anon", "stats", "verify"]
-    stop = ctx.Event()
+    stop = StopFlag(ctx)
     procs, pipes, counters = {}, {}, {}
     for i, role in enumerate(roles):
         r, w = ctx.Pipe(duplex=False)

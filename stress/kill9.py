@@ -57,6 +57,7 @@ import zlib
 import psutil
 
 import shmq
+from stopflag import StopFlag
 from shmq import spool as _spool_mod
 
 CTX = mp.get_context("fork")
@@ -160,7 +161,7 @@ def scenario_fanout(tmp, rng, duration, quick):
     readers = ["r0", "r1", "r2"]
     for name in readers:
         sp.reader(name).close()
-    stop, out = CTX.Event(), CTX.Queue()
+    stop, out = StopFlag(CTX), CTX.Queue()
     rprocs = [CTX.Process(target=_fanout_reader, args=(path, n, stop, out)) for n in readers]
     for p in rprocs:
         p.start()
@@ -286,7 +287,7 @@ def _queue_phase(tmp, rng, duration, kill_consumers, phase):
     logdir = os.path.join(tmp, f"logs{phase}")
     os.mkdir(logdir)
     shmq.Queue(path=path, capacity="1MiB", maxsize=2000).close()
-    stop = CTX.Event()
+    stop = StopFlag(CTX)
     prods, cons, tag, kills = {}, {}, 0, 0
 
     def spawn(kind):
@@ -624,7 +625,7 @@ def scenario_soak(tmp, rng, duration, quick):
     path = os.path.join(tmp, "soak")
     sp = shmq.Spool.create(path, capacity="1MiB", on_full="block")
     sp.reader("soak").close()
-    stop = CTX.Event()
+    stop = StopFlag(CTX)
     procs = [CTX.Process(target=_soak_writer, args=(path, stop)),
              CTX.Process(target=_soak_reader, args=(path, stop))]
     for p in procs:
@@ -712,7 +713,7 @@ def scenario_segments(tmp, rng, duration, quick):
     for name in named:
         sp.reader(name).close()
     sp.reader("grp", group=True).close()
-    stop = CTX.Event()
+    stop = StopFlag(CTX)
     rfd, wfd = os.pipe()
     os.set_blocking(rfd, False)
     writers, readers, kills, gens = {}, {}, 0, {}

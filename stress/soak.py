@@ -40,6 +40,7 @@ import sys
 import time
 
 import shmq
+from stopflag import StopFlag
 from shmq._mapping import sem_prefix_of
 
 ROLES_KILLABLE = ("churn", "writer2", "wq_consumer2")
@@ -309,7 +310,7 @@ def main(argv=None):
     shmq.Spool.create(spool, capacity="4MiB", on_full="overwrite").close()
     shmq.WorkQueue(wqp, capacity="4MiB", max_attempts=2, dead_capacity="1MiB").close()
     q = shmq.Queue(capacity="1MiB")
-    stop = ctx.Event()
+    stop = StopFlag(ctx)
     targets = {
         "writer": (_writer, (spool, stop)),
         "writer2": (_writer, (spool, stop)),

@@ -64,3 +64,49 @@ def test_hostile_quick(tmp_path):
     assert rep["crashes"] == [] and rep["hangs"] == [] and rep["non_shmq_exceptions"] == 0
     assert all(rep["flips"][k] > 0 for k in ("control", "slot", "header"))
     assert all(v["ops"] > 0 for v in rep["victims"].values()) and len(rep["victims"]) == 8
+
+
+def _spin(flag, w):
+    os.write(w, b"x")
+    while not flag.is_set():
+        pass
+    os._exit(0)
+
+
+def test_stop_flag_survives_pollers_killed_mid_poll():
+    """The harnesses' stop flag stays usable after SIGKILLs land inside ``is_set()``:
+    a multiprocessing.Event's condition lock is left taken by such a kill, and the
+    harness's ``set()`` then blocked forever (a CI hang of soak.py --quick)."""
+    import multiprocessing as mp
+    import select
+    import signal
+    import threading
+
+    sys.path.insert(0, STRESS)
+    try:
+        from stopflag import StopFlag
+    finally:
+        sys.path.remove(STRESS)
+    ctx = mp.get_context("fork")
+    flag = StopFlag(ctx)
+    r, w = os.pipe()
+    try:
+        for _ in range(20):  # an Event's lock is left taken after the first kill or two
+            p = ctx.Process(target=_spin, args=(flag, w))
+            p.start()
+            assert select.select([r], [], [], 30)[0], "the poller did not start"
+            os.read(r, 1)
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(30)
+        last = ctx.Process(target=_spin, args=(flag, w))
+        last.start()
+        assert select.select([r], [], [], 30)[0]
+        setter = threading.Thread(target=flag.set, daemon=True)  # an Event's set() would block
+        setter.start()
+        setter.join(30)
+        assert not setter.is_alive(), "set() blocked on a lock a killed poller held"
+        last.join(30)
+        assert last.exitcode == 0, "a poller did not see the flag set"
+    finally:
+        os.close(r)
+        os.close(w)
