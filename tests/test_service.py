@@ -51,6 +51,9 @@ def handler(req):
             return lambda: None
         if op == "crash":  # every delivery takes its worker down
             os.kill(os.getpid(), signal.SIGKILL)
+        if op == "sleep":  # a slow handler
+            time.sleep(req["s"])
+            return {"slept": req["s"]}
         if op == "until_file":  # as "block", but every delivery is let go by one file
             with open(req["started"], "w") as f:
                 f.write(f"{os.getpid()}\n")
@@ -118,6 +121,114 @@ def test_window_smaller_than_batch(service, svc_path):
         assert [r["echo"] for r in cl.call_many(range(50), timeout=T)] == list(range(50))
 
 
+def _frames(path):
+    """Frames ever put into the service's request ring."""
+    with shmq.Spool.open(path) as sp:
+        return sp.next_seq
+
+
+def test_call_many_sends_bundles_sized_by_the_handlers_speed(service, svc_path):
+    """call_many puts several calls in one frame; a bundle's reply says how long the
+    handler took, and later bundles hold about BATCH_S of it (fast: up to
+    BUNDLE_MAX calls; slow: 2, so that other workers can take the rest)."""
+    from shmq.rpc.client import BUNDLE_START
+
+    shmq.Service(svc_path).close()  # the ring exists before we count its frames
+    service(workers=2)
+    with shmq.Client(svc_path) as cl:
+        before = _frames(svc_path)
+        assert [r["echo"] for r in cl.call_many(range(BUNDLE_START), timeout=T)] == \
+            list(range(BUNDLE_START))
+        assert _frames(svc_path) - before == 1  # one bundle
+        before = _frames(svc_path)
+        out = cl.call_many(range(1000), timeout=T)
+        assert [r["echo"] for r in out] == list(range(1000))
+        # the echo handler answers 64 calls within BATCH_S, but a loaded machine may
+        # stretch a bundle's measured time: at least BUNDLE_START/2 calls a frame
+        assert _frames(svc_path) - before <= 1000 // (BUNDLE_START // 2)
+        slow = [{"op": "sleep", "s": 0.002}] * 6
+        assert cl.call_many(slow, timeout=T) == [{"slept": 0.002}] * 6
+        assert cl._bundle == 2  # 2 ms a call: far more than BATCH_S per bundle
+        assert cl.duplicates == 0
+
+
+def test_bundle_size_follows_the_service_time_per_call():
+    """What a client learns from a bundle's reply (its service time per call, smoothed)."""
+    from shmq.rpc.client import BUNDLE_START
+    from shmq.rpc.wire import BATCH_S, BUNDLE_MAX, NS
+
+    cl = shmq.Client("nobody-learns")
+    cl._check()
+    try:
+        assert cl._bundle == BUNDLE_START
+        cl._learn(1_000)  # 1 us a call: as many as a bundle may hold
+        assert cl._bundle == BUNDLE_MAX
+        for _ in range(30):
+            cl._learn(BATCH_S * NS / 10)  # 100 us a call: about 10 a bundle
+        assert cl._bundle in (9, 10)
+        cl._learn(10 * NS)  # one very slow call: never fewer than 2 (replies keep telling)
+        assert cl._bundle == 2
+    finally:
+        cl.close()
+
+
+def test_bundle_lost_with_its_worker_is_split_and_each_call_answered_once(service, svc_path,
+                                                                          spool_dir):
+    """A worker killed holding a bundle: its calls are sent again one by one (each
+    answered once, the crashing one on its second delivery)."""
+    shmq.Service(svc_path).close()  # the ring exists before we count its frames
+    service(workers=2)
+    marker = os.path.join(spool_dir, "crashed")
+    with shmq.Client(svc_path) as cl:
+        before = _frames(svc_path)
+        reqs = ["a", {"op": "crash_once", "marker": marker, "n": 3}, "b", "c"]
+        out = cl.call_many(reqs, timeout=T)
+        assert [out[0]["echo"], out[1]["survived"], out[2]["echo"], out[3]["echo"]] == \
+            ["a", 3, "b", "c"]
+        assert _frames(svc_path) - before == 1 + 4  # the bundle, then its 4 calls alone
+        assert cl.duplicates == 0
+        assert not cl._groups and not cl._pending  # nothing left waiting
+        st = shmq.Service(svc_path)
+        try:
+            assert st.stats().redeliveries == 4
+        finally:
+            st.close()
+
+
+def test_bundle_with_a_call_that_kills_every_worker(service, svc_path):
+    """The killer call of a bundle ends as WorkerCrashed; the others are answered
+    (call_many raises the first error only once every call has its answer)."""
+    service(workers=1, max_attempts=2)
+    with shmq.Client(svc_path) as cl:
+        with pytest.raises(shmq.RemoteError) as ei:
+            cl.call_many(["a", {"op": "crash"}, "b"], timeout=T)
+        assert ei.value.type_name == "WorkerCrashed"
+        assert cl.call("after", timeout=T)["echo"] == "after"
+        assert not cl._groups and not cl._pending
+
+
+def test_bundle_reply_that_cannot_be_sent_goes_call_by_call(service, svc_path):
+    service()
+    with shmq.Client(svc_path) as cl:
+        with pytest.raises(shmq.RemoteError, match="could not be sent") as ei:
+            cl.call_many([1, {"op": "unpicklable"}, 3], timeout=T)
+        assert ei.value.type_name == "ReplyError"
+        assert cl.call_many([4, 5], timeout=T)[1]["echo"] == 5
+
+
+def test_call_many_with_out_of_band_buffers_goes_call_by_call(service, svc_path):
+    """numpy arrays travel out of band, straight into the ring: never in a bundle."""
+    np = pytest.importorskip("numpy")
+    shmq.Service(svc_path).close()  # the ring exists before we count its frames
+    service()
+    arrs = [np.arange(1000, dtype=np.float64) * k for k in range(3)]
+    with shmq.Client(svc_path) as cl:
+        before = _frames(svc_path)
+        out = cl.call_many(arrs, timeout=T)
+        assert all(np.array_equal(o["echo"], a) for o, a in zip(out, arrs))
+        assert _frames(svc_path) - before == 3
+
+
 def test_numpy_and_arrow_payloads(service, svc_path):
     np = pytest.importorskip("numpy")
     pa = pytest.importorskip("pyarrow")
@@ -162,10 +273,18 @@ def test_timeout_with_stopped_service_and_expired_calls_dropped(svc_path, servic
     with shmq.Client(svc_path) as cl:
         with pytest.raises(shmq.Timeout, match="svc.*queued, no worker serving"):
             cl.call("late", timeout=0.2)
-        service()  # the late call is dropped (its caller gave up), never answered
+        with pytest.raises(shmq.Timeout, match="did not answer 3 calls"):
+            cl.call_many(["l1", "l2", "l3"], timeout=0.2)  # a bundle
+        assert not cl._groups and not cl._pending
+        service()  # the late calls are dropped (their caller gave up), never answered
         # one worker, FIFO: an answer to "late" would have arrived first, as a duplicate
         assert cl.call("now", timeout=T)["echo"] == "now"
         assert cl.duplicates == 0
+        st = shmq.Service(svc_path)
+        try:
+            assert st.stats().expired == 4
+        finally:
+            st.close()
 
 
 def test_drive_it_yourself(svc_path):
@@ -534,9 +653,9 @@ def test_backpressure_slow_service_makes_callers_wait(service, svc_path, spool_d
         t = threading.Thread(target=lambda: res.update(r=cl.call(req, timeout=T)))
         t.start()
         wait_started(started)  # the only worker is busy
-        blob = b"x" * (60 << 10)
-        with pytest.raises(shmq.Timeout, match="request queue is full"):
-            cl.call_many([blob] * 10, timeout=0.5)  # 600 KiB cannot queue behind a stuck worker
+        blobs = [bytes([i]) * (60 << 10) for i in range(10)]  # distinct: a bundle's pickle
+        with pytest.raises(shmq.Timeout, match="request queue is full"):  # shares equal objects
+            cl.call_many(blobs, timeout=0.5)  # 600 KiB cannot queue behind a stuck worker
         release(go)
         t.join(T)
         assert res["r"] == {"released": 3}

@@ -240,10 +240,21 @@ class Board:
         w[b + R_BUSY_NS] = 0
         w[b + R_CALLS] += len(answers)  # last: a reader sees the buckets first
 
-    def expired(self) -> None:
-        """Count a call dropped because its caller had given up."""
+    def record_bulk(self, n: int, latency_ns: int, service_ns: int, failed: int) -> None:
+        """``n`` calls answered together (a bundle): each with ``latency_ns`` and
+        ``service_ns``, ``failed`` of them with an error; the calls count last."""
         w, b = self._w, self._base
-        w[b + R_EXPIRED] = w[b + R_EXPIRED] + 1
+        w[b + R_LATENCY + bucket_of(latency_ns if latency_ns > 0 else 0)] += n
+        w[b + R_SERVICE + bucket_of(service_ns if service_ns > 0 else 0)] += n
+        if failed:
+            w[b + R_FAILED] += failed
+        w[b + R_BUSY_NS] = 0
+        w[b + R_CALLS] += n  # last: a reader sees the buckets first
+
+    def expired(self, n: int = 1) -> None:
+        """Count ``n`` calls dropped because their caller had given up."""
+        w, b = self._w, self._base
+        w[b + R_EXPIRED] = w[b + R_EXPIRED] + n
 
     def release(self) -> None:
         """Give the row up (its counters stay in the totals) and unmap."""

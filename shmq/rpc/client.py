@@ -17,7 +17,6 @@ See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import multiprocessing.util
 import os
 import threading
@@ -30,8 +29,8 @@ from .._mapping import resolve_path
 from ..errors import Empty, Full, RemoteError, ShmqError, Timeout, UntrustedSpool
 from ..queue import Queue
 from .board import held_ranges, service_status
-from .requests import open_ring, send, taken_up_to
-from .wire import NS, OK, label
+from .requests import encode_bundles, open_ring, put_bundles, send, taken_up_to
+from .wire import BATCH_S, BUNDLE_MAX, NS, OK, label
 
 if TYPE_CHECKING:
     from _typeshed import StrPath
@@ -42,6 +41,8 @@ _SETUP_LOCK = threading.Lock()
 #: How often a waiting caller looks for calls lost with a dead worker (and how long
 #: a lost call waits before it is sent again: two looks).
 RECHECK_S = 0.25
+#: Calls per bundle before a bundle's reply has said how long the handler takes.
+BUNDLE_START = 8
 
 
 class _Pending:
@@ -53,7 +54,7 @@ class _Pending:
     """
 
     __slots__ = ("done", "status", "value", "loop", "event", "obj", "wall", "attempt", "seq",
-                 "strikes")
+                 "strikes", "group", "index")
 
     def __init__(self, obj=None, wall=0, loop=None):
         self.done = False
@@ -61,6 +62,53 @@ class _Pending:
         self.loop = loop
         self.event = asyncio.Event() if loop is not None else None
         self.obj, self.wall, self.attempt, self.seq, self.strikes = obj, wall, 1, -1, 0
+        self.group = self.index = None  # a bundle's call sent again alone: its place there
+
+    def answer(self, status, value):
+        self.status, self.value, self.done = status, value, True
+        if self.group is not None:
+            self.group.answer(self.index, status, value)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.event.set)
+
+
+class _Group:
+    """The calls of one bundle (ids ``first`` .. ``first + n - 1``), pending under
+    ``first``: one bundle reply answers them all at once, without a :class:`_Pending`
+    per call.  A bundle lost with its worker is *split*: each unanswered call gets a
+    :class:`_Pending` of its own (``parts``) and is sent again alone."""
+
+    __slots__ = ("first", "objs", "wall", "seq", "strikes", "statuses", "values", "done", "left",
+                 "parts")
+    attempt = 1
+    loop = None
+
+    def __init__(self, first, objs, wall):
+        self.first, self.objs, self.wall = first, objs, wall
+        self.seq, self.strikes, self.done = -1, 0, False
+        self.statuses = self.values = self.parts = None
+        self.left = len(objs)
+
+    def answer_all(self, statuses, values):
+        self.statuses, self.values, self.done, self.left = statuses, values, True, 0
+
+    def split(self):
+        """The calls not answered yet, each as a _Pending of its own (registered by the caller)."""
+        n = len(self.objs)
+        if self.values is None:
+            self.statuses, self.values = bytearray(n), [None] * n
+        self.parts = {}
+        for i, obj in enumerate(self.objs):
+            p = _Pending(obj, self.wall)
+            p.group, p.index, p.seq = self, i, self.seq
+            self.parts[self.first + i] = p
+        return self.parts
+
+    def answer(self, i, status, value):
+        self.statuses[i], self.values[i] = status, value
+        self.left -= 1
+        if self.left == 0:
+            self.done = True
 
 
 class Client:
@@ -104,9 +152,10 @@ class Client:
         self._lock = threading.Lock()       # guards what follows, and the role
         self._cv = threading.Condition(self._lock)
         self._put_lock = threading.Lock()   # one writer at a time on our work queue handle
-        self._pending = {}
+        self._pending = {}  # call id -> _Pending: single calls, and split bundles' calls
+        self._groups = {}   # first call id -> _Group: bundles
         self._reading = False
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._ring = None
         self._next_look = 0.0
         self._replies = Queue()
@@ -115,6 +164,10 @@ class Client:
         # reply queue at its exit too, not only when the resource tracker does.
         multiprocessing.util.Finalize(self, self._replies.close, exitpriority=10)
         self._me = holder_word()
+        # calls per bundle: what the handler answers in about BATCH_S (from the service
+        # times bundle replies carry), at least 2 (so that replies keep telling)
+        self._bundle = BUNDLE_START
+        self._per_call_ns = None
         self.duplicates = 0
         self._pid = os.getpid()
 
@@ -171,35 +224,69 @@ class Client:
             time.sleep(0.02 if left is None else min(0.02, left))
 
     def _send(self, objs, deadline, wall_deadline, loop=None):
-        """Register and enqueue calls; return their ids."""
+        """Register and enqueue calls: several in bundles (:class:`_Group`), else one
+        :class:`_Pending` each.  Returns what waits for their replies, in order."""
         ring = self._attach(deadline)
-        ids = [next(self._ids) for _ in objs]
-        ps = [_Pending(obj, wall_deadline, loop) for obj in objs]
+        n = len(objs)
         with self._lock:
-            if not self._pending:  # the first look for lost calls: when these are RECHECK_S old
-                self._next_look = time.monotonic() + RECHECK_S
-            for cid, p in zip(ids, ps):
-                self._pending[cid] = p
-        calls = [(cid, self._reply_path, self._me, wall_deadline, 1, obj) for cid, obj in zip(ids, objs)]
+            if not self._pending and not self._groups:  # the first look for lost calls:
+                self._next_look = time.monotonic() + RECHECK_S  # when these are RECHECK_S old
+            first = self._next_id
+            self._next_id += n
+        parts = None
+        if n > 1:
+            k = self._bundle
+            groups = [_Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
+            parts = encode_bundles([(g.first, self._reply_path, self._me, wall_deadline, 1, g.objs,
+                                     len(g.objs)) for g in groups])
+        if parts is not None:
+            with self._lock:
+                for g in groups:
+                    self._groups[g.first] = g
+            waiting = groups
+        else:
+            waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+            with self._lock:
+                self._pending.update(zip(range(first, first + n), waiting))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             with self._put_lock:
-                seqs = send(ring, calls, left)
+                seqs = put_bundles(ring, parts, left) if parts is not None else None
+                if parts is not None and seqs is None:  # larger than the ring: one by one
+                    self._abandon(first, waiting)
+                    waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+                    with self._lock:
+                        self._pending.update(zip(range(first, first + n), waiting))
+                if seqs is None:
+                    seqs = send(ring, [(first + i, self._reply_path, self._me, wall_deadline, 1, obj)
+                                       for i, obj in enumerate(objs)], left)
         except Full:
-            self._abandon(ids)
+            self._abandon(first, waiting)
             raise Timeout(f"{self._label()} did not take the call within the timeout: its "
                           "request queue is full (the service is too slow, or not running)") from None
         except BaseException:
-            self._abandon(ids)
+            self._abandon(first, waiting)
             raise
-        for p, seq in zip(ps, seqs):
-            p.seq = seq
-        return ids
+        for w, seq in zip(waiting, seqs):
+            w.seq = seq
+        return first, waiting
 
-    def _abandon(self, ids):
+    def _abandon(self, first, waiting):
         with self._lock:
-            for cid in ids:
-                self._pending.pop(cid, None)
+            self._forget(first, waiting)
+
+    def _forget(self, first, waiting):
+        """Lock held: forget calls (``first`` and ``waiting`` as :meth:`_send` returned
+        them); their late replies are dropped."""
+        pending = self._pending
+        if waiting and type(waiting[0]) is _Group:
+            for g in waiting:
+                self._groups.pop(g.first, None)
+                for cid in g.parts or ():
+                    pending.pop(cid, None)
+        else:
+            for cid in range(first, first + len(waiting)):
+                pending.pop(cid, None)
 
     def _look(self):
         """Role held: send again the calls a dead worker took (see the module docstring).
@@ -224,14 +311,29 @@ class Client:
         items = self._read(0)
         now = time.time_ns()
         lost = []
+
+        def found(p):
+            return p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
+                                         for lo, hi, since, lease in held)
+
         with self._lock:
             if items:
                 self._deliver(items)
+            for g in list(self._groups.values()):
+                if g.done or g.parts is not None or g.seq < 0:
+                    continue
+                if found(g):
+                    g.strikes = 0
+                    continue
+                g.strikes += 1
+                if g.strikes >= 2:  # lost with its worker: its calls go again, alone
+                    parts = g.split()
+                    self._pending.update(parts)
+                    lost += parts.items()
             for cid, p in self._pending.items():
                 if p.done or p.seq < 0:
                     continue
-                if p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
-                                         for lo, hi, since, lease in held):
+                if found(p):
                     p.strikes = 0
                     continue
                 p.strikes += 1
@@ -262,16 +364,51 @@ class Client:
         pending = self._pending
         for item in items:
             try:
+                if type(item) is tuple and len(item) == 4:  # a bundle's replies
+                    first, statuses, values, service_ns = item
+                    g = self._groups.get(first)
+                    if g is None or g.done or len(statuses) != len(values) or \
+                            len(values) != len(g.objs):
+                        self.duplicates += len(values)
+                        continue
+                    if g.parts is None:
+                        g.answer_all(statuses, values)
+                    else:  # split: some of its calls may be answered already, alone
+                        for i, cid in enumerate(range(first, first + len(values))):
+                            p = pending.get(cid)
+                            if p is None or p.done:
+                                self.duplicates += 1
+                            else:
+                                p.answer(statuses[i], values[i])
+                    self._learn(service_ns / len(values))
+                    continue
                 cid, status, value = item
+                p = pending.get(cid)
+                if p is None:
+                    p = self._split_for(cid)
             except (TypeError, ValueError):
-                continue
-            p = pending.get(cid)
+                continue  # not a reply of ours
             if p is None or p.done:
                 self.duplicates += 1  # a redelivered call's second answer, or a timed-out call
                 continue
-            p.status, p.value, p.done = status, value, True
-            if p.loop is not None:
-                p.loop.call_soon_threadsafe(p.event.set)
+            p.answer(status, value)
+
+    def _split_for(self, cid):
+        """Lock held: the _Pending of call ``cid`` of a bundle answered call by call (a
+        service driven with ``get``/``Call.reply``), splitting the bundle; None if none."""
+        for g in self._groups.values():
+            if g.first <= cid < g.first + len(g.objs):
+                if g.done or g.parts is not None:
+                    return None
+                self._pending.update(g.split())
+                return self._pending[cid]
+        return None
+
+    def _learn(self, per_call_ns):
+        """Size later bundles from a bundle's service time per call."""
+        old = self._per_call_ns
+        self._per_call_ns = per = per_call_ns if old is None else 0.8 * old + 0.2 * per_call_ns
+        self._bundle = max(2, min(BUNDLE_MAX, int(BATCH_S * NS / max(per, 1.0))))
 
     def _release_role(self, items):
         with self._lock:
@@ -292,19 +429,19 @@ class Client:
         except Empty:
             return []
 
-    def _wait(self, ids, deadline):
-        """Block until every call in ``ids`` has its reply, or raise Timeout."""
-        pending = self._pending
+    def _wait(self, first, waiting, deadline):
+        """Block until every call :meth:`_send` returned has its reply, or raise Timeout."""
         while True:
             with self._lock:
                 while True:
-                    if all(pending[c].done for c in ids):
-                        return [pending.pop(c) for c in ids]
+                    if all(w.done for w in waiting):
+                        self._forget(first, waiting)
+                        return
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
-                        for c in ids:
-                            pending.pop(c, None)
-                        raise self._timeout(len(ids))
+                        self._forget(first, waiting)
+                        n = sum(len(w.objs) if type(w) is _Group else 1 for w in waiting)
+                        raise self._timeout(n)
                     if not self._reading:
                         self._reading = True
                         break
@@ -331,10 +468,22 @@ class Client:
             pass
         return Timeout(f"{self._label()} did not answer {what} in time{hint}")
 
-    def _result(self, p):
-        if p.status == OK:
-            return p.value
-        type_name, message, tb = p.value
+    def _results(self, waiting):
+        """The replies, in order; raises the first error (:meth:`_result`)."""
+        out: list[Any] = []
+        for w in waiting:
+            if type(w) is not _Group:
+                out.append(self._result(w.status, w.value))
+            elif not any(w.statuses):  # all OK
+                out += w.values
+            else:
+                out += [self._result(st, v) for st, v in zip(w.statuses, w.values)]
+        return out
+
+    def _result(self, status, value):
+        if status == OK:
+            return value
+        type_name, message, tb = value
         raise RemoteError(f"{self._label()}: {type_name}: {message}", self.name, type_name,
                           message, tb)
 
@@ -360,14 +509,15 @@ class Client:
         self._check()
         objs = list(objs)
         deadline, wall = self._deadlines(timeout)
-        out = []
+        waiting = []
         i = 0
         while i < len(objs):
             chunk = objs[i:i + self.window]
-            ids = self._send(chunk, deadline, wall)
-            out += self._wait(ids, deadline)
+            first, w = self._send(chunk, deadline, wall)
+            self._wait(first, w, deadline)
+            waiting += w
             i += len(chunk)
-        return [self._result(p) for p in out]
+        return self._results(waiting)
 
     def _deadlines(self, timeout):
         if timeout is None:
@@ -382,15 +532,13 @@ class Client:
         self._check()
         deadline, wall = self._deadlines(timeout)
         loop = asyncio.get_running_loop()
-        [cid] = self._send([obj], deadline, wall, loop)
-        with self._lock:
-            p = self._pending[cid]
+        cid, [p] = self._send([obj], deadline, wall, loop)
         try:
             while True:
                 with self._lock:
                     if p.done:
                         self._pending.pop(cid, None)
-                        return self._result(p)
+                        return self._result(p.status, p.value)
                     take = not self._reading
                     if take:
                         self._reading = True

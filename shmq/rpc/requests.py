@@ -8,6 +8,13 @@ the group :data:`GROUP` (each frame to exactly one of them, in the core,
 a few microseconds per take); the group's position is what callers read to
 tell a call still queued (its seq at or past it) from one taken.
 
+``call_many`` sends its calls in *bundles*: one frame holding consecutive call
+ids (the first, and the count) and a list of requests (:func:`encode_bundles`),
+pickled as one object, so
+a batch of small calls costs one pickle, one put and one take instead of
+one of each per call.  A bundle is in one worker's hands as a whole; a call
+of it that is sent again goes alone.
+
 There is no per-call lease record: what a worker holds it publishes on
 the service board (:meth:`shmq.rpc.board.Board.hold`), and a caller sends
 a call again when it is neither queued, nor in a live worker's hands, nor
@@ -17,6 +24,7 @@ a slow service makes callers wait in ``put`` (bounded memory).
 
 from __future__ import annotations
 
+from pickle import dumps as _dumps
 from pickle import loads as _loads
 from typing import Any
 
@@ -26,10 +34,13 @@ from .._core import encode_batch
 from ..errors import ShmqError
 from ..spool import Spool
 
-__all__ = ["GROUP", "create_or_open", "open_ring", "send", "decode", "taken_up_to"]
+__all__ = ["GROUP", "create_or_open", "open_ring", "send", "encode_bundles", "put_bundles", "decode", "taken_up_to"]
 
 #: The workers' group on the request ring.
 GROUP = "calls"
+#: A bundle larger than this pickled goes as separate calls (a worker copies its
+#: frame at once; big requests are what out-of-band buffers are for).
+BUNDLE_BYTES = 1 << 20
 
 
 def create_or_open(path: str, capacity: int | str) -> Spool:
@@ -122,6 +133,36 @@ def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> l
                     seqs.append(spool.put_many([item], timeout=timeout, codec=codec))
         i = j
     return seqs
+
+
+def encode_bundles(bundles: list[tuple[Any, ...]]) -> list[bytes] | None:
+    """Each bundle (``(first call id, reply queue path, caller, deadline ns, attempt,
+    requests, len(requests))``) pickled as one frame; None if one of them would carry
+    out-of-band buffers or is larger than :data:`BUNDLE_BYTES`: such calls go one by
+    one (:func:`send`), their buffers straight into the ring."""
+    oob: list[Any] = []
+    parts = []
+    for b in bundles:
+        data = _dumps(b, 5, buffer_callback=oob.append)
+        if oob or len(data) > BUNDLE_BYTES:
+            return None
+        parts.append(data)
+    return parts
+
+
+def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list[int] | None:
+    """Put :func:`encode_bundles`' frames in one batch; their seqs, or None (nothing
+    put) if they never fit in the ring at once.
+
+    :raises shmq.Full: no room within ``timeout``.
+    """
+    from ..errors import TooLarge
+
+    try:
+        first = spool.put_many(parts, timeout=timeout, codec=F.CODEC_PICKLE)
+    except TooLarge:
+        return None
+    return list(range(first, first + len(parts)))
 
 
 def decode(frame: Any) -> Any:

@@ -14,18 +14,18 @@ import signal
 import stat
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .. import codec as _codec
 from .._mapping import resolve_path
 from ..errors import NotASpool, ShmqError
-from ..queue import Queue
 from ..spool import Spool
 from .board import Board, board_path, service_status
+from .replies import Replies, caller_alive
 from .requests import GROUP, create_or_open, decode, taken_up_to
-from .wire import ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, error_tuple
+from .wire import BATCH_S, BUNDLE_MAX, ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, error_tuple
 
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
@@ -38,7 +38,6 @@ log = logging.getLogger("shmq.service")
 
 #: A stop request is noticed within this (a worker's get wakes this often).
 STOP_POLL_S = 0.2
-_REPLY_HANDLES = 256  # reply queues a worker keeps open (LRU)
 
 
 class ServiceStats(NamedTuple):
@@ -115,6 +114,22 @@ class Call:
         return f"<shmq.Call id={self.id} attempt={self.attempt} done={self._done}>"
 
 
+class _Bundle:
+    """Calls one ``call_many`` sent in one frame (see :mod:`shmq.rpc.requests`): the
+    serving loop answers them with one reply; :meth:`Service.get_many` hands them
+    out as :class:`Call` objects, and the frame is settled when all are answered."""
+
+    __slots__ = ("seq", "first", "reply_to", "caller", "attempt", "requests", "sent_ns", "taken_ns")
+
+    def __init__(self, seq, first, reply_to, caller, attempt, requests, sent_ns, taken_ns):
+        self.seq, self.first, self.reply_to, self.caller = seq, first, reply_to, caller
+        self.attempt, self.requests, self.sent_ns, self.taken_ns = attempt, requests, sent_ns, taken_ns
+
+    def calls(self, svc):
+        return [Call(svc, self.seq, self.first + i, self.reply_to, self.caller, self.attempt, req,
+                     self.sent_ns, self.taken_ns) for i, req in enumerate(self.requests)]
+
+
 class Service:
     """The serving side of a request/reply service at ``name_or_path``.
 
@@ -165,11 +180,12 @@ class Service:
         self._pid: int | None = None
         self._spool: Spool | None = None
         self._reader: Any = None
-        self._held: deque[Any] = deque()  # frames taken, not handed out yet
-        self._open: set[int] = set()      # seqs taken and not answered (held or handed out)
+        self._held: deque[Any] = deque()  # frames taken, not admitted yet
+        self._ready: deque[Call] = deque()  # a bundle's calls, not handed out yet
+        self._open: dict[int, int] = {}   # seq taken -> its calls not answered yet
         self._hi = 0                      # one past the last seq taken
-        self._replies: OrderedDict[str, Queue] = OrderedDict()  # reply queue path -> Queue, LRU
-        self._next_sweep = 0.0
+        self._frame_calls = 1.0           # calls per frame taken, smoothed (bundles hold many)
+        self._replies = Replies(self.path, trusted)
         self._stopping = False
         self._wake_w: int | None = None
         self._board: Board | None = None
@@ -197,8 +213,8 @@ class Service:
                 sp.close()
                 raise
             self._spool = sp
-            self._replies = OrderedDict()
-            self._held, self._open, self._hi = deque(), set(), 0
+            self._replies = Replies(self.path, self._trusted)
+            self._held, self._ready, self._open, self._hi = deque(), deque(), {}, 0
             self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
         return self._reader
@@ -211,10 +227,9 @@ class Service:
         """
         if self._pid == os.getpid():
             self._held.clear()
+            self._ready.clear()
             self._open.clear()
-            for q in self._replies.values():
-                q.close()
-            self._replies.clear()
+            self._replies.close()
             if self._board is not None:
                 self._board.release()
                 self._board = None
@@ -288,28 +303,44 @@ class Service:
 
         :raises shmq.Empty: no call within ``timeout``.
         """
+        if not self._ready:
+            for u in self._units(max_calls, timeout):
+                if type(u) is _Bundle:
+                    self._ready.extend(u.calls(self))
+                else:
+                    self._ready.append(u)
+        ready = self._ready
+        return [ready.popleft() for _ in range(min(max_calls, len(ready)))]
+
+    def _units(self, max_calls, timeout):
+        """Calls and whole bundles (about ``max_calls`` calls; at least one unit), as
+        :meth:`get_many` takes them; the serving loop answers a bundle in one reply."""
         reader = self._ring()
         if not self._board_tried:
             self._claim_row()
         deadline = None if timeout is None else time.monotonic() + timeout
-        out: list[Call] = []
+        out: list[Any] = []
+        n = 0  # calls in out
         alive: dict[int, bool] = {}  # callers looked up in this batch
         while True:
-            if time.monotonic() >= self._next_sweep:
-                self._sweep()
+            self._replies.sweep_due()
             if not self._held:
+                frames = max(1, round((max_calls - n) / self._frame_calls))
                 if out:  # more only if they are there already
-                    self._take(reader, max(max_calls - len(out), self.prefetch), block=False)
+                    self._take(reader, max(frames, self.prefetch), block=False)
                 else:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    self._take(reader, max(max_calls, self.prefetch), timeout=left)
+                    self._take(reader, max(frames, self.prefetch), timeout=left)
             now, mono = time.time_ns(), time.monotonic_ns()
             held = self._held
-            while held and len(out) < max_calls:
-                call = self._admit(held.popleft(), now, mono, alive)
-                if call is not None:
-                    out.append(call)
-            if out and (len(out) >= max_calls or not held):
+            while held and n < max_calls:
+                u = self._admit(held.popleft(), now, mono, alive)
+                if u is not None:
+                    out.append(u)
+                    k = len(u.requests) if type(u) is _Bundle else 1
+                    n += k
+                    self._frame_calls = 0.9 * self._frame_calls + 0.1 * k
+            if out and (n >= max_calls or not held):
                 if self._board is not None:
                     self._board.busy()
                 return out
@@ -324,7 +355,7 @@ class Service:
             if block:
                 raise
             return
-        self._open.update(f.seq for f in frames)
+        self._open.update((f.seq, 1) for f in frames)  # a bundle's count is set at admission
         self._hi = frames[-1].seq + 1
         self._publish()  # at once: callers must see these in our hands
         self._held.extend(frames)
@@ -334,19 +365,30 @@ class Service:
         ``mono``: the wall and monotonic clocks in ns; ``alive``: caller word -> liveness,
         filled as callers are seen)."""
         try:
-            cid, reply_to, caller, deadline_ns, attempt, request = decode(f)
+            t = decode(f)
+            n, bundle = 1, type(t) is tuple and len(t) == 7
+            if bundle:  # a bundle: its calls travel and are answered together
+                cid, reply_to, caller, deadline_ns, attempt, request, n = t
+                if type(cid) is not int or type(request) is not list or len(request) != n or not n:
+                    raise ValueError("a malformed bundle")
+            else:
+                cid, reply_to, caller, deadline_ns, attempt, request = t
         except Exception as exc:  # noqa: BLE001  (not a call: written by something else)
             log.warning("%s: dropping frame %d: not a call (%s)", self.path, f.seq, exc)
             self._settle(f.seq)
             return None
         live = alive.get(caller)
         if live is None:
-            live = alive[caller] = _alive(caller)
+            live = alive[caller] = caller_alive(caller)
         if (deadline_ns and now > deadline_ns) or not live:
             self._settle(f.seq)  # the caller raised Timeout already, or is gone
             if self._board is not None:
-                self._board.expired()
+                self._board.expired(n)
             return None
+        if bundle:
+            self._open[f.seq] = n
+            self._publish()  # its calls' count
+            return _Bundle(f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns, mono)
         call = Call(self, f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns, mono)
         if attempt > 1 and self._board is not None:
             self._board.redelivered()
@@ -368,14 +410,23 @@ class Service:
                 continue
 
     def _publish(self):
-        """Our row shows the seqs in our hands (all in [min open, hi))."""
+        """Our row shows the seqs in our hands (all in [min open, hi)) and how many
+        calls they hold (a bundle's count is known once it is admitted)."""
         if self._board is not None:
             o = self._open
-            self._board.hold(min(o) if o else self._hi, self._hi, len(o))
+            self._board.hold(min(o) if o else self._hi, self._hi, sum(o.values()))
 
     def _settle(self, seq):
-        self._open.discard(seq)
+        self._open.pop(seq, None)
         self._publish()
+
+    def _answered(self, seq, k=1):
+        """``k`` calls of frame ``seq`` were answered (settled when all of its are)."""
+        left = self._open.get(seq, 0) - k
+        if left > 0:
+            self._open[seq] = left
+        else:
+            self._open.pop(seq, None)
 
     def _claim_row(self):
         self._board_tried = True
@@ -406,88 +457,29 @@ class Service:
             by_queue.setdefault(a[0]._reply_to, []).append(a)
         failed = set()
         for path, group in by_queue.items():
-            q = self._reply_queue(path)
-            if q is None:
-                continue
-            try:
-                if len(group) == 1:
-                    c, st, v = group[0]
-                    q.put((c.id, st, v))  # the core's whole put
-                else:
-                    q.put_many([(c.id, st, v) for c, st, v in group])
-            except Exception:  # noqa: BLE001  (unpicklable, or too large: say so, one by one)
-                for c, st, v in group:
-                    if not self._put_reply(q, c, st, v):
-                        failed.add(c)
-            self._check_caller(path, group[0][0]._caller)
+            bad = self._replies.send(path, group[0][0]._caller, [(c.id, st, v) for c, st, v in group])
+            failed.update(group[i][0] for i in bad)
         now, mono = time.time_ns(), time.monotonic_ns()
-        settle = self._open.discard
+        answered = self._answered
         for call, _s, _v in answers:
             call._done = True
-            settle(call._seq)
+            answered(call._seq)
         if self._board is not None:
             # latency: the caller's put (wall clock, this host) to the reply written
             self._board.record_many([(now - c._sent_ns, mono - c._taken_ns, st != OK or c in failed)
                                      for c, st, _v in answers])
         self._publish()
 
-    def _put_reply(self, q, call, status, value):
-        """One reply; one that cannot be sent is answered with a ``ReplyError``.
-        Returns False if what was sent is an error the handler did not raise."""
-        try:
-            q.put((call.id, status, value))
-            return True
-        except Exception as exc:  # noqa: BLE001  unpicklable, or beyond the reply queue's ceiling
-            if status == OK:
-                err = error_tuple(exc)
-                msg = f"the reply could not be sent: {err[0]}: {err[1]}"
-                try:
-                    q.put((call.id, ERR, ("ReplyError", msg, err[2])))
-                except Exception:  # noqa: BLE001
-                    log.exception("%s: reply to call %d lost", self.path, call.id)
-            else:
-                log.exception("%s: error reply to call %d lost", self.path, call.id)
-            return False
-
-    def _reply_queue(self, path):
-        q = self._replies.get(path)
-        if q is not None:
-            self._replies.move_to_end(path)
-            return q
-        if not isinstance(path, str):
-            return None
-        try:
-            q = _attach_queue(path, self._trusted)
-        except FileNotFoundError:
-            return None  # the caller is gone and its queue removed: nobody to answer
-        self._replies[path] = q
-        if len(self._replies) > _REPLY_HANDLES:
-            _p, old = self._replies.popitem(last=False)
-            old.close()
-        return q
-
-    def _check_caller(self, path, caller):
-        """A caller whose pid is gone: remove its reply queue (its resource tracker
-        normally does; this covers a tracker killed with it).  0.5 us: ``kill(pid, 0)``."""
-        if not _alive(caller):
-            self._forget(path, destroy=True)
-
-    def _forget(self, path, destroy):
-        q = self._replies.pop(path, None)
-        if q is not None:
-            q.close()
-        if destroy:
-            try:
-                Spool.destroy(path)
-            except (FileNotFoundError, ShmqError):
-                pass
-
-    def _sweep(self):
-        """Close reply queues that were removed (their caller exited); once a second."""
-        self._next_sweep = time.monotonic() + 1.0
-        for path, q in list(self._replies.items()):
-            if not os.path.lexists(path):
-                self._forget(path, destroy=False)
+    def _answer_bundle(self, b, statuses, values, service_ns):
+        """Answer bundle ``b`` with one reply (``statuses``: a bytearray, one per call),
+        then settle it; replies that cannot be sent together go one by one."""
+        failed = self._replies.send_bundle(b.reply_to, b.caller, b.first, statuses, values, service_ns)
+        now, mono = time.time_ns(), time.monotonic_ns()
+        self._open.pop(b.seq, None)
+        if self._board is not None:
+            n = len(values)
+            self._board.record_bulk(n, now - b.sent_ns, (mono - b.taken_ns) // n, failed)
+        self._publish()
 
     # -- serving --------------------------------------------------------------------
 
@@ -570,17 +562,6 @@ class Service:
         return p
 
 
-def _alive(caller):
-    """False if the caller's process is gone (its holder word's pid); True if unsure."""
-    try:
-        os.kill(caller & 0xFFFFFFFF, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, TypeError, ValueError):
-        pass
-    return True
-
-
 def _parent_death_signal(sig):
     """Linux: deliver ``sig`` to this process when its parent dies (the supervisor)."""
     try:
@@ -605,42 +586,54 @@ def _worker_main(name, opts, handler, parent):
         svc.close()
 
 
-#: A serving worker takes as many waiting calls at once as its handler answers in
-#: about this long (from its recent service times), at most BATCH_MAX: one take
-#: and one reply batch per caller instead of one of each per call, without holding
-#: calls that another worker could be answering.
-BATCH_S = 0.001
-BATCH_MAX = 64
-
-
 def _serve_batches(svc, handler, parent):
-    """A worker's loop: take a batch, run the handler on each call, answer the batch."""
+    """A worker's loop: take a batch, run the handler on each call, answer the batch.
+
+    It takes as many waiting calls at once as the handler answers in about
+    ``BATCH_S`` (from its recent service times), at most ``BUNDLE_MAX``, and
+    answers each caller's calls with one put (one wake-up per caller); a
+    bundle with one reply, without a :class:`Call` per call.
+    """
     from ..errors import Empty
 
     per_call = BATCH_S  # seconds per call, smoothed; starts at one call per take
     while not svc._stopping:
-        n = max(1, min(BATCH_MAX, int(BATCH_S / per_call)))
+        n = max(1, min(BUNDLE_MAX, int(BATCH_S / per_call)))
         try:
-            calls = svc.get_many(n, timeout=STOP_POLL_S)
+            units = svc._units(n, STOP_POLL_S)
         except Empty:
             continue
         t0 = time.perf_counter()
         # A call sent again (its worker died with it) may be what kills workers:
         # answer one call at a time around it, and take one at a time after it, so
         # that calls taken with it are not lost (and their attempts spent) again.
-        careful = any(c.attempt > 1 for c in calls)
+        careful = any(u.attempt > 1 for u in units)
         answers = []
-        for call in calls:
+        calls = 0
+        for u in units:
+            if type(u) is _Bundle:
+                t = time.perf_counter_ns()
+                statuses, values = bytearray(len(u.requests)), []
+                for i, request in enumerate(u.requests):
+                    try:
+                        values.append(handler(request))
+                    except Exception as exc:  # noqa: BLE001  (the caller gets it as RemoteError)
+                        statuses[i] = ERR
+                        values.append(error_tuple(exc))
+                svc._answer_bundle(u, statuses, values, time.perf_counter_ns() - t)
+                calls += len(u.requests)
+                continue
             try:
-                answers.append((call, OK, handler(call.request)))
+                answers.append((u, OK, handler(u.request)))
             except Exception as exc:  # noqa: BLE001  (the caller gets it as RemoteError)
-                answers.append((call, ERR, error_tuple(exc)))
+                answers.append((u, ERR, error_tuple(exc)))
+            calls += 1
             if careful:
                 svc._answer_all(answers)
                 answers = []
         if answers:
             svc._answer_all(answers)
-        per_call = 0.8 * per_call + 0.2 * max(1e-7, (time.perf_counter() - t0) / len(calls))
+        per_call = 0.8 * per_call + 0.2 * max(1e-7, (time.perf_counter() - t0) / calls)
         if careful:
             per_call = BATCH_S
         if os.getppid() != parent:
@@ -649,13 +642,3 @@ def _serve_batches(svc, handler, parent):
 
 def _reopen_service(name, opts):
     return Service(name, **opts)
-
-
-def _attach_queue(path, trusted):
-    """Attach to an existing reply queue (never create one).
-
-    :raises FileNotFoundError: it is gone.
-    """
-    q = Queue.__new__(Queue)
-    q.__setstate__({"path": path, "trusted": trusted})  # what unpickling a Queue does
-    return q
