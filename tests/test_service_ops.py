@@ -57,11 +57,15 @@ def blocked_service(spool_dir):
     proc.start()
     cl = shmq.Client(path)
     out = {}
-    caller = threading.Thread(target=lambda: out.update(replies=cl.call_many([1, 2, 3, 4],
-                                                                             timeout=T)))
+    # four calls of their own (threads), not one call_many: that would send them as
+    # one bundle, all in one worker's hands
+    callers = [threading.Thread(target=lambda i=i: out.update({i: cl.call(i + 1, timeout=T)}))
+               for i in range(4)]
+    caller = _Joined(callers)
     pids = set()
     try:
-        caller.start()
+        for c in callers:
+            c.start()
         pids = {started.get(timeout=T), started.get(timeout=T)}  # both handlers hold a call
         _wait_for(lambda: (svc.stats().in_flight, svc.stats().queued) == (2, 2), "2 + 2 calls")
         t_blocked = time.monotonic()
@@ -75,6 +79,15 @@ def blocked_service(spool_dir):
         proc.join(T)
         svc.close()
         shmq.Service.destroy(path)
+
+
+class _Joined:
+    def __init__(self, threads):
+        self.threads = threads
+
+    def join(self, timeout):
+        for t in self.threads:
+            t.join(timeout)
 
 
 def _safe(cl, r):
@@ -121,7 +134,7 @@ def test_stat_shows_queued_in_flight_workers_and_latency(blocked_service):
     blocked = time.monotonic() - s["t_blocked"]
     s["go"].set()
     s["caller"].join(T)
-    assert s["out"]["replies"] == [2, 4, 6, 8]
+    assert [s["out"][i] for i in range(4)] == [2, 4, 6, 8]
     d = json.loads(shmq_cmd("stat", s["path"], "--json").stdout)["service"]
     assert (d["queued"], d["in_flight"], d["busy"], d["calls"], d["failed"]) == (0, 0, 0, 4, 0)
     lat, svc_t = d["latency"], d["service_time"]
