@@ -152,6 +152,22 @@ def test_call_many_sends_bundles_sized_by_the_handlers_speed(service, svc_path):
         assert cl.duplicates == 0
 
 
+def test_a_bundle_runs_every_request_and_keeps_errors_in_place():
+    from shmq.rpc.service import _run_bundle
+    from shmq.rpc.wire import ERR, OK
+
+    def h(x):
+        if x % 3 == 0:
+            raise ValueError(f"bad {x}")
+        return x * 10
+
+    statuses, values = _run_bundle(h, list(range(8)))
+    assert list(statuses) == [ERR if x % 3 == 0 else OK for x in range(8)]
+    assert [v[:2] if s else v for s, v in zip(statuses, values)] == \
+        [("ValueError", f"bad {x}") if x % 3 == 0 else x * 10 for x in range(8)]
+    assert _run_bundle(h, [1, 2]) == (bytearray(2), [10, 20])
+
+
 def test_bundle_size_follows_the_service_time_per_call():
     """What a client learns from a bundle's reply (its service time per call, smoothed)."""
     from shmq.rpc.client import BUNDLE_START

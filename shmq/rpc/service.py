@@ -613,13 +613,7 @@ def _serve_batches(svc, handler, parent):
         for u in units:
             if type(u) is _Bundle:
                 t = time.perf_counter_ns()
-                statuses, values = bytearray(len(u.requests)), []
-                for i, request in enumerate(u.requests):
-                    try:
-                        values.append(handler(request))
-                    except Exception as exc:  # noqa: BLE001  (the caller gets it as RemoteError)
-                        statuses[i] = ERR
-                        values.append(error_tuple(exc))
+                statuses, values = _run_bundle(handler, u.requests)
                 svc._answer_bundle(u, statuses, values, time.perf_counter_ns() - t)
                 calls += len(u.requests)
                 continue
@@ -638,6 +632,21 @@ def _serve_batches(svc, handler, parent):
             per_call = BATCH_S
         if os.getppid() != parent:
             break
+
+
+def _run_bundle(handler, requests):
+    """``(statuses, values)``: the handler's reply (``OK``) or error (``ERR``) for each
+    request.  The common case, no error, is one ``map`` (no Python loop per call);
+    after an error the rest run one by one."""
+    statuses, values = bytearray(len(requests)), []
+    it = iter(requests)
+    while True:
+        try:
+            values += map(handler, it)  # stops at the first error; its request is consumed
+            return statuses, values
+        except Exception as exc:  # noqa: BLE001  (the caller gets it as RemoteError)
+            statuses[len(values)] = ERR
+            values.append(error_tuple(exc))
 
 
 def _reopen_service(name, opts):
