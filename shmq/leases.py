@@ -49,17 +49,21 @@ class LeaseTable:
         """Indices of the records that may be in use (below the high-water mark)."""
         return range(min(self._ctl[F.W_WQ_LEASE_HWM], self.n))
 
-    def due(self, now_ns, check_live):
+    def due(self, now_ns, check_live, take_seq):
         """Records due again at ``now_ns`` (retry or delay elapsed, lease expired, or
-        with ``check_live`` a dead holder) as ``[(seq, i)]`` oldest first, and the
-        earliest due time among the others (None: none)."""
+        with ``check_live`` a dead holder) as ``[(seq, i)]`` oldest first, the
+        earliest due time among the others (None: none), and whether a record holds
+        a message at or after ``take_seq`` (the take cursor: a taker died between
+        granting it and moving the cursor, see ``WorkQueue._recover``)."""
         reg = self._reg
-        due, next_due_ns = [], None
+        due, next_due_ns, ahead = [], None, False
         for i in self.in_use():
             w = i * LEASE_WORDS
             state = reg[w + L_STATE]
             if state == LEASE_FREE:
                 continue
+            if reg[w + L_SEQ] >= take_seq:
+                ahead = True
             t = reg[w + L_DUE_NS]
             if state == LEASE_LEASED:
                 if t > now_ns and not (check_live and not holder_alive(reg[w + L_HOLDER])):
@@ -69,7 +73,7 @@ class LeaseTable:
                 next_due_ns = t if next_due_ns is None else min(next_due_ns, t)
                 continue
             due.append((reg[w + L_SEQ], i))
-        return sorted(due), next_due_ns
+        return sorted(due), next_due_ns, ahead
 
     def take_free(self):
         """Index of a free record (raising the high-water mark to cover it), or None."""

@@ -168,6 +168,11 @@ class WorkQueue:
         take = sp.reader(TAKE_SLOT, group=True)  # creates the slot if new (earliest)
         self._spool, self._ctl, self._take = sp, ctl, take
         self._lock = take.lock
+        # Before the first acquire: the attach itself may break a dead consumer's
+        # lock, and its repair must run then (without it, a frame granted by a
+        # consumer killed before moving the take cursor was granted again).
+        self._leases = None
+        self._lock.on_recover = self._recover
         with self._lock:
             if not ctl[F.W_WQ_LEASE_SLOTS]:  # first attach: initialize under the lock
                 if F.wq_region_records(leases, keys) > sp.geometry["lease_count"]:
@@ -183,7 +188,6 @@ class WorkQueue:
         self._region = sp.lease_region()
         self._leases = LeaseTable(self._region, ctl, self._nleases)
         self._keys = KeyIndex(self._region, self._nleases * LEASE_WORDS, self._nkeys)
-        self._lock.on_recover = self._recover
 
     @classmethod
     def open(cls, path: StrPath, **kw: Any) -> Self:
@@ -390,7 +394,9 @@ class WorkQueue:
         freed = False
         with self._lock:
             # 1. lease records that are due again (retry, delay, expired or dead holder)
-            due, next_due_ns = self._leases.due(now_ns, check_live)
+            due, next_due_ns, ahead = self._leases.due(now_ns, check_live, self._take_seq())
+            if ahead:  # a taker died granting (its lock broken without our repair): repair now
+                self._recover(0)
             for _seq, i in due[:max_messages]:
                 g = self._redeliver(i, now_ns, lease)
                 if g is not None:
@@ -579,11 +585,22 @@ class WorkQueue:
         return deadline / _NS
 
     def _recover(self, dead_pid: int) -> None:
-        """After breaking a dead consumer's lock: records ahead of the take cursor
-        mean it died between recording a lease and moving the cursor."""
+        """After breaking a dead consumer's lock (lock held): records ahead of the take
+        cursor mean it died between recording a lease and moving the cursor; the
+        cursor moves past them, so that their frames are not granted twice.
+
+        Also called when :meth:`_lease_some` finds such records: the lock was
+        broken by something without this repair (``shmq recover``, another tool).
+        """
         sp, slots, t = self._spool, self._spool.slots, self._take.slot
+        leases = self._leases
+        if leases is None:  # breaking the lock while attaching
+            n = self._ctl[F.W_WQ_LEASE_SLOTS]
+            if not n:
+                return  # not initialized yet: no lease can exist
+            leases = LeaseTable(sp.lease_region(), self._ctl, n)
         seq = slots.word(t, F.S_SEQ)
-        for rseq, rpos in self._leases.at_or_after(seq):  # in record order, as they were taken
+        for rseq, rpos in leases.at_or_after(seq):  # in record order, as they were taken
             if rseq >= seq:
                 hit = sp.ring.header_at(rpos)
                 if hit is not None and hit.seq == rseq:

@@ -446,8 +446,9 @@ def test_lease_table_grant_owned_due_and_free(make_spool):
         t.owned(i, got[4], msg_id=7)
         with pytest.raises(shmq.LeaseLost):
             t.owned(i, got[4] + 1)
-        assert t.due(now, check_live=False) == ([], now + 5_000_000_000)
-        assert t.due(now + 6_000_000_000, check_live=False)[0] == [(7, 0)]  # expired
+        assert t.due(now, False, 8) == ([], now + 5_000_000_000, False)
+        assert t.due(now + 6_000_000_000, False, 8)[0] == [(7, 0)]  # expired
+        assert t.due(now, False, 7)[2]  # a record at the take cursor: a taker died granting it
         assert not t.out_of_attempts(i)
         t.grant(i, now, 5.0, sp.holder)
         assert t.out_of_attempts(i)

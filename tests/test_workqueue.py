@@ -245,6 +245,64 @@ def test_killed_consumer_message_redelivered_promptly(ctx, wq_path):
     q.close()
 
 
+def _die_granting(path):
+    """Take a message and die (SIGKILL) inside the take: its lease is recorded, the
+    take cursor not moved yet, the work queue's lock held."""
+    q = shmq.WorkQueue(path)
+
+    def die(*_a):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    q._spool.slots.set_cursor = die
+    q.get(timeout=10)
+
+
+def _kill_inside_a_take(ctx, path):
+    p = ctx.Process(target=_die_granting, args=(path,))
+    p.start()
+    join_all([p], timeout=30)
+    assert p.exitcode == -signal.SIGKILL
+
+
+def _take_all(q):
+    got = []
+    try:
+        while True:
+            for m in q.get_many(10, timeout=0.5):
+                got.append((m.body, m.attempt))
+                m.ack()
+    except shmq.Empty:
+        return sorted(got)
+
+
+@pytest.mark.parametrize("breaker", ["attach", "other_tool"])
+def test_consumer_killed_inside_a_take_its_message_is_delivered_once(ctx, wq_path, breaker):
+    """A consumer SIGKILLed after recording a lease but before moving the take
+    cursor, holding the lock: whoever breaks the lock, the message is delivered
+    again once (attempt 2), never also as a fresh message.  Breakers: a consumer
+    attaching (its repair must already be set up), or a tool taking the group's
+    lock without the work queue's repair (the next take repairs then)."""
+    q = shmq.WorkQueue(wq_path, capacity="1MiB", liveness_interval=0.05)
+    q.put_many(["m0", "m1"])
+    _kill_inside_a_take(ctx, wq_path)
+    if breaker == "attach":
+        q.close()
+        q = shmq.WorkQueue(wq_path, liveness_interval=0.05)  # breaks the dead holder's lock
+    else:
+        sp = shmq.Spool.open(wq_path)
+        r = sp.reader("wq", group=True)
+        with r.lock:  # broken here, without the work queue's repair
+            pass
+        r.close()
+        sp.close()
+    try:
+        assert _take_all(q) == [("m0", 2), ("m1", 1)]
+        st = q.stats()
+        assert (st.acked, st.ready, st.in_flight) == (2, 0, 0)
+    finally:
+        q.close()
+
+
 def _consume_all(path, out, idle):
     q = shmq.WorkQueue(path)
     got = []
