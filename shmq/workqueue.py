@@ -171,7 +171,7 @@ class WorkQueue:
         # Before the first acquire: the attach itself may break a dead consumer's
         # lock, and its repair must run then (without it, a frame granted by a
         # consumer killed before moving the take cursor was granted again).
-        self._leases = None
+        self._attached = False  # _recover builds its own lease table until then
         self._lock.on_recover = self._recover
         with self._lock:
             if not ctl[F.W_WQ_LEASE_SLOTS]:  # first attach: initialize under the lock
@@ -188,6 +188,7 @@ class WorkQueue:
         self._region = sp.lease_region()
         self._leases = LeaseTable(self._region, ctl, self._nleases)
         self._keys = KeyIndex(self._region, self._nleases * LEASE_WORDS, self._nkeys)
+        self._attached = True
 
     @classmethod
     def open(cls, path: StrPath, **kw: Any) -> Self:
@@ -593,14 +594,19 @@ class WorkQueue:
         broken by something without this repair (``shmq recover``, another tool).
         """
         sp, slots, t = self._spool, self._spool.slots, self._take.slot
-        leases = self._leases
-        if leases is None:  # breaking the lock while attaching
+        seq = slots.word(t, F.S_SEQ)
+        if self._attached:
+            ahead = self._leases.at_or_after(seq)
+        else:  # breaking the lock while attaching
             n = self._ctl[F.W_WQ_LEASE_SLOTS]
             if not n:
                 return  # not initialized yet: no lease can exist
-            leases = LeaseTable(sp.lease_region(), self._ctl, n)
-        seq = slots.word(t, F.S_SEQ)
-        for rseq, rpos in leases.at_or_after(seq):  # in record order, as they were taken
+            region = sp.lease_region()
+            try:
+                ahead = LeaseTable(region, self._ctl, n).at_or_after(seq)
+            finally:
+                region.release()
+        for rseq, rpos in ahead:  # in record order, as they were taken
             if rseq >= seq:
                 hit = sp.ring.header_at(rpos)
                 if hit is not None and hit.seq == rseq:

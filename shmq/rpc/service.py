@@ -299,7 +299,10 @@ class Service:
 
         Every call returned is in this process's hands until answered: take
         only as many as you will answer soon (a call held longer than
-        ``lease`` is sent again by its caller).
+        ``lease`` is sent again by its caller).  The calls of a bundle (one
+        ``call_many``'s, in one frame) are taken together: those beyond
+        ``max_calls`` are already in this process's hands, and come first
+        from the next ``get``/``get_many``.
 
         :raises shmq.Empty: no call within ``timeout``.
         """
