@@ -77,8 +77,12 @@ def test_fork_child_does_not_unregister_parents_async_reader(make_spool, safety_
     safety_net(30.0)  # a lost registration would now cost 30 s
 
     async def main():
+        assert sp.data_bell.sem.value == 0  # nobody waits yet
         first = asyncio.ensure_future(r.get_async(timeout=20))
-        await asyncio.sleep(0.05)  # parked: the loop watches the inotify fd
+        end = time.monotonic() + 10
+        while sp.data_bell.sem.value == 0:  # until it is parked: registered as a waiter
+            assert time.monotonic() < end, "get_async never parked"
+            await asyncio.sleep(0)
         child = ctx.Process(target=os._exit, args=(0,))
         child.start()  # the fork hook runs in the child
         child.join(10)
