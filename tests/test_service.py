@@ -396,6 +396,31 @@ def release(go):
     os.close(fd)
 
 
+def test_ctrl_c_while_waiting_forgets_the_calls_and_the_client_goes_on(service, svc_path,
+                                                                       spool_dir):
+    """SIGINT while call_many waits (its bundle held by a blocked handler): the
+    KeyboardInterrupt propagates, nothing is left waiting, the bundle's late reply is
+    dropped, and the client's next call works."""
+    service()  # one worker, FIFO: the bundle is answered before the next call
+    req, started, go = _blocking_call(spool_dir, 8)
+    st = Started(started)
+    main = threading.main_thread().ident
+    th = threading.Thread(target=lambda: (st.next(), signal.pthread_kill(main, signal.SIGINT)))
+    try:
+        with shmq.Client(svc_path) as cl:
+            th.start()
+            with pytest.raises(KeyboardInterrupt):
+                cl.call_many([req, "a", "b"], timeout=T)
+            th.join(T)
+            assert not cl._groups and not cl._pending
+            release(go)
+            assert cl.call("after", timeout=T)["echo"] == "after"
+            assert cl.duplicates == 3  # the abandoned bundle's replies
+    finally:
+        th.join(T)
+        st.close()
+
+
 def test_whole_service_killed_and_restarted_mid_call(svc_path, spool_dir):
     req, started, go = _blocking_call(spool_dir, 1)
     st = Started(started)

@@ -514,7 +514,11 @@ class Client:
         while i < len(objs):
             chunk = objs[i:i + self.window]
             first, w = self._send(chunk, deadline, wall)
-            self._wait(first, w, deadline)
+            try:
+                self._wait(first, w, deadline)
+            except BaseException:  # Ctrl-C (a Timeout has forgotten them already)
+                self._abandon(first, w)  # nobody waits for them: late replies are dropped
+                raise
             waiting += w
             i += len(chunk)
         return self._results(waiting)
@@ -567,7 +571,6 @@ class Client:
                         await asyncio.wait_for(p.event.wait(), left)
                     except asyncio.TimeoutError:
                         pass
-        finally:
+        finally:  # answered, timed out or cancelled: nobody waits for it any more
             with self._lock:
-                if not p.done:
-                    self._pending.pop(cid, None)
+                self._pending.pop(cid, None)
