@@ -1,8 +1,10 @@
 """Request/reply on one host: ``Service`` answers calls that ``Client`` makes.
 
-Parts: :mod:`.wire` (what travels), :mod:`.board` (the service's status
-file ``PATH.svc``: serving processes, call counts, latency histograms),
-:mod:`.service` (the serving side), :mod:`.client` (the calling side).
+Parts: :mod:`.wire` (what travels), :mod:`.requests` (the request ring),
+:mod:`.board` (the service's status file ``PATH.svc``: serving processes,
+call counts, latency histograms), :mod:`.replies` (a worker's handles on
+its callers' reply queues), :mod:`.service` (the serving side),
+:mod:`.client` (the calling side).
 
 How it maps onto the layers below (docs/service.md has the full design):
 
@@ -14,7 +16,8 @@ How it maps onto the layers below (docs/service.md has the full design):
   live worker's hands: its caller, which keeps every call it waits for,
   sees that and sends it again (at-least-once to handlers).  The ring is a
   fixed-size ``block`` spool: a slow service makes callers wait in
-  ``put`` (bounded memory), never an unbounded backlog.
+  ``put`` (bounded memory), never an unbounded backlog.  ``call_many``
+  puts several calls in one frame (a bundle, answered with one reply).
 * **Replies** go to one anonymous :class:`shmq.Queue` per client process,
   named by its path in each request: only that process reads it, so a
   reply can never reach another caller.  The queue is removed when the

@@ -11,6 +11,10 @@ whose holder cannot be seen is resent once a second, not twice).  Looking twice 
 worker's take and its board update; a call sent twice is answered twice,
 and the second answer is dropped here by call id.
 
+``call_many`` sends bundles (:mod:`shmq.rpc.requests`) and waits for each as
+one :class:`_Group`; a bundle found lost as above is split, and its calls
+are sent again one by one (each with its own attempts from then on).
+
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 """
 
@@ -93,7 +97,8 @@ class _Group:
         self.statuses, self.values, self.done, self.left = statuses, values, True, 0
 
     def split(self):
-        """The calls not answered yet, each as a _Pending of its own (registered by the caller)."""
+        """Each call as a _Pending of its own, for the caller to register (none is answered
+        yet: a bundle's reply answers all of them at once)."""
         n = len(self.objs)
         if self.values is None:
             self.statuses, self.values = bytearray(n), [None] * n
