@@ -24,7 +24,6 @@ a slow service makes callers wait in ``put`` (bounded memory).
 
 from __future__ import annotations
 
-from pickle import dumps as _dumps
 from pickle import loads as _loads
 from typing import Any
 
@@ -34,7 +33,8 @@ from .._core import encode_batch
 from ..errors import ShmqError
 from ..spool import Spool
 
-__all__ = ["GROUP", "create_or_open", "open_ring", "send", "encode_bundles", "put_bundles", "decode", "taken_up_to"]
+__all__ = ["GROUP", "create_or_open", "open_ring", "send", "encode_bundles", "put_bundles", "decode",
+           "taken_up_to"]
 
 #: The workers' group on the request ring.
 GROUP = "calls"
@@ -139,15 +139,12 @@ def encode_bundles(bundles: list[tuple[Any, ...]]) -> list[bytes] | None:
     """Each bundle (``(first call id, reply queue path, caller, deadline ns, attempt,
     requests, len(requests))``) pickled as one frame; None if one of them would carry
     out-of-band buffers or is larger than :data:`BUNDLE_BYTES`: such calls go one by
-    one (:func:`send`), their buffers straight into the ring."""
-    oob: list[Any] = []
-    parts = []
-    for b in bundles:
-        data = _dumps(b, 5, buffer_callback=oob.append)
-        if oob or len(data) > BUNDLE_BYTES:
-            return None
-        parts.append(data)
-    return parts
+    one (:func:`send`), their buffers straight into the ring.  The core's batch
+    encoder (``shmq.Queue.put_many``'s) pickles them, in one call."""
+    batch = encode_batch(bundles)  # None if a bundle has out-of-band buffers
+    if batch is None or any(len(p) > BUNDLE_BYTES for p in batch[0]):
+        return None
+    return list(batch[0])
 
 
 def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list[int] | None:
