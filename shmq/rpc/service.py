@@ -155,9 +155,9 @@ class Service:
     it is full).  ``max_attempts``: deliveries of a call that kills its
     worker before it is answered with a ``WorkerCrashed`` error.  ``lease``:
     seconds a handler may hold a call before callers send it again (to
-    another worker; the first answer wins).  ``prefetch``: calls a worker
-    takes at once when they are waiting (fewer lock round trips; a worker
-    that dies holds more).
+    another worker; the first answer wins).  ``prefetch``: frames (single
+    calls or bundles) a worker takes at once when they are waiting (fewer
+    lock round trips; a worker that dies holds more).
     """
 
     def __init__(self, name_or_path: StrPath, *, capacity: int | str = REQUEST_CAPACITY,
