@@ -20,10 +20,20 @@ the service board (:meth:`shmq.rpc.board.Board.hold`), and a caller sends
 a call again when it is neither queued, nor in a live worker's hands, nor
 answered (:mod:`shmq.rpc.client`).  The ring is fixed-size and ``block``:
 a slow service makes callers wait in ``put`` (bounded memory).
+
+A service made with ``copy=False`` takes a call whose pickle carries
+out-of-band buffers (numpy, Arrow) without copying it: :func:`take_views`
+pins its frame (:mod:`shmq.pins`) and :class:`PinnedFrame` decodes it over a
+read-only view of the ring.  The pin lasts as long as anything references
+those buffers (a finalizer on their one exporter): a request is never
+overwritten while it is in use, and the ring cannot wrap past one a handler
+keeps (the serving loop notices that and copies from then on).
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from pickle import loads as _loads
 from typing import Any
 
@@ -34,13 +44,16 @@ from ..errors import ShmqError
 from ..spool import Spool
 
 __all__ = ["GROUP", "create_or_open", "open_ring", "send", "encode_bundles", "put_bundles", "decode",
-           "taken_up_to"]
+           "take_views", "PinnedFrame", "taken_up_to"]
 
 #: The workers' group on the request ring.
 GROUP = "calls"
 #: A bundle larger than this pickled goes as separate calls (a worker copies its
 #: frame at once; big requests are what out-of-band buffers are for).
 BUNDLE_BYTES = 1 << 20
+#: Smaller out-of-band frames are copied even with ``copy=False``: a pin costs
+#: more than such a copy.
+PIN_MIN_BYTES = 64 << 10
 
 
 def create_or_open(path: str, capacity: int | str) -> Spool:
@@ -162,8 +175,90 @@ def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list
     return list(range(first, first + len(parts)))
 
 
+class PinnedFrame:
+    """A request frame taken without a copy: ``data`` is a read-only view of the ring,
+    pinned until :meth:`decode`'s objects are all gone (or, if it is never decoded,
+    until this object is).  ``release()`` is called exactly once, by whichever ends
+    the pin."""
+
+    __slots__ = ("seq", "timestamp_ns", "codec", "data", "_release")
+
+    def __init__(self, seq: int, timestamp_ns: int, codec: int, data: Any, release: Any) -> None:
+        self.seq, self.timestamp_ns, self.codec, self.data = seq, timestamp_ns, codec, data
+        self._release = release
+
+    def decode(self) -> Any:
+        """The call tuple; its out-of-band buffers are read-only views of the frame."""
+        import numpy as np
+
+        # One exporter for every buffer the pickle refers to: numpy arrays and Arrow
+        # buffers built over its slices keep it alive, and the pin ends with it.
+        owner = np.frombuffer(self.data, np.uint8)
+        self.data = None
+        release, self._release = self._release, None
+        weakref.finalize(owner, release)
+        pickled, buffers = F.unpack_oob(owner.data)
+        return _loads(pickled, buffers=buffers)
+
+    def __del__(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | None,
+               pinned: Any) -> list[Any]:
+    """Frames for a ``copy=False`` worker (see the module docstring): the next one
+    alone and pinned, as a :class:`PinnedFrame`, when it carries out-of-band buffers
+    (:data:`PIN_MIN_BYTES` or more); otherwise up to ``n`` copied, as ``get_many``.
+
+    ``pinned.bytes`` counts the bytes this worker's pins hold (the releases set
+    up here subtract theirs).
+
+    :raises shmq.Empty: nothing within ``timeout``.
+    """
+    from ..errors import Empty
+
+    ring = spool.ring
+    deadline = None
+    while True:
+        seq, pos = reader.cursor()
+        hit = ring.frame_at(seq, pos) if seq < ring.next_seq else None  # a hint: unlocked
+        if hit is not None and hit.codec == F.CODEC_PICKLE_OOB and hit.length >= PIN_MIN_BYTES:
+            got = reader.take(False, timeout)
+            if got is not None:
+                seq, data, codec, fpos = got
+                if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
+                    return [PinnedFrame(seq, time.time_ns(), codec, data, None)]
+                head = ring.header_at(fpos)  # stable under the pin
+                assert head is not None  # pinned: it cannot be gone
+                size = head.length
+                pinned.bytes += size
+                release = _releaser(spool.pins, fpos, size, pinned)
+                if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw
+                    frame = PinnedFrame(seq, head.ts, codec, bytes(data), None)
+                    release()
+                    return [frame]
+                return [PinnedFrame(seq, head.ts, codec, data.toreadonly(), release)]
+        try:
+            return reader.get_many(n, block=False)
+        except Empty:
+            if not block:
+                raise
+        deadline = reader.wait(timeout, deadline)
+
+
+def _releaser(pins: Any, pos: int, size: int, pinned: Any) -> Any:
+    def release() -> None:
+        pinned.bytes -= size
+        pins.unpin(pos)  # a no-op once the spool is closed (the view keeps the mapping)
+    return release
+
+
 def decode(frame: Any) -> Any:
     """A call tuple from its frame (the ring's trust was required when it was opened)."""
+    if type(frame) is PinnedFrame and frame._release is not None:
+        return frame.decode()
     if frame.codec == F.CODEC_PICKLE:
         return _loads(frame.data)  # the common case, without the codec layer's dispatch
     data = frame.data

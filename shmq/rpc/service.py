@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .. import codec as _codec
@@ -24,7 +25,7 @@ from ..errors import NotASpool, ShmqError
 from ..spool import Spool
 from .board import Board, board_path, service_status
 from .replies import Replies, caller_alive
-from .requests import GROUP, create_or_open, decode, taken_up_to
+from .requests import GROUP, create_or_open, decode, take_views, taken_up_to
 from .wire import BATCH_S, BUNDLE_MAX, ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, error_tuple
 
 if TYPE_CHECKING:
@@ -157,23 +158,33 @@ class Service:
     seconds a handler may hold a call before callers send it again (to
     another worker; the first answer wins).  ``prefetch``: frames (single
     calls or bundles) a worker takes at once when they are waiting (fewer
-    lock round trips; a worker that dies holds more).
+    lock round trips; a worker that dies holds more).  ``copy=False``: a
+    request with out-of-band buffers (numpy arrays, Arrow data) of 64 KiB or
+    more reaches the handler without a copy, as read-only views of the
+    request ring, never overwritten while anything references them.  A
+    handler must then not keep its request (copy what it keeps): the ring
+    cannot wrap past a kept one.  ``serve`` notices a handler that keeps
+    them, logs it, and copies from then on in that worker.
     """
 
     def __init__(self, name_or_path: StrPath, *, capacity: int | str = REQUEST_CAPACITY,
                  max_attempts: int = MAX_ATTEMPTS, lease: float = 60.0, prefetch: int = 1,
-                 trusted: bool = False) -> None:
+                 copy: bool = True, trusted: bool = False) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError("max_attempts must be an int >= 1")
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
             raise ValueError("lease must be a positive number of seconds")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError("prefetch must be an int >= 1")
+        if type(copy) is not bool:
+            raise TypeError(f"copy must be a bool, not {type(copy).__name__}")
         self.name = os.fspath(name_or_path)
         self.path = resolve_path(name_or_path)
         self._opts: dict[str, Any] = dict(capacity=capacity, max_attempts=max_attempts, lease=lease,
-                                          prefetch=prefetch, trusted=trusted)
+                                          prefetch=prefetch, copy=copy, trusted=trusted)
         self.prefetch = prefetch
+        self.copy = copy
+        self._pinned = SimpleNamespace(bytes=0)  # ring bytes our handlers' requests pin
         self.max_attempts = max_attempts
         self.lease = float(lease)
         self._trusted = trusted
@@ -215,6 +226,7 @@ class Service:
             self._spool = sp
             self._replies = Replies(self.path, self._trusted)
             self._held, self._ready, self._open, self._hi = deque(), deque(), {}, 0
+            self._pinned = SimpleNamespace(bytes=0)  # a forked child's pins are its own
             self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
         return self._reader
@@ -353,7 +365,11 @@ class Service:
         from ..errors import Empty
 
         try:
-            frames = reader.get_many(n, block, timeout)
+            if self.copy:
+                frames = reader.get_many(n, block, timeout)
+            else:
+                assert self._spool is not None  # set with the reader
+                frames = take_views(self._spool, reader, n, block, timeout, self._pinned)
         except Empty:
             if block:
                 raise
@@ -631,6 +647,12 @@ def _serve_batches(svc, handler, parent):
         if answers:
             svc._answer_all(answers)
         per_call = 0.8 * per_call + 0.2 * max(1e-7, (time.perf_counter() - t0) / calls)
+        units = answers = u = None  # no request outlives its call here (copy=False: its pin)
+        if svc._pinned.bytes > 0 and not svc.copy:
+            log.warning("%s: worker %d: the handler keeps references to its requests; with "
+                        "copy=False the request ring cannot wrap past them, so this worker "
+                        "copies requests from now on (copy what you keep)", svc.path, os.getpid())
+            svc.copy = True
         if careful:
             per_call = BATCH_S
         if os.getppid() != parent:
