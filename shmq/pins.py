@@ -10,6 +10,7 @@ writer they are in the way of (its liveness lock is gone).
 from __future__ import annotations
 
 import os
+import threading
 
 from . import _format as F
 from ._lock import ofd_lock, ofd_locked_by_other, ofd_unlock
@@ -34,6 +35,10 @@ class Pins:
         self._on_release = on_release  # wakes writers waiting for room
         self.slot = None  # this handle's pin slot, taken on the first pin
         self.held = {}
+        # Guards ``held`` and the slot word computed from it: views are released by
+        # finalizers, in whatever thread drops the last reference, while another
+        # thread pins.  Reentrant: a finalizer may run inside pin() in this thread.
+        self._held_lock = threading.RLock()
 
     def floor(self, limit):
         """Oldest pinned position of any handle (below ``limit``, if given), reclaiming
@@ -78,22 +83,25 @@ class Pins:
         with self._lock:
             if not self._ring.still_there(pos):
                 return False
-            self.held[pos] = self.held.get(pos, 0) + 1
-            if pos < slots.word(self.slot, F.S_POS):
-                slots.set_word(self.slot, F.S_POS, pos)
+            with self._held_lock:
+                self.held[pos] = self.held.get(pos, 0) + 1
+                if pos < slots.word(self.slot, F.S_POS):
+                    slots.set_word(self.slot, F.S_POS, pos)
             return True
 
     def unpin(self, pos) -> None:
-        """Drop one pin of ``pos`` and wake writers waiting for room (no lock: raising the
-        floor only frees room).  A no-op once the handle is closed."""
-        if self._mapping.mm is None or self.slot is None:
-            return
-        left = self.held.get(pos, 0) - 1
-        if left > 0:
-            self.held[pos] = left
-        else:
-            self.held.pop(pos, None)
-        self._slots.set_word(self.slot, F.S_POS, min(self.held, default=F.NO_PIN))
+        """Drop one pin of ``pos`` and wake writers waiting for room (not under the writer
+        lock: raising the floor only frees room).  Safe from any thread, and from a
+        finalizer.  A no-op once the handle is closed."""
+        with self._held_lock:
+            if self._mapping.mm is None or self.slot is None:
+                return
+            left = self.held.get(pos, 0) - 1
+            if left > 0:
+                self.held[pos] = left
+            else:
+                self.held.pop(pos, None)
+            self._slots.set_word(self.slot, F.S_POS, min(self.held, default=F.NO_PIN))
         self._on_release()
 
     def read(self, seq, pos):
@@ -117,12 +125,14 @@ class Pins:
 
     def close(self) -> None:
         """Free the pin slot (views still alive keep their mapping, not their pins)."""
-        if self.slot is not None:
-            self._slots.set_word(self.slot, F.S_STATE, F.SLOT_FREE)
-            ofd_unlock(self._mapping.fd, self._slots.byte(self.slot, F.SLOT_LIVE_BYTE))
-            self.slot = None
+        with self._held_lock:
+            if self.slot is not None:
+                self._slots.set_word(self.slot, F.S_STATE, F.SLOT_FREE)
+                ofd_unlock(self._mapping.fd, self._slots.byte(self.slot, F.SLOT_LIVE_BYTE))
+                self.slot = None
 
     def forget_after_fork(self) -> None:
         """In a fork child: the parent's pins stay the parent's."""
         self.slot = None
         self.held = {}
+        self._held_lock = threading.RLock()  # another thread may have held it at the fork

@@ -157,3 +157,38 @@ def test_release_while_arrow_arrays_are_still_referenced(make_spool):
     kept = view.batch["x"]  # a column that still points into the spool
     view.release()  # must not raise BufferError; the pin is gone
     assert not sp.pins.held and len(kept) == 3
+
+
+def test_unpin_from_another_thread_cannot_unprotect_a_new_pin(make_spool, monkeypatch):
+    """A view's finalizer may release its pin in any thread (``Service(copy=False)``):
+    a release that has computed the new floor must not overwrite it after another
+    thread's pin, or the new pin's frame is unprotected.  The release is held inside
+    its word store until the other thread's pin has had its chance to run."""
+    import threading
+
+    sp = make_spool(capacity="1MiB")
+    r = sp.reader()
+    sp.put(b"a" * 1000)
+    sp.put(b"b" * 1000)
+    old = r.take(False, 1)  # pinned: (seq, view, codec, pos)
+    slots, pins = sp.slots, sp.pins
+    inside, pinned = threading.Event(), threading.Event()
+    real = slots.set_word
+
+    def slow_set_word(i, word, value):
+        if threading.current_thread().name == "releaser":
+            inside.set()
+            pinned.wait(0.5)  # with the lock, the pin waits for us: this times out
+        real(i, word, value)
+
+    monkeypatch.setattr(slots, "set_word", slow_set_word)
+    t = threading.Thread(target=pins.unpin, args=(old[3],), name="releaser")
+    t.start()
+    assert inside.wait(10)
+    new = r.take(False, 1)
+    pinned.set()
+    t.join(10)
+    monkeypatch.undo()
+    assert pins.held == {new[3]: 1}
+    assert slots.word(pins.slot, shmq._format.S_POS) == new[3]  # the new frame is protected
+    pins.unpin(new[3])
