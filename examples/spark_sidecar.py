@@ -46,9 +46,7 @@ def score(batch):
 
 
 def sidecar(path):
-    # copy=False: each batch reaches score() as read-only Arrow columns over the
-    # request ring itself; score() keeps nothing of it past its call, as it must.
-    shmq.Service(path, copy=False).serve(score, workers=2)  # until SIGTERM
+    shmq.Service(path).serve(score, workers=2)  # until SIGTERM
 
 
 def main():

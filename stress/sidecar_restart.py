@@ -56,7 +56,7 @@ class _Slowed:
 
 def sidecar(path, ready, delay):
     os.setpgrp()  # its own group: one killpg takes the supervisor and its workers at once
-    svc = shmq.Service(path, copy=False)  # as the example: a kill lands with requests pinned
+    svc = shmq.Service(path)
     ready.set()
     svc.serve(_Slowed(delay), workers=2)
 

@@ -18,8 +18,8 @@ np = pytest.importorskip("numpy")
 
 FORK = mp.get_context("fork")
 T = 30  # bound for any single wait in these tests
-RING = "4MiB"
-ELEMS = 32 * 1024  # 256 KiB of float64 per request: pinned (>= PIN_MIN_BYTES), 16 per lap
+RING = "8MiB"
+ELEMS = 64 * 1024  # 512 KiB of float64 per request: pinned (>= PIN_MIN_BYTES), 15 per lap
 
 
 def request(k):

@@ -159,8 +159,8 @@ class Service:
     another worker; the first answer wins).  ``prefetch``: frames (single
     calls or bundles) a worker takes at once when they are waiting (fewer
     lock round trips; a worker that dies holds more).  ``copy=False``: a
-    request with out-of-band buffers (numpy arrays, Arrow data) of 64 KiB or
-    more reaches the handler without a copy, as read-only views of the
+    request with out-of-band buffers (numpy arrays, Arrow data) of 512 KiB
+    or more reaches the handler without a copy, as read-only views of the
     request ring, never overwritten while anything references them.  A
     handler must then not keep its request (copy what it keeps): the ring
     cannot wrap past a kept one.  ``serve`` notices a handler that keeps
