@@ -137,7 +137,7 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
     assert set(data["medians"]) == {
         f"small/{k}/{q}" for k in ("shmq", "socket", "pyzmq", "mp.connection") for q in ("p50", "p99")
     } | {"pipelined/shmq/calls/s", "pipelined/socket/calls/s", "arrow/shmq/calls/s",
-         "arrow/socket+arrow-ipc/calls/s"}
+         "arrow/shmq copy=False/calls/s", "arrow/socket+arrow-ipc/calls/s"}
     assert all(v > 0 for v in data["medians"].values())
     text = "\n".join(data["summary"])
-    assert "target >= 3x" in text and "target >= 1.5x" in text
+    assert "target >= 3x" in text and "target >= 1.5x" in text and "Service(copy=False)" in text
