@@ -213,8 +213,12 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
                pinned: Any) -> list[Any]:
     """Frames for a ``copy=False`` worker (see the module docstring): the next one
     alone and pinned, as a :class:`PinnedFrame`, when it carries out-of-band buffers
-    (:data:`PIN_MIN_BYTES` or more); otherwise up to ``n`` copied, as ``get_many``.
+    (:data:`PIN_MIN_BYTES` or more); otherwise up to ``n`` copied, as ``get_many``,
+    but never past the next such frame.
 
+    Which frames are there is read from their headers without the group's lock
+    (another worker may take them first): a frame can still be taken copied
+    when other workers move the group's cursor meanwhile, never lost.
     ``pinned.bytes`` counts the bytes this worker's pins hold (the releases set
     up here subtract theirs).
 
@@ -226,29 +230,44 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
     deadline = None
     while True:
         seq, pos = reader.cursor()
-        hit = ring.frame_at(seq, pos) if seq < ring.next_seq else None  # a hint: unlocked
-        if hit is not None and hit.codec == F.CODEC_PICKLE_OOB and hit.length >= PIN_MIN_BYTES:
-            got = reader.take(False, timeout)
-            if got is not None:
-                seq, data, codec, fpos = got
-                if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
-                    return [PinnedFrame(seq, time.time_ns(), codec, data, None)]
-                head = ring.header_at(fpos)  # stable under the pin
-                assert head is not None  # pinned: it cannot be gone
-                size = head.length
-                pinned.bytes += size
-                release = _releaser(spool.pins, fpos, size, pinned)
-                if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw
-                    frame = PinnedFrame(seq, head.ts, codec, bytes(data), None)
-                    release()
-                    return [frame]
-                return [PinnedFrame(seq, head.ts, codec, data.toreadonly(), release)]
-        try:
-            return reader.get_many(n, block=False)
-        except Empty:
-            if not block:
-                raise
+        if seq < ring.next_seq:
+            k = 0  # frames before the first one to pin
+            hit = None
+            while k < n and seq + k < ring.next_seq:
+                hit = ring.frame_at(seq + k, pos)
+                if hit is None or (hit.codec == F.CODEC_PICKLE_OOB and hit.length >= PIN_MIN_BYTES):
+                    break
+                pos = hit.pos + hit.stored
+                k += 1
+            if k == 0 and hit is not None:
+                got = reader.take(False, timeout)
+                if got is not None:
+                    return [_pinned_frame(spool, got, pinned)]
+            else:
+                try:
+                    return reader.get_many(max(k, 1), block=False)
+                except Empty:
+                    pass  # another worker took them
+        elif not block:
+            raise Empty("no frame available")
         deadline = reader.wait(timeout, deadline)
+
+
+def _pinned_frame(spool: Spool, got: tuple[int, Any, int, int | None], pinned: Any) -> PinnedFrame:
+    """The :class:`PinnedFrame` of what ``reader.take(copy=False)`` returned."""
+    seq, data, codec, fpos = got
+    if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
+        return PinnedFrame(seq, time.time_ns(), codec, data, None)
+    head = spool.ring.header_at(fpos)  # stable under the pin
+    assert head is not None  # pinned: it cannot be gone
+    size = head.length
+    pinned.bytes += size
+    release = _releaser(spool.pins, fpos, size, pinned)
+    if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw: copy this one
+        frame = PinnedFrame(seq, head.ts, codec, bytes(data), None)
+        release()
+        return frame
+    return PinnedFrame(seq, head.ts, codec, data.toreadonly(), release)
 
 
 def _releaser(pins: Any, pos: int, size: int, pinned: Any) -> Any:
