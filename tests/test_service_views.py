@@ -190,3 +190,36 @@ def test_closing_with_a_pinned_request_outstanding(svc_path, caplog):
         del x, call
         gc.collect()
     assert not caplog.records
+
+
+def test_a_call_arriving_while_the_worker_looks_is_pinned(svc_path, monkeypatch):
+    """The worker looks at the headers without the group's lock; a call that arrives
+    right after a look that found none must still be taken pinned, not copied by a
+    take that was meant for small calls (seen once on CI, under load)."""
+    from types import SimpleNamespace
+
+    from shmq.rpc import requests as R
+
+    sp = R.create_or_open(svc_path, RING)
+    reader = sp.reader(R.GROUP, group=True)
+    sent = []
+
+    def arrive():
+        if not sent:
+            sent.append(R.send(sp, [(1, "/nowhere", 0, 0, 1, request(3))], T))
+
+    real_get_many, real_wait = reader.get_many, reader.wait
+    monkeypatch.setattr(reader, "get_many", lambda *a, **k: (arrive(), real_get_many(*a, **k))[1])
+    monkeypatch.setattr(reader, "wait", lambda *a, **k: (arrive(), real_wait(*a, **k))[1])
+    pinned = SimpleNamespace(bytes=0)
+    try:
+        [frame] = R.take_views(sp, reader, 8, True, T, pinned)
+        assert isinstance(frame, R.PinnedFrame) and pinned.bytes >= ELEMS * 8
+        call = R.decode(frame)
+        assert call[0] == 1 and not call[5]["x"].flags.writeable
+        del frame, call
+        gc.collect()
+        assert pinned.bytes == 0 and not sp.pins.held
+    finally:
+        reader.close()
+        sp.close()
