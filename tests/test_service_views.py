@@ -196,8 +196,6 @@ def test_a_call_arriving_while_the_worker_looks_is_pinned(svc_path, monkeypatch)
     """The worker looks at the headers without the group's lock; a call that arrives
     right after a look that found none must still be taken pinned, not copied by a
     take that was meant for small calls (seen once on CI, under load)."""
-    from types import SimpleNamespace
-
     from shmq.rpc import requests as R
 
     sp = R.create_or_open(svc_path, RING)
@@ -211,15 +209,15 @@ def test_a_call_arriving_while_the_worker_looks_is_pinned(svc_path, monkeypatch)
     real_get_many, real_wait = reader.get_many, reader.wait
     monkeypatch.setattr(reader, "get_many", lambda *a, **k: (arrive(), real_get_many(*a, **k))[1])
     monkeypatch.setattr(reader, "wait", lambda *a, **k: (arrive(), real_wait(*a, **k))[1])
-    pinned = SimpleNamespace(bytes=0)
     try:
-        [frame] = R.take_views(sp, reader, 8, True, T, pinned)
-        assert isinstance(frame, R.PinnedFrame) and pinned.bytes >= ELEMS * 8
+        [frame] = R.take_views(sp, reader, 8, True, T)
+        assert isinstance(frame, R.PinnedFrame) and frame.pin is not None and len(frame.data) >= ELEMS * 8
+        assert sp.pins.held
         call = R.decode(frame)
         assert call[0] == 1 and not call[5]["x"].flags.writeable
         del frame, call
         gc.collect()
-        assert pinned.bytes == 0 and not sp.pins.held
+        assert not sp.pins.held
     finally:
         reader.close()
         sp.close()

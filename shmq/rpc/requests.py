@@ -40,6 +40,7 @@ from typing import Any
 from .. import _format as F
 from .. import codec as _codec
 from .._core import encode_batch
+from ..columnar import PinnedView
 from ..errors import ShmqError
 from ..spool import Spool
 
@@ -179,16 +180,16 @@ def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list
 
 
 class PinnedFrame:
-    """A request frame taken without a copy: ``data`` is a read-only view of the ring,
-    pinned until :meth:`decode`'s objects are all gone (or, if it is never decoded,
-    until this object is).  ``release()`` is called exactly once, by whichever ends
-    the pin."""
+    """A request frame as :func:`take_views` took it.  Pinned (``pin``, the
+    :class:`shmq.columnar.PinnedView` that holds it; None for a copy), ``data`` is a
+    read-only view of the ring, and the pin ends when :meth:`decode`'s objects are
+    all gone, or with this object if it is never decoded."""
 
-    __slots__ = ("seq", "timestamp_ns", "codec", "data", "_release")
+    __slots__ = ("seq", "timestamp_ns", "codec", "data", "pin")
 
-    def __init__(self, seq: int, timestamp_ns: int, codec: int, data: Any, release: Any) -> None:
-        self.seq, self.timestamp_ns, self.codec, self.data = seq, timestamp_ns, codec, data
-        self._release = release
+    def __init__(self, seq: int, timestamp_ns: int, codec: int, data: Any,
+                 pin: PinnedView | None) -> None:
+        self.seq, self.timestamp_ns, self.codec, self.data, self.pin = seq, timestamp_ns, codec, data, pin
 
     def decode(self) -> Any:
         """The call tuple; its out-of-band buffers are read-only views of the frame."""
@@ -197,30 +198,21 @@ class PinnedFrame:
         # One exporter for every buffer the pickle refers to: numpy arrays and Arrow
         # buffers built over its slices keep it alive, and the pin ends with it.
         owner = np.frombuffer(self.data, np.uint8)
-        self.data = None
-        release, self._release = self._release, None
-        weakref.finalize(owner, release)
-        pickled, buffers = F.unpack_oob(owner.data)
-        return _loads(pickled, buffers=buffers)
-
-    def __del__(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        pin, self.data, self.pin = self.pin, None, None
+        assert pin is not None  # decode() is for pinned frames (see decode())
+        weakref.finalize(owner, pin.release)
+        return _codec.decode_item(owner.data, F.CODEC_PICKLE_OOB)
 
 
-def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | None,
-               pinned: Any) -> list[Any]:
+def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | None) -> list[Any]:
     """Frames for a ``copy=False`` worker (see the module docstring): the next one
     alone and pinned, as a :class:`PinnedFrame`, when it carries out-of-band buffers
     (:data:`PIN_MIN_BYTES` or more); otherwise up to ``n`` copied, as ``get_many``,
-    but never past the next such frame.
+    but never past the next such frame.  The pins are ``spool.pins``'.
 
     Which frames are there is read from their headers without the group's lock
     (another worker may take them first): a frame can still be taken copied
     when other workers move the group's cursor meanwhile, never lost.
-    ``pinned.bytes`` counts the bytes this worker's pins hold (the releases set
-    up here subtract theirs).
 
     :raises shmq.Empty: nothing within ``timeout``.
     """
@@ -242,7 +234,9 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
             if k == 0 and hit is not None:
                 got = reader.take(False, timeout)
                 if got is not None:
-                    return [_pinned_frame(spool, got, pinned)]
+                    # the put time: the header we looked at, if it is this frame's
+                    ts = hit.ts if got[0] == hit.seq else time.time_ns()
+                    return [_pinned_frame(spool, got, ts)]
             else:
                 try:
                     return reader.get_many(max(k, 1), block=False)
@@ -253,33 +247,22 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
         deadline = reader.wait(timeout, deadline)
 
 
-def _pinned_frame(spool: Spool, got: tuple[int, Any, int, int | None], pinned: Any) -> PinnedFrame:
+def _pinned_frame(spool: Spool, got: tuple[int, Any, int, int | None], ts: int) -> PinnedFrame:
     """The :class:`PinnedFrame` of what ``reader.take(copy=False)`` returned."""
     seq, data, codec, fpos = got
     if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
-        return PinnedFrame(seq, time.time_ns(), codec, data, None)
-    head = spool.ring.header_at(fpos)  # stable under the pin
-    assert head is not None  # pinned: it cannot be gone
-    size = head.length
-    pinned.bytes += size
-    release = _releaser(spool.pins, fpos, size, pinned)
+        return PinnedFrame(seq, ts, codec, data, None)
+    pin = PinnedView(None, seq, spool, fpos, data)
     if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw: copy this one
-        frame = PinnedFrame(seq, head.ts, codec, bytes(data), None)
-        release()
+        frame = PinnedFrame(seq, ts, codec, bytes(data), None)
+        pin.release()
         return frame
-    return PinnedFrame(seq, head.ts, codec, data.toreadonly(), release)
-
-
-def _releaser(pins: Any, pos: int, size: int, pinned: Any) -> Any:
-    def release() -> None:
-        pinned.bytes -= size
-        pins.unpin(pos)  # a no-op once the spool is closed (the view keeps the mapping)
-    return release
+    return PinnedFrame(seq, ts, codec, data.toreadonly(), pin)
 
 
 def decode(frame: Any) -> Any:
     """A call tuple from its frame (the ring's trust was required when it was opened)."""
-    if type(frame) is PinnedFrame and frame._release is not None:
+    if type(frame) is PinnedFrame and frame.pin is not None:
         return frame.decode()
     if frame.codec == F.CODEC_PICKLE:
         return _loads(frame.data)  # the common case, without the codec layer's dispatch

@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .. import codec as _codec
@@ -184,7 +183,6 @@ class Service:
                                           prefetch=prefetch, copy=copy, trusted=trusted)
         self.prefetch = prefetch
         self.copy = copy
-        self._pinned = SimpleNamespace(bytes=0)  # ring bytes our handlers' requests pin
         self.max_attempts = max_attempts
         self.lease = float(lease)
         self._trusted = trusted
@@ -226,7 +224,6 @@ class Service:
             self._spool = sp
             self._replies = Replies(self.path, self._trusted)
             self._held, self._ready, self._open, self._hi = deque(), deque(), {}, 0
-            self._pinned = SimpleNamespace(bytes=0)  # a forked child's pins are its own
             self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
         return self._reader
@@ -369,7 +366,7 @@ class Service:
                 frames = reader.get_many(n, block, timeout)
             else:
                 assert self._spool is not None  # set with the reader
-                frames = take_views(self._spool, reader, n, block, timeout, self._pinned)
+                frames = take_views(self._spool, reader, n, block, timeout)
         except Empty:
             if block:
                 raise
@@ -648,7 +645,7 @@ def _serve_batches(svc, handler, parent):
             svc._answer_all(answers)
         per_call = 0.8 * per_call + 0.2 * max(1e-7, (time.perf_counter() - t0) / calls)
         units = answers = u = None  # no request outlives its call here (copy=False: its pin)
-        if svc._pinned.bytes > 0 and not svc.copy:
+        if not svc.copy and svc._spool.pins.held:  # a request still referenced
             log.warning("%s: worker %d: the handler keeps references to its requests; with "
                         "copy=False the request ring cannot wrap past them, so this worker "
                         "copies requests from now on (copy what you keep)", svc.path, os.getpid())
