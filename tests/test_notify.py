@@ -174,6 +174,21 @@ def test_wait_returns_false_at_its_timeout_without_a_ring(make_spool, timeout):
     r.close()
 
 
+def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkeypatch):
+    """Doorbell.wait spins before it parks, and gives up the CPU between two looks: a
+    waiter whose frame another process is about to write lets that process (or any
+    other runnable one) have its CPU, instead of holding it for SPIN_S.  A frame that
+    comes during the spin is returned without registering as a waiter."""
+    sp = make_spool(capacity="256KiB")
+    yields = []
+    looks = iter([False, False, False, True])  # the first look, then the spin's: ready on its third
+    monkeypatch.setattr(_notify._core, "yield_cpu", lambda: yields.append(1))
+    monkeypatch.setattr(_notify, "SPIN_S", 60.0)  # the spin cannot run out before the frame
+    assert sp.data_bell.wait(lambda: next(looks), 5)
+    assert len(yields) == 2  # between the spin's looks
+    assert sp.data_bell.sem.value == 0  # never registered: it did not park
+
+
 @pytest.mark.parametrize("timeout", [0.05, 1])
 @pytest.mark.parametrize("kind", ["reader", "named", "queue"])
 def test_a_get_with_a_timeout_waits_in_c_and_keeps_it(make_spool, kind, timeout):

@@ -54,6 +54,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <stdarg.h>

@@ -123,6 +123,16 @@ static PyObject *core_crc32(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLong(v);
 }
 
+/* A spinning waiter's pause between two looks: other processes runnable on this
+ * CPU (the writer it waits for) run, and it returns at once when there are none.
+ * The GIL is kept: threads of this process go on waiting for it as they did
+ * while the spin held it, rather than a yield handing it to a CPU-bound thread
+ * for a whole switch interval while the awaited frame comes in. */
+static PyObject *core_yield_cpu(PyObject *m, PyObject *unused) {
+    sched_yield();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
     {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol, Empty)"},
     {"set_safety_net", core_set_safety_net, METH_O,
@@ -132,6 +142,8 @@ static PyMethodDef core_methods[] = {
     {"encode_batch", core_encode_batch, METH_O,
      "encode_batch(items) -> (tuple of frame items, codec) for a batch of one kind, or None"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
+    {"yield_cpu", core_yield_cpu, METH_NOARGS,
+     "yield_cpu(): sched_yield() with the GIL held (a spinning waiter's pause between looks)"},
     {NULL}};
 
 static int add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot) {
