@@ -41,7 +41,7 @@ from .. import _format as F
 from .. import codec as _codec
 from .._core import encode_batch
 from ..columnar import PinnedView
-from ..errors import ShmqError
+from ..errors import Empty, ShmqError, TooLarge
 from ..spool import Spool
 
 __all__ = ["GROUP", "create_or_open", "open_ring", "send", "encode_bundles", "put_bundles", "decode",
@@ -118,8 +118,6 @@ def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> l
     :raises shmq.Full: no room within ``timeout``.
     :raises shmq.TooLarge: a single call can never fit in the ring.
     """
-    from ..errors import TooLarge
-
     batch = encode_batch(calls) if len(calls) > 1 else None  # all in-band pickles: one C call
     if batch is not None:
         parts, codec = batch
@@ -170,8 +168,6 @@ def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list
 
     :raises shmq.Full: no room within ``timeout``.
     """
-    from ..errors import TooLarge
-
     try:
         first = spool.put_many(parts, timeout=timeout, codec=F.CODEC_PICKLE)
     except TooLarge:
@@ -216,8 +212,6 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
 
     :raises shmq.Empty: nothing within ``timeout``.
     """
-    from ..errors import Empty
-
     ring = spool.ring
     deadline = None
     while True:

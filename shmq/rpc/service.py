@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from .. import codec as _codec
 from .._mapping import resolve_path
-from ..errors import NotASpool, ShmqError
+from ..errors import Empty, NotASpool, ShmqError
 from ..spool import Spool
 from .board import Board, board_path, service_status
 from .replies import Replies, caller_alive
@@ -359,8 +359,6 @@ class Service:
 
     def _take(self, reader, n, block=True, timeout=None):
         """Take up to ``n`` calls into our hands (and show them on our row at once)."""
-        from ..errors import Empty
-
         try:
             if self.copy:
                 frames = reader.get_many(n, block, timeout)
@@ -417,8 +415,6 @@ class Service:
 
     def __iter__(self) -> Iterator[Call]:
         """Calls, forever (until :meth:`stop`, or a signal when serving)."""
-        from ..errors import Empty
-
         while not self._stopping:
             try:
                 yield self.get(timeout=STOP_POLL_S)
@@ -610,8 +606,6 @@ def _serve_batches(svc, handler, parent):
     answers each caller's calls with one put (one wake-up per caller); a
     bundle with one reply, without a :class:`Call` per call.
     """
-    from ..errors import Empty
-
     per_call = BATCH_S  # seconds per call, smoothed; starts at one call per take
     while not svc._stopping:
         n = max(1, min(BUNDLE_MAX, int(BATCH_S / per_call)))
