@@ -221,3 +221,39 @@ def test_a_call_arriving_while_the_worker_looks_is_pinned(svc_path, monkeypatch)
     finally:
         reader.close()
         sp.close()
+
+
+@pytest.mark.parametrize("first", ["small", "pinned"])
+def test_a_non_blocking_take_that_loses_the_race_raises_empty(svc_path, monkeypatch, first):
+    """take_views(block=False) (a worker topping up its batch) looks at the headers
+    without the lock; when another worker takes the frames it saw first, it raises
+    shmq.Empty at once instead of waiting for the next call."""
+    from shmq.rpc import requests as R
+
+    sp = R.create_or_open(svc_path, RING)
+    mine, other = sp.reader(R.GROUP, group=True), sp.reader(R.GROUP, group=True)
+    R.send(sp, [(1, "/nowhere", 0, 0, 1, {"x": 1} if first == "small" else request(1))], T)
+
+    def other_first(real):
+        def take(*a, **k):
+            other.get_many(8, block=False)  # the other worker wins the race
+            return real(*a, **k)
+        return take
+
+    monkeypatch.setattr(mine, "get_many", other_first(mine.get_many))
+    monkeypatch.setattr(mine, "take", other_first(mine.take))
+    real_wait = mine.wait
+
+    def wait(timeout, deadline):  # get_many(block=False) itself "waits" 0 s: it raises Empty
+        if timeout != 0:
+            pytest.fail(f"a non-blocking take waited (timeout={timeout})")
+        return real_wait(timeout, deadline)
+
+    monkeypatch.setattr(mine, "wait", wait)
+    try:
+        with pytest.raises(shmq.Empty):
+            R.take_views(sp, mine, 8, False, None)
+    finally:
+        mine.close()
+        other.close()
+        sp.close()

@@ -236,7 +236,7 @@ def take_views(spool: Spool, reader: Any, n: int, block: bool, timeout: float | 
                     return reader.get_many(max(k, 1), block=False)
                 except Empty:
                     pass  # another worker took them
-        elif not block:
+        if not block:  # nothing, or another worker took what we saw: never wait
             raise Empty("no frame available")
         deadline = reader.wait(timeout, deadline)
 
