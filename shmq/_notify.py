@@ -266,9 +266,12 @@ class Doorbell:
     def wait(self, ready, timeout: float | None) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
-        ``timeout=None`` waits forever; 0 checks once.  Sleeps on the futex
-        word with the GIL released; a signal handler's exception (Ctrl-C)
-        propagates with the registration undone.
+        ``timeout=None`` waits forever; 0 checks once.  First spins for
+        :data:`SPIN_S`, yielding the CPU to other runnable processes between
+        looks (the GIL stays held; a frame caught here never registers a
+        waiter), then sleeps on the futex word with the GIL released; a
+        signal handler's exception (Ctrl-C) propagates with the registration
+        undone.
         """
         if ready():
             return True
