@@ -263,15 +263,16 @@ class Doorbell:
                     self._key = watcher().watch(self.file.fd)
                     self._watched = True
 
-    def wait(self, ready, timeout: float | None) -> bool:
+    def wait(self, ready, timeout: float | None, before_park=None) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
         :data:`SPIN_S`, yielding the CPU to other runnable processes between
         looks (the GIL stays held; a frame caught here never registers a
-        waiter), then sleeps on the futex word with the GIL released; a
-        signal handler's exception (Ctrl-C) propagates with the registration
-        undone.
+        waiter), then calls ``before_park()`` if given (once: what a waiter
+        publishes before it sleeps, e.g. a reader's counters) and sleeps on
+        the futex word with the GIL released; a signal handler's exception
+        (Ctrl-C) propagates with the registration undone.
         """
         if ready():
             return True
@@ -284,6 +285,10 @@ class Doorbell:
             if ready():
                 return True
             _core.yield_cpu()
+        if before_park is not None:
+            before_park()
+            if ready():
+                return True
         core, space = self._core, self._space
         with self._waiting:  # register (a full fence), read the word, then re-check
             while True:

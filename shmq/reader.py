@@ -28,7 +28,7 @@ from . import _format as F
 from ._lock import RecoverableLock
 from ._mapping import group_sem_name
 from .errors import Empty, ReaderBusy
-from .waiting import check_block_timeout, retry_async, retry_stuck
+from .waiting import check_block_timeout, first_look, retry_async, retry_stuck
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -41,7 +41,8 @@ Frame = _core.Frame
 __all__ = ["Reader", "NamedReader", "GroupReader"]
 
 #: A named reader publishes its counters to the reader table this often
-#: (frames, in the core), and whenever it blocks, commits explicitly or closes.
+#: (frames, in the core), and whenever it parks (sleeps waiting for frames; not
+#: during the short spin before), commits explicitly or closes.
 STATS_FLUSH_FRAMES = 64
 #: A reader that has found nothing to read for this long trims a growable spool
 #: (gives back the segments every consumer is done with; Spool.trim_idle).
@@ -186,19 +187,20 @@ class Reader:
         first = deadline is None
         if deadline is None and timeout is not None:
             deadline = now + timeout
-        self._before_wait()
-        bell, ready = self._spool.data_bell, self._cur.available
+        # A slot reader's counters are published when it parks, not when a short
+        # spin catches the next frame (the core publishes every STATS_FLUSH_FRAMES).
+        bell, ready, flush = self._spool.data_bell, self._cur.available, self._before_wait
         left = None if deadline is None else deadline - now
         if first and (left is None or left > TRIM_IDLE_S) and self._spool.trim_due():
             # Idle for TRIM_IDLE_S: a growable spool gives back the segments its
             # consumers are done with.  Not at once: a consumer faster than its
             # producer is "caught up" between most frames, and each trim takes
             # the writer lock and frees pages the writer would allocate again.
-            if bell.wait(ready, TRIM_IDLE_S):
+            if bell.wait(ready, TRIM_IDLE_S, flush):
                 return deadline
             self._spool.trim_idle()
             left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0 or not bell.wait(ready, left):
+        if left is not None and left <= 0 or not bell.wait(ready, left, flush):
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
@@ -549,15 +551,18 @@ class GroupReader(_SlotReader):
         state changes under it)."""
         return self._lock
 
-    def _locked(self, call: Callable[[float], Any], timeout: float | None) -> Any:
+    def _locked(self, call: Callable[[float], Any], timeout: float | None, first: Any = None) -> Any:
         """Run a core call that takes the group lock; recover a dead holder's lock.
 
         Even a non-blocking get waits for a member that is copying
         (microseconds), up to the recovery timeout; a stuck live holder
         surfaces as Empty, as multiprocessing.Queue's busy read lock does.
+        ``first``: the stuck status a first call (waiting ``first_look``) returned.
         """
         limit = None if timeout is None else time.monotonic() + max(timeout, self._lock.recovery_timeout)
-        return retry_stuck(call, self._lock, limit, _is_int, _group_stuck)
+        if first is None:
+            return retry_stuck(call, self._lock, limit, _is_int, _group_stuck)
+        return retry_stuck(call, self._lock, limit, _is_int, _group_stuck, first)
 
     def take(self, copy: bool, timeout: float | None) -> tuple[int, Any, int, int | None] | None:
         """See :meth:`Reader.take`: here under the group's lock, which is held for the copy
@@ -611,7 +616,11 @@ class GroupReader(_SlotReader):
             timeout = check_block_timeout(block, timeout)
         deadline = None
         while True:
-            out = self._locked(lambda wait: take(max_frames, wait), timeout)
+            # One core call in the common case (the lock free, or freed within the
+            # first look); only a stuck lock goes through the recovery loop.
+            out = take(max_frames, first_look(self._lock))
+            if type(out) is int:
+                out = self._locked(lambda wait: take(max_frames, wait), timeout, out)
             if out:
                 return out
             deadline = self.wait(timeout, deadline)

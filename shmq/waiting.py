@@ -12,7 +12,7 @@ import time
 
 from ._lock import FIRST_LOOK_S
 
-__all__ = ["check_block_timeout", "retry_stuck", "retry_async"]
+__all__ = ["check_block_timeout", "first_look", "retry_stuck", "retry_async"]
 
 
 def check_block_timeout(block, timeout):
@@ -54,23 +54,37 @@ async def retry_async(attempt, retry_on, bell, ready, timeout, before_wait=None)
         await bell.wait_async(check, left)
 
 
-def retry_stuck(call, lock, limit, is_stuck, on_timeout):
+def first_look(lock):
+    """The wait of a first attempt at ``lock``'s holder (what :func:`retry_stuck` passes
+    first): short, so that a dead holder is noticed soon."""
+    return min(lock.recovery_timeout, FIRST_LOOK_S)
+
+
+_NOT_YET = object()
+
+
+def retry_stuck(call, lock, limit, is_stuck, on_timeout, first=_NOT_YET):
     """``call(wait)`` until its result is not ``is_stuck``; return that result.
 
     ``call`` tries to take ``lock`` (a :class:`shmq._lock.RecoverableLock`) for at
     most ``wait`` seconds.  Each time it reports the lock stuck, a dead
     holder's lock is recovered and the call retried, until ``limit`` (a
     ``time.monotonic()`` deadline, None: never) passes; then ``on_timeout()``
-    is called and must raise.  A live holder is never broken.
+    is called and must raise.  A live holder is never broken.  ``first``: the
+    result of a first call its caller made already, with :func:`first_look`'s
+    wait (a fast path that found the lock stuck): it counts as this loop's first.
     """
     rt = lock.recovery_timeout
     period = min(rt, FIRST_LOOK_S)  # the first look comes soon (see FIRST_LOOK_S)
+    out = first
     while True:
-        wait = period if limit is None else max(0.0, min(period, limit - time.monotonic()))
+        if out is _NOT_YET:
+            wait = period if limit is None else max(0.0, min(period, limit - time.monotonic()))
+            out = call(wait)
         period = rt
-        out = call(wait)
         if not is_stuck(out):
             return out
+        out = _NOT_YET
         # Recover before giving up: a caller whose timeout is shorter than the
         # recovery timeout would otherwise never break a dead holder's lock.
         if lock.recover_if_dead():

@@ -189,6 +189,52 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     assert sp.data_bell.sem.value == 0  # never registered: it did not park
 
 
+def test_before_park_runs_only_when_the_waiter_parks(make_spool, monkeypatch):
+    """Doorbell.wait calls ``before_park`` once it gives up spinning, before it sleeps,
+    and not at all when the spin catches the frame."""
+    sp = make_spool(capacity="256KiB")
+    monkeypatch.setattr(_notify._core, "yield_cpu", lambda: None)
+    parks = []
+    monkeypatch.setattr(_notify, "SPIN_S", 60.0)
+    looks = iter([False, False, True])
+    assert sp.data_bell.wait(lambda: next(looks), 5, lambda: parks.append(1))
+    assert parks == []  # caught in the spin
+    monkeypatch.setattr(_notify, "SPIN_S", 0.0)
+    assert not sp.data_bell.wait(lambda: False, 0.01, lambda: parks.append(1))
+    assert parks == [1]  # parked (and timed out): published once, before sleeping
+    assert sp.data_bell.sem.value == 0
+
+
+def test_a_group_member_publishes_its_counters_when_it_parks(make_spool):
+    """A group member's counters (kept per handle) reach the reader table when its get
+    parks: ``shmq stat`` shows what an idle consumer read, without waiting for 64 frames."""
+    sp = make_spool(capacity="256KiB")
+    g = sp.reader("workers", group=True)
+    other = shmq.Spool.open(sp.path)  # another handle: it flushes nothing of g's
+    try:
+        sp.put(b"x" * 10)
+        assert g.get(timeout=5).data == b"x" * 10
+
+        def gets():
+            return next(r.gets for r in other.readers() if r.name == "workers")
+
+        assert gets() == 0  # counted in the handle only
+        got = []
+        t = threading.Thread(target=lambda: got.append(g.get_many(4, timeout=10)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:  # parked
+            time.sleep(0.001)
+        assert sp.data_bell.sem.value == 1
+        assert gets() == 1  # published before it parked
+        sp.put(b"y")
+        t.join(10)
+        assert [f.data for f in got[0]] == [b"y"]
+    finally:
+        g.close()
+        other.close()
+
+
 @pytest.mark.parametrize("timeout", [0.05, 1])
 @pytest.mark.parametrize("kind", ["reader", "named", "queue"])
 def test_a_get_with_a_timeout_waits_in_c_and_keeps_it(make_spool, kind, timeout):

@@ -394,6 +394,25 @@ def test_retry_stuck_recovers_until_the_call_succeeds():
     assert lock.recoveries == 2 and calls == [0.01] * 3
 
 
+def test_retry_stuck_counts_a_fast_paths_stuck_result_as_its_first_call():
+    """A caller that made the first call itself (waiting first_look) and found the lock
+    stuck hands that result over: the loop recovers at once, then retries with the
+    whole recovery timeout's wait, as after its own first call."""
+    lock, calls = _FakeLock(), []
+    lock.recovery_timeout = 0.2
+
+    def call(wait):
+        calls.append(wait)
+        return "done"
+
+    assert waiting.first_look(lock) == min(0.2, waiting.FIRST_LOOK_S)
+    assert waiting.retry_stuck(call, lock, None, lambda out: out == -1, None, -1) == "done"
+    assert lock.recoveries == 1 and calls == [0.2]
+    # a first result that is not stuck is returned without any call
+    assert waiting.retry_stuck(call, lock, None, lambda out: out == -1, None, "had") == "had"
+    assert calls == [0.2]
+
+
 def test_retry_stuck_gives_up_at_the_limit():
     lock = _FakeLock()
 
