@@ -160,6 +160,7 @@ class Client:
         self._pending = {}  # call id -> _Pending: single calls, and split bundles' calls
         self._groups = {}   # first call id -> _Group: bundles
         self._reading = False
+        self._sleepers = 0  # threads waiting on _cv (notified only when there are some)
         self._next_id = 1
         self._ring = None
         self._next_look = 0.0
@@ -420,7 +421,8 @@ class Client:
             self._reading = False
             if items:
                 self._deliver(items)
-            self._cv.notify_all()
+            if self._sleepers:  # (Condition.notify_all is Python: not for nobody)
+                self._cv.notify_all()
             for p in self._pending.values():  # an asyncio waiter may take the role now
                 if p.loop is not None and not p.done:
                     p.loop.call_soon_threadsafe(p.event.set)
@@ -450,7 +452,11 @@ class Client:
                     if not self._reading:
                         self._reading = True
                         break
-                    self._cv.wait(left)
+                    self._sleepers += 1
+                    try:
+                        self._cv.wait(left)
+                    finally:
+                        self._sleepers -= 1
             items = []
             try:
                 wait = RECHECK_S if left is None else min(left, RECHECK_S)
