@@ -610,6 +610,27 @@ def test_client_killed_mid_call_leaves_nothing(service, svc_path, spool_dir):
     assert [n for n in os.listdir("/dev/shm") if n.startswith(sems)] == []
 
 
+def test_a_reply_queue_of_a_caller_dead_since_admission_is_removed_by_the_sweep(spool_dir):
+    """A bundle answered moments after its caller was found alive does not look the
+    caller up again (``send_bundle(check=False)``): the reply goes in, and if the caller
+    has died meanwhile, the worker's next sweep removes its reply queue."""
+    from shmq.rpc.replies import Replies
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(T)  # reaped: its pid names no process
+    q = shmq.Queue()
+    replies = Replies("test", trusted=False)
+    try:
+        assert replies.send_bundle(q.path, dead.pid, 7, bytearray(2), ["a", "b"], 1000, False) == 0
+        assert os.path.exists(q.path)  # not looked up at the reply
+        assert q.get(timeout=T) == (7, bytes(2), ["a", "b"], 1000)
+        replies.sweep_due()  # the first sweep is due at once
+        assert not os.path.exists(q.path)
+    finally:
+        replies.close()
+        q.close()
+
+
 def _client_proc(path, n, seed, out):
     with shmq.Client(path) as cl:
         reqs = [(seed, i) for i in range(n)]

@@ -8,7 +8,9 @@ first), and answers a batch of calls with one put per caller (one wake-up).
 A reply that cannot be sent (unpicklable, beyond the queue's ceiling) is
 answered with a ``ReplyError`` instead, so that the caller never waits for
 it.  A caller whose process is gone has its queue removed here too (its
-resource tracker normally does; this covers a tracker killed with it).
+resource tracker normally does; this covers a tracker killed with it):
+right after a reply, unless the caller was found alive moments before
+(``check=False``), and for every open queue once per :data:`SWEEP_S`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Replies:
         self.where = where
         self.trusted = trusted
         self._queues: OrderedDict[str, Queue] = OrderedDict()  # path -> attached queue, LRU
+        self._callers: dict[str, int] = {}  # path -> the identity word of its caller
         self._next_sweep = 0.0
 
     def send(self, path: Any, caller: int, items: list[tuple[int, int, Any]]) -> set[int]:
@@ -61,7 +64,7 @@ class Replies:
         batch; return the indices of those answered with an error the handler did not
         raise (a ``ReplyError``: they could not be sent as they were).  Nothing is sent
         if the queue is gone (its caller is)."""
-        q = self._queue(path)
+        q = self._queue(path, caller)
         failed: set[int] = set()
         if q is None:
             return failed
@@ -76,11 +79,12 @@ class Replies:
         return failed
 
     def send_bundle(self, path: Any, caller: int, first: int, statuses: bytearray,
-                    values: list[Any], service_ns: int) -> int:
+                    values: list[Any], service_ns: int, check: bool = True) -> int:
         """Put a bundle's replies (call ids ``first`` onwards) as one item (see
         :mod:`shmq.rpc.wire`), or one by one if they cannot go together; return how
-        many calls were answered with an error."""
-        q = self._queue(path)
+        many calls were answered with an error.  ``check=False``: the caller was
+        found alive moments ago, do not look it up again now (the sweep will)."""
+        q = self._queue(path, caller)
         failed = statuses.count(ERR)
         if q is None:
             return failed
@@ -90,7 +94,8 @@ class Replies:
             failed = 0
             for cid, st, v in zip(range(first, first + len(values)), statuses, values):
                 failed += not self._put_one(q, cid, st, v) or st != OK
-        self._check(path, caller)
+        if check:
+            self._check(path, caller)
         return failed
 
     def _put_one(self, q, cid, status, value):
@@ -111,7 +116,7 @@ class Replies:
                 log.exception("%s: error reply to call %d lost", self.where, cid)
             return False
 
-    def _queue(self, path):
+    def _queue(self, path, caller):
         q = self._queues.get(path)
         if q is not None:
             self._queues.move_to_end(path)
@@ -123,8 +128,10 @@ class Replies:
         except FileNotFoundError:
             return None  # the caller is gone and its queue removed: nobody to answer
         self._queues[path] = q
+        self._callers[path] = caller
         if len(self._queues) > HANDLES:
-            _p, old = self._queues.popitem(last=False)
+            p, old = self._queues.popitem(last=False)
+            self._callers.pop(p, None)
             old.close()
         return q
 
@@ -134,6 +141,7 @@ class Replies:
             self._forget(path, destroy=True)
 
     def _forget(self, path, destroy):
+        self._callers.pop(path, None)
         q = self._queues.pop(path, None)
         if q is not None:
             q.close()
@@ -144,7 +152,8 @@ class Replies:
                 pass
 
     def sweep_due(self) -> None:
-        """Close queues that were removed (their caller exited), once per :data:`SWEEP_S`."""
+        """Once per :data:`SWEEP_S`: close queues that were removed (their caller
+        exited), and remove those whose caller's process is gone."""
         now = time.monotonic()
         if now < self._next_sweep:
             return
@@ -152,11 +161,14 @@ class Replies:
         for path in list(self._queues):
             if not os.path.lexists(path):
                 self._forget(path, destroy=False)
+            elif not caller_alive(self._callers[path]):
+                self._forget(path, destroy=True)
 
     def close(self) -> None:
         for q in self._queues.values():
             q.close()
         self._queues.clear()
+        self._callers.clear()
 
 
 def _attach_queue(path, trusted):

@@ -38,6 +38,10 @@ log = logging.getLogger("shmq.service")
 
 #: A stop request is noticed within this (a worker's get wakes this often).
 STOP_POLL_S = 0.2
+#: A bundle answered sooner than this after its caller was found alive (at
+#: admission) does not look the caller up again: a caller that died meanwhile has
+#: its reply queue removed by the next sweep (shmq.rpc.replies.SWEEP_S) instead.
+RECHECK_CALLER_NS = 1_000_000
 
 
 class ServiceStats(NamedTuple):
@@ -485,7 +489,10 @@ class Service:
     def _answer_bundle(self, b, statuses, values, service_ns):
         """Answer bundle ``b`` with one reply (``statuses``: a bytearray, one per call),
         then settle it; replies that cannot be sent together go one by one."""
-        failed = self._replies.send_bundle(b.reply_to, b.caller, b.first, statuses, values, service_ns)
+        # its caller was found alive at admission: looked up again only after a while
+        stale = time.monotonic_ns() - b.taken_ns >= RECHECK_CALLER_NS
+        failed = self._replies.send_bundle(b.reply_to, b.caller, b.first, statuses, values, service_ns,
+                                           stale)
         now, mono = time.time_ns(), time.monotonic_ns()
         self._open.pop(b.seq, None)
         if self._board is not None:
