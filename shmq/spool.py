@@ -426,7 +426,8 @@ class Spool:
         :class:`Deferred` (written in place by its ``fill`` under the writer
         lock; if ``fill`` raises, nothing of the batch is published).  A 1-d numpy array (e.g. of a
         structured dtype) is written in record-stream mode: whole records in
-        as few numpy frames as fit (see :mod:`shmq.columnar`).
+        as few numpy frames as fit (see :mod:`shmq.columnar`).  A batch of one
+        ``bytes`` item is :meth:`put` (the core's whole put, one call).
 
         :raises shmq.TooLarge: the batch can never fit in this ring.
         """
@@ -438,6 +439,8 @@ class Spool:
             items = list(items)
         if not items:
             raise ValueError("put_many() needs at least one item")
+        if len(items) == 1 and type(items[0]) is bytes:
+            return self.put(items[0], block=block, timeout=timeout, codec=codec)  # one core call
         timeout = check_block_timeout(block, timeout)
         self.check_open()
         return self.writer.append(items, timeout, codec)

@@ -169,8 +169,6 @@ def put_bundles(spool: Spool, parts: list[bytes], timeout: float | None) -> list
     :raises shmq.Full: no room within ``timeout``.
     """
     try:
-        if len(parts) == 1:  # the common case: the core's whole put, in one call
-            return [spool.put(parts[0], timeout=timeout, codec=F.CODEC_PICKLE)]
         first = spool.put_many(parts, timeout=timeout, codec=F.CODEC_PICKLE)
     except TooLarge:
         return None
