@@ -14,6 +14,7 @@
 
 import os
 import re
+import threading
 
 import pytest
 
@@ -70,14 +71,77 @@ def test_subclass_slow_path_is_the_one_the_core_calls(spool_dir):
     sp = SlowLoggingSpool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
     try:
         assert sp.put(b"fast") == 0  # the core's fast path: no slow call
-        assert sp.put(b"slow", timeout=2.5) == 1  # a timeout is the slow path's
-        assert SlowLoggingSpool.slow == [(b"slow", 2.5)]
+        assert sp.put(b"timed", timeout=2.5) == 1  # with a timeout too (it bounds waits only)
+        assert SlowLoggingSpool.slow == []
+        assert sp.put(b"slow", block=False) == 2  # a put that must not wait is the slow path's
+        assert SlowLoggingSpool.slow == [(b"slow", None)]
         # An instance attribute of that name is not looked up: the class's function was bound.
         sp._put_slow = lambda *a: pytest.fail("looked up by name on the instance")
-        assert sp.put(b"again", timeout=1.0) == 2
-        assert SlowLoggingSpool.slow[-1] == (b"again", 1.0)
+        assert sp.put(b"again", block=False) == 3
+        assert SlowLoggingSpool.slow[-1] == (b"again", None)
     finally:
         sp.close()
+
+
+def _hold_writer_lock(sp):
+    """A thread holding ``sp``'s writer lock (an open reservation) until released."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with sp.reserve(1) as buf:
+            buf[:] = b"r"
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    return t, release
+
+
+@pytest.mark.parametrize("kind", ["spool", "queue"])
+def test_a_put_with_a_timeout_is_the_cores_while_the_lock_is_free(spool_dir, kind):
+    """A put with a timeout is the core's (no Python frame) while the writer lock is
+    free; a busy lock goes to the slow path at once, with the whole timeout (its
+    rules for a busy or stuck lock, and its messages, unchanged); invalid timeouts
+    still get the slow path's clear errors."""
+    if kind == "spool":
+        SlowLoggingSpool.slow.clear()
+        h = SlowLoggingSpool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+        sp, put, slow = h, h.put, SlowLoggingSpool.slow
+    else:
+        h = SlowLoggingQueue()
+        sp, put, slow = h._spool, h.put, h.slow
+    try:
+        put(b"free", timeout=5)
+        assert slow == []
+        for bad, err in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)):
+            with pytest.raises(err):
+                put(b"bad", timeout=bad)
+        slow.clear()
+        t, release = _hold_writer_lock(sp)
+        try:
+            # a live holder: Timeout (Full from a Queue, as the stdlib says)
+            with pytest.raises((shmq.Timeout, shmq.Full), match="writer lock"):
+                put(b"late", timeout=0.2)
+        finally:
+            release.set()
+            t.join(10)
+        assert slow == [(b"late", 0.2)]  # nothing of it spent waiting in C
+        put(b"after", timeout=5)  # the lock is free again: nothing was left behind
+        assert len(slow) == 1
+    finally:
+        h.close()
+
+
+class SlowLoggingQueue(shmq.Queue):
+    def __init__(self, *a, **kw):
+        self.slow = []
+        super().__init__(*a, **kw)
+
+    def _put_slow(self, obj, block, timeout):
+        self.slow.append((obj, timeout))
+        return super()._put_slow(obj, block, timeout)
 
 
 class CountingReader(Reader):

@@ -112,9 +112,26 @@ int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const 
 
 /* ---- shmq.Spool.put ---- */
 
+/* Whether a put (block, timeout) is tried in C first: block true and timeout
+ * None or a plain positive number of seconds; anything else (a put that
+ * must not wait, a timeout to validate) is the slow path's.  *lock_wait:
+ * how long the writer lock may be waited for here, the handle's lock_wait
+ * without a timeout; with one the lock is only tried, so that nothing of
+ * the timeout is spent here (at most the 20 us headroom wait) and the slow
+ * path gets it whole, with its own rule for a busy or stuck lock (a live
+ * holder is waited for up to the longer of the timeout and the recovery
+ * timeout: shmq/writer.py) and its messages. */
+static int fast_put_wait(Ring *r, PyObject *block, PyObject *timeout, double *lock_wait) {
+    uint64_t deadline;
+    if (!park_deadline(block, timeout, &deadline)) return 0;
+    *lock_wait = deadline ? 0.0 : r->lock_wait;
+    return 1;
+}
+
 PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Spool.put(data, block=True, timeout=None, codec=0): the uncontended put
-     * in one C call; anything else goes to the slow path bound with it. */
+     * in one C call, also with a timeout (which bounds only waits); anything
+     * else goes to the slow path bound with it. */
     static const char *const names[] = {"data", "block", "timeout", "codec"};
     PyObject *a[4];
     if (parse_api(args, nargs, kwnames, names, 4, a) < 0) return NULL;
@@ -122,22 +139,20 @@ PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObjec
         PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'data'");
         return NULL;
     }
-    int block = a[1] ? PyObject_IsTrue(a[1]) : 1;
-    if (block < 0) return NULL;
     int codec = 0;
     if (a[3] && (codec = (int)PyLong_AsLong(a[3])) == -1 && PyErr_Occurred()) return NULL;
-    if (block && (!a[2] || a[2] == Py_None) && r->fast_put && r->have_buf) {
+    double lock_wait;
+    if (r->fast_put && r->have_buf && fast_put_wait(r, a[1], a[2], &lock_wait)) {
         Item item;
         if (load_item(&item, a[0], r->checksum) < 0) return NULL;
-        int64_t res = ring_write(r, &item, 1, codec, -1, r->lock_wait, 1);
+        int64_t res = ring_write(r, &item, 1, codec, -1, lock_wait, 1);
         release_items(&item, 1);
         if (res == ST_PYERR) return NULL;
         if (res >= 0) return PyLong_FromLongLong(res);
     }
-    PyObject *cargs[4] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None, NULL};
     PyObject *cd = PyLong_FromLong(codec);
     if (!cd) return NULL;
-    cargs[3] = cd;
+    PyObject *cargs[4] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None, cd};
     PyObject *res = call_slow(r->owner, r->put_slow, cargs, 4);
     Py_DECREF(cd);
     return res;
@@ -222,9 +237,10 @@ PyObject *dumps_inband(CoreState *st, PyObject *obj) {
 }
 
 /* Queue.put(obj, block=True, timeout=None): bytes as they are, anything else
- * pickled, written in one C call when there is room and no timeout to
- * check; anything else (and any object with out-of-band buffers, which the
- * Python encoder keeps uncopied) goes to the queue's put_slow. */
+ * pickled, written in one C call when there is room and the writer lock is
+ * free (or, without a timeout, soon free); anything else (and any object with
+ * out-of-band buffers, which the Python encoder keeps uncopied) goes to the
+ * queue's put_slow. */
 static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Ring *r = q->ring;
     CoreState *st = r->st;
@@ -235,7 +251,8 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "put() missing required argument: 'obj'");
         return NULL;
     }
-    if ((!a[2] || a[2] == Py_None) && q->fast_put && r->have_buf && st->pickle_dumps) {
+    double lock_wait;
+    if (q->fast_put && r->have_buf && st->pickle_dumps && fast_put_wait(r, a[1], a[2], &lock_wait)) {
         PyObject *data;
         int codec = 0;
         if (PyBytes_CheckExact(a[0])) {
@@ -255,7 +272,7 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
             int rc = load_item(&item, data, r->checksum);
             Py_DECREF(data);
             if (rc < 0) return NULL;
-            int64_t res = ring_write(r, &item, 1, codec, q->backlog, r->lock_wait, 1);
+            int64_t res = ring_write(r, &item, 1, codec, q->backlog, lock_wait, 1);
             release_items(&item, 1);
             if (res == ST_PYERR) return NULL;
             if (res >= 0) Py_RETURN_NONE;
