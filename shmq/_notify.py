@@ -56,6 +56,11 @@ SAFETY_NET_S = 0.1
 #: service's worker on 2 vCPUs, spinning without yielding cost each caller 30 us
 #: of CPU per reply, and the worker's CPU too.
 SPIN_S = 30e-6
+#: A waiter calls its ``before_park`` (a reader publishing its counters) once it
+#: has slept this long: a wait that a frame ends sooner skips it (8 callers of a
+#: service: every reply wait outlasts the spin, and most end within this), and
+#: for a group member it is a round trip on the group's lock.
+PUBLISH_AFTER_S = 0.001
 #: Sleep between re-checks of an asyncio wait when no inotify instance could be had.
 FALLBACK_SLEEP_S = 0.002
 
@@ -269,9 +274,11 @@ class Doorbell:
         ``timeout=None`` waits forever; 0 checks once.  First spins for
         :data:`SPIN_S`, yielding the CPU to other runnable processes between
         looks (the GIL stays held; a frame caught here never registers a
-        waiter), then calls ``before_park()`` if given (once: what a waiter
-        publishes before it sleeps, e.g. a reader's counters) and sleeps on
-        the futex word with the GIL released; a signal handler's exception
+        waiter), then sleeps on the futex word with the GIL released.  A
+        waiter still asleep after :data:`PUBLISH_AFTER_S` calls
+        ``before_park()`` if given (once: what an idle waiter publishes, e.g.
+        a reader's counters; a shorter wait, or one with less time left,
+        never calls it), then sleeps on.  A signal handler's exception
         (Ctrl-C) propagates with the registration undone.
         """
         if ready():
@@ -285,10 +292,6 @@ class Doorbell:
             if ready():
                 return True
             _core.yield_cpu()
-        if before_park is not None:
-            before_park()
-            if ready():
-                return True
         core, space = self._core, self._space
         with self._waiting:  # register (a full fence), read the word, then re-check
             while True:
@@ -298,6 +301,13 @@ class Doorbell:
                 wait = _next_sleep(deadline, time.monotonic())
                 if wait is None:
                     return False
+                if before_park is not None and wait > PUBLISH_AFTER_S:
+                    core.bell_wait(space, seen, PUBLISH_AFTER_S)
+                    if ready():
+                        return True
+                    before_park()  # still waiting: publish once, then sleep on
+                    before_park = None
+                    continue
                 core.bell_wait(space, seen, wait)
 
     async def wait_async(self, ready, timeout: float | None) -> bool:

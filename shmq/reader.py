@@ -41,8 +41,9 @@ Frame = _core.Frame
 __all__ = ["Reader", "NamedReader", "GroupReader"]
 
 #: A named reader publishes its counters to the reader table this often
-#: (frames, in the core), and whenever it parks (sleeps waiting for frames; not
-#: during the short spin before), commits explicitly or closes.
+#: (frames, in the core), and whenever its wait has slept for
+#: shmq._notify.PUBLISH_AFTER_S (not in the short spin before, nor a wait a
+#: frame ends sooner), commits explicitly or closes.
 STATS_FLUSH_FRAMES = 64
 #: A reader that has found nothing to read for this long trims a growable spool
 #: (gives back the segments every consumer is done with; Spool.trim_idle).
@@ -187,8 +188,9 @@ class Reader:
         first = deadline is None
         if deadline is None and timeout is not None:
             deadline = now + timeout
-        # A slot reader's counters are published when it parks, not when a short
-        # spin catches the next frame (the core publishes every STATS_FLUSH_FRAMES).
+        # A slot reader's counters are published once a wait has slept for
+        # PUBLISH_AFTER_S, not when the spin or a short sleep ends it (the
+        # core publishes every STATS_FLUSH_FRAMES).
         bell, ready, flush = self._spool.data_bell, self._cur.available, self._before_wait
         left = None if deadline is None else deadline - now
         if first and (left is None or left > TRIM_IDLE_S) and self._spool.trim_due():

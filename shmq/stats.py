@@ -18,7 +18,7 @@ class ReaderStats:
     were overwritten before it read them (exact).  ``high_water``/
     ``low_water`` are the largest/smallest lag seen when it read.  Counters
     are kept per handle and flushed to the spool every 64 frames, when the
-    reader parks (sleeps waiting for frames), and when it closes (a group's under the group lock), so
+    reader has slept 1 ms waiting for frames, and when it closes (a group's under the group lock), so
     a killed reader's last unflushed frames are not counted.
     """
 

@@ -189,25 +189,46 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     assert sp.data_bell.sem.value == 0  # never registered: it did not park
 
 
-def test_before_park_runs_only_when_the_waiter_parks(make_spool, monkeypatch):
-    """Doorbell.wait calls ``before_park`` once it gives up spinning, before it sleeps,
-    and not at all when the spin catches the frame."""
+def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypatch):
+    """Doorbell.wait calls ``before_park`` once it has slept PUBLISH_AFTER_S, and not at
+    all when the spin, or a frame within that first sleep, ends the wait."""
     sp = make_spool(capacity="256KiB")
+    bell = sp.data_bell
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: None)
     parks = []
     monkeypatch.setattr(_notify, "SPIN_S", 60.0)
     looks = iter([False, False, True])
-    assert sp.data_bell.wait(lambda: next(looks), 5, lambda: parks.append(1))
+    assert bell.wait(lambda: next(looks), 5, lambda: parks.append(1))
     assert parks == []  # caught in the spin
     monkeypatch.setattr(_notify, "SPIN_S", 0.0)
-    assert not sp.data_bell.wait(lambda: False, 0.01, lambda: parks.append(1))
-    assert parks == [1]  # parked (and timed out): published once, before sleeping
-    assert sp.data_bell.sem.value == 0
+    # A frame within the first sleep (the bell rung once the waiter is registered).
+    monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 30.0)
+    came = threading.Event()
+
+    def ring_when_parked():
+        deadline = time.monotonic() + 10
+        while bell.sem.value < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        came.set()
+        bell.ring()
+
+    t = threading.Thread(target=ring_when_parked)
+    t.start()
+    assert bell.wait(came.is_set, 20, lambda: parks.append(1))
+    t.join(10)
+    assert parks == []  # ended by the frame within PUBLISH_AFTER_S: nothing published
+    monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 0.001)
+    assert not bell.wait(lambda: False, 0.05, lambda: parks.append(1))
+    assert parks == [1]  # slept on (and timed out): published once
+    assert not bell.wait(lambda: False, 0.0005, lambda: parks.append(1))
+    assert parks == [1]  # less time left than PUBLISH_AFTER_S: never published
+    assert bell.sem.value == 0
 
 
-def test_a_group_member_publishes_its_counters_when_it_parks(make_spool):
-    """A group member's counters (kept per handle) reach the reader table when its get
-    parks: ``shmq stat`` shows what an idle consumer read, without waiting for 64 frames."""
+def test_a_group_member_publishes_its_counters_when_it_stays_asleep(make_spool):
+    """A group member's counters (kept per handle) reach the reader table once its get has
+    slept PUBLISH_AFTER_S: ``shmq stat`` shows what an idle consumer read, without waiting
+    for 64 frames."""
     sp = make_spool(capacity="256KiB")
     g = sp.reader("workers", group=True)
     other = shmq.Spool.open(sp.path)  # another handle: it flushes nothing of g's
@@ -223,10 +244,10 @@ def test_a_group_member_publishes_its_counters_when_it_parks(make_spool):
         t = threading.Thread(target=lambda: got.append(g.get_many(4, timeout=10)))
         t.start()
         deadline = time.monotonic() + 10
-        while sp.data_bell.sem.value < 1 and time.monotonic() < deadline:  # parked
+        while gets() < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert sp.data_bell.sem.value == 1
-        assert gets() == 1  # published before it parked
+        assert gets() == 1  # published while it waits
+        assert t.is_alive() and not got and sp.data_bell.sem.value == 1  # still parked
         sp.put(b"y")
         t.join(10)
         assert [f.data for f in got[0]] == [b"y"]
