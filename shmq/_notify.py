@@ -273,8 +273,8 @@ class Doorbell:
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
         :data:`SPIN_S`, yielding the CPU to other runnable processes between
-        looks (the GIL stays held; a frame caught here never registers a
-        waiter), then sleeps on the futex word with the GIL released.  A
+        looks, with a look after the last yield too (the GIL stays held; a
+        frame caught here never registers a waiter), then sleeps on the futex word with the GIL released.  A
         waiter still asleep after :data:`PUBLISH_AFTER_S` calls
         ``before_park()`` if given (once: what an idle waiter publishes, e.g.
         a reader's counters; a shorter wait, or one with less time left,
@@ -288,10 +288,12 @@ class Doorbell:
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin_until = now + SPIN_S
-        while time.monotonic() < spin_until:
+        while True:  # a look after every yield, the last one too (the writer may have run)
+            _core.yield_cpu()
             if ready():
                 return True
-            _core.yield_cpu()
+            if time.monotonic() >= spin_until:
+                break
         core, space = self._core, self._space
         with self._waiting:  # register (a full fence), read the word, then re-check
             while True:

@@ -185,8 +185,42 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: yields.append(1))
     monkeypatch.setattr(_notify, "SPIN_S", 60.0)  # the spin cannot run out before the frame
     assert sp.data_bell.wait(lambda: next(looks), 5)
-    assert len(yields) == 2  # between the spin's looks
+    assert len(yields) == 3  # one between every two looks
     assert sp.data_bell.sem.value == 0  # never registered: it did not park
+
+
+def test_the_spin_looks_after_its_last_yield(make_spool, monkeypatch):
+    """A spin that runs out during a yield looks once more before it parks: the process
+    it yielded to may have written the frame (a pipelining caller's reply is there after
+    its one yield in most waits), and registering then would cost the waiter and every
+    writer that sees it registered."""
+    sp = make_spool(capacity="256KiB")
+    frame = []
+    monkeypatch.setattr(_notify._core, "yield_cpu", lambda: frame.append(1))  # "the writer ran"
+    monkeypatch.setattr(_notify, "SPIN_S", 0.0)  # out of spin after the first yield
+    registered = []
+    real = type(sp.data_bell._waiting)
+    sp.data_bell._waiting = _Recording(sp.data_bell._waiting, registered)
+    try:
+        assert sp.data_bell.wait(lambda: bool(frame), 5, lambda: pytest.fail("published"))
+    finally:
+        sp.data_bell._waiting = sp.data_bell._waiting.inner
+    assert frame == [1] and registered == []  # found after the yield, never registered
+    assert isinstance(sp.data_bell._waiting, real)
+
+
+class _Recording:
+    """A waiter registration that records being entered (Doorbell._waiting's stand-in)."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __enter__(self):
+        self.log.append(1)
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
 
 
 def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypatch):
