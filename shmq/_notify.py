@@ -57,9 +57,9 @@ SAFETY_NET_S = 0.1
 #: of CPU per reply, and the worker's CPU too.
 SPIN_S = 30e-6
 #: A waiter calls its ``before_park`` (a reader publishing its counters) once it
-#: has slept this long: a wait that a frame ends sooner skips it (8 callers of a
-#: service: every reply wait outlasts the spin, and most end within this), and
-#: for a group member it is a round trip on the group's lock.
+#: has waited this long after its spin: a wait that a frame ends sooner skips it
+#: (8 callers of a service: every reply wait outlasts the spin, and most end
+#: within this), and for a group member it is a round trip on the group's lock.
 PUBLISH_AFTER_S = 0.001
 #: Sleep between re-checks of an asyncio wait when no inotify instance could be had.
 FALLBACK_SLEEP_S = 0.002
@@ -274,12 +274,13 @@ class Doorbell:
         ``timeout=None`` waits forever; 0 checks once.  First spins for
         :data:`SPIN_S`, yielding the CPU to other runnable processes between
         looks, with a look after the last yield too (the GIL stays held; a
-        frame caught here never registers a waiter), then sleeps on the futex word with the GIL released.  A
-        waiter still asleep after :data:`PUBLISH_AFTER_S` calls
-        ``before_park()`` if given (once: what an idle waiter publishes, e.g.
-        a reader's counters; a shorter wait, or one with less time left,
-        never calls it), then sleeps on.  A signal handler's exception
-        (Ctrl-C) propagates with the registration undone.
+        frame caught here never registers a waiter), then sleeps on the
+        futex word with the GIL released.  A waiter still waiting
+        :data:`PUBLISH_AFTER_S` after its spin calls ``before_park()`` if
+        given (once: what an idle waiter publishes, e.g. a reader's
+        counters; a wait that ends sooner never calls it), then sleeps on.
+        A signal handler's exception (Ctrl-C) propagates with the
+        registration undone.
         """
         if ready():
             return True
@@ -295,21 +296,22 @@ class Doorbell:
             if time.monotonic() >= spin_until:
                 break
         core, space = self._core, self._space
+        publish_at = None if before_park is None else time.monotonic() + PUBLISH_AFTER_S
         with self._waiting:  # register (a full fence), read the word, then re-check
             while True:
                 seen = core.bell_seen(space)
                 if ready():
                     return True
-                wait = _next_sleep(deadline, time.monotonic())
+                now = time.monotonic()
+                wait = _next_sleep(deadline, now)
                 if wait is None:
                     return False
-                if before_park is not None and wait > PUBLISH_AFTER_S:
-                    core.bell_wait(space, seen, PUBLISH_AFTER_S)
-                    if ready():
-                        return True
-                    before_park()  # still waiting: publish once, then sleep on
-                    before_park = None
-                    continue
+                if publish_at is not None:
+                    if now >= publish_at:  # still waiting: publish once, then sleep on
+                        before_park()
+                        publish_at = None
+                        continue
+                    wait = min(wait, publish_at - now)
                 core.bell_wait(space, seen, wait)
 
     async def wait_async(self, ready, timeout: float | None) -> bool:

@@ -224,8 +224,9 @@ class _Recording:
 
 
 def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypatch):
-    """Doorbell.wait calls ``before_park`` once it has slept PUBLISH_AFTER_S, and not at
-    all when the spin, or a frame within that first sleep, ends the wait."""
+    """Doorbell.wait calls ``before_park`` once it has waited PUBLISH_AFTER_S after its
+    spin, and not at all when the spin, or a frame within that time, ends the wait;
+    a wake-up with nothing to read does not cut that time short."""
     sp = make_spool(capacity="256KiB")
     bell = sp.data_bell
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: None)
@@ -251,6 +252,17 @@ def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypa
     assert bell.wait(came.is_set, 20, lambda: parks.append(1))
     t.join(10)
     assert parks == []  # ended by the frame within PUBLISH_AFTER_S: nothing published
+    # A wake for a frame someone else took (the bell rung, nothing to read) is not
+    # PUBLISH_AFTER_S of waiting: the waiter sleeps on and publishes no earlier.
+    monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 0.05)
+    came.clear()
+    published = []
+    t = threading.Thread(target=ring_when_parked)
+    t.start()
+    t0 = time.monotonic()
+    assert not bell.wait(lambda: False, 0.3, lambda: published.append(time.monotonic() - t0))
+    t.join(10)
+    assert came.is_set() and len(published) == 1 and published[0] >= 0.05
     monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 0.001)
     assert not bell.wait(lambda: False, 0.05, lambda: parks.append(1))
     assert parks == [1]  # slept on (and timed out): published once
