@@ -231,7 +231,8 @@ class Queue:
             raise
 
     def _put_slow(self, obj: Any, block: bool, timeout: float | None) -> None:
-        """What the core's put leaves to Python: waiting, timeouts, out-of-band buffers."""
+        """What the core's put leaves to Python: waiting (a full queue, a busy writer lock
+        when a timeout is given), timeouts to validate, ``block=False``, out-of-band buffers."""
         return Queue._put_general(self, obj, block, timeout)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:

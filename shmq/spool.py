@@ -427,7 +427,9 @@ class Spool:
         lock; if ``fill`` raises, nothing of the batch is published).  A 1-d numpy array (e.g. of a
         structured dtype) is written in record-stream mode: whole records in
         as few numpy frames as fit (see :mod:`shmq.columnar`).  A batch of one
-        ``bytes`` item is :meth:`put` (the core's whole put, one call).
+        ``bytes`` item is this class's :meth:`put` (the core's whole put, one
+        call; a subclass's ``put`` override is not called, so it may itself
+        call ``put_many``).
 
         :raises shmq.TooLarge: the batch can never fit in this ring.
         """
@@ -440,7 +442,7 @@ class Spool:
         if not items:
             raise ValueError("put_many() needs at least one item")
         if len(items) == 1 and type(items[0]) is bytes:
-            return self.put(items[0], block=block, timeout=timeout, codec=codec)  # one core call
+            return Spool.put(self, items[0], block=block, timeout=timeout, codec=codec)  # one core call
         timeout = check_block_timeout(block, timeout)
         self.check_open()
         return self.writer.append(items, timeout, codec)

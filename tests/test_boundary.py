@@ -34,6 +34,13 @@ class LoggingSpool(shmq.Spool):
         return super().put(data, block=block, timeout=timeout, codec=codec)
 
 
+class PutViaBatchSpool(shmq.Spool):
+    """A subclass whose put is a batch of one: put_many must not call it back."""
+
+    def put(self, data, *, block=True, timeout=None, codec=0):
+        return self.put_many([bytes(data)], block=block, timeout=timeout, codec=codec)
+
+
 class SlowLoggingSpool(shmq.Spool):
     slow = []
 
@@ -54,6 +61,23 @@ def test_spool_subclass_put_override_is_called(spool_dir):
         assert [r.get(timeout=5).data for _ in range(2)] == [b"one", b"two"]
     finally:
         sp.close()
+
+
+def test_put_many_of_one_is_the_core_put_not_a_subclass_override(spool_dir):
+    """``put_many`` of one ``bytes`` item is Spool.put itself (the core's call): a
+    subclass's ``put`` is not called, so one built on ``put_many`` does not recurse."""
+    LoggingSpool.calls.clear()
+    sp = LoggingSpool.create(os.path.join(spool_dir, "s"), capacity="1MiB")
+    via = PutViaBatchSpool.create(os.path.join(spool_dir, "v"), capacity="1MiB")
+    try:
+        assert sp.put_many([b"one"], timeout=1.0) == 0
+        assert LoggingSpool.calls == []  # the override was not called by put_many
+        assert via.put(b"a") == 0 and via.put(b"b", timeout=1.0) == 1
+        r = via.reader(start="earliest")
+        assert [r.get(timeout=5).data for _ in range(2)] == [b"a", b"b"]
+    finally:
+        sp.close()
+        via.close()
 
 
 def test_plain_spool_binds_the_core_directly(spool_dir):
