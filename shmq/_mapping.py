@@ -28,6 +28,7 @@ import time
 import posix_ipc
 
 from . import _format as F
+from ._space import no_space_for_file
 from .errors import NotASpool, ShmqError, SpoolFormatError
 
 #: The shared directory of shmq before 0.2 (mode 1777, like /tmp).  Bare names no
@@ -339,48 +340,6 @@ def _ensure_dir(path: str) -> None:
                         "world-writable without the sticky bit); remove it or use a full path")
 
 
-def _mount_point(path: str) -> str:
-    path = os.path.realpath(path)
-    dev = os.stat(path).st_dev
-    while path != "/":
-        up = os.path.dirname(path)
-        if os.stat(up).st_dev != dev:
-            break
-        path = up
-    return path
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-def _where(parent: str) -> str:
-    """``/dev/shm (12.0 MiB free of 64.0 MiB)``: the filesystem holding ``parent``."""
-    try:
-        vfs = os.statvfs(parent)
-        mount = _mount_point(parent)
-        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
-        return f"{mount} ({_size(free)} free of {_size(total)})"
-    except OSError:
-        return parent
-
-
-def _no_space(parent: str, need: int) -> OSError:
-    """An ENOSPC error that names the filesystem, its size and what to do."""
-    return OSError(errno.ENOSPC, f"no space left for a {_size(need)} spool file on "
-                   f"{_where(parent)}: choose a smaller --capacity, remove spools you no longer "
-                   "need, or grow the filesystem (tmpfs: mount -o remount,size=...)", parent)
-
-
-def no_space_to_grow(path: str, segment: int, allocated: int, ceiling: int) -> OSError:
-    """The ENOSPC error of a growable spool that could not allocate its next segment."""
-    return OSError(errno.ENOSPC, f"no space left on {_where(os.path.dirname(path))} for the next "
-                   f"{_size(segment)} segment of this spool (it uses {_size(allocated)}, ceiling "
-                   f"{_size(ceiling)}); nothing was written: consume the backlog, remove spools "
-                   "you no longer need, or grow the filesystem (tmpfs: mount -o "
-                   "remount,size=...)", path)
-
-
 #: Under :func:`default_dir`: one small file per spool created outside /dev/shm
 #: itself, named after its semaphore prefix, holding its path (and the temporary
 #: name it is created under), so ``shmq gc`` (:mod:`shmq.gc`) can tell the
@@ -474,7 +433,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             os.posix_fallocate(fd, 0, ring_offset + window[1] if window else file_bytes)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                raise _no_space(parent, ring_offset + window[1] if window else file_bytes) from None
+                raise no_space_for_file(parent, ring_offset + window[1] if window else file_bytes) from None
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, file_bytes)

@@ -22,7 +22,7 @@ from . import _core
 from . import _format as F
 from ._format import FRAME_BYTES
 from ._lock import holder_pid
-from ._mapping import no_space_to_grow
+from ._space import no_space_to_grow
 from .errors import Full, Timeout, TooLarge
 from .waiting import check_block_timeout, retry_stuck
 
