@@ -295,6 +295,15 @@ def semaphore_names(prefix: str, slot_count: int = 0) -> list[str]:
     return list(dict.fromkeys(names + present))
 
 
+def unlink_semaphore(name: str) -> None:
+    """Unlink the named semaphore ``name``; a missing one is fine.  Processes that have
+    it open keep it until they close it."""
+    try:
+        posix_ipc.unlink_semaphore(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
 def unlink_semaphores(prefix: str, slot_count: int, owners=None) -> None:
     """Unlink a spool's semaphores (those owned by a uid in ``owners``, if given);
     missing ones are fine.  Processes that have them open keep them until they close."""
@@ -305,10 +314,7 @@ def unlink_semaphores(prefix: str, slot_count: int, owners=None) -> None:
                     continue
             except OSError:
                 continue  # absent
-        try:
-            posix_ipc.unlink_semaphore(name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_semaphore(name)
     unregister_spool(prefix)  # its record protected these semaphores: gone with them
 
 
@@ -531,6 +537,28 @@ class Mapping:
         os.close(self.fd)
         self.fd = new
 
+    def unlinked(self) -> bool:
+        """Whether the file has been removed (destroy, ``rm``) since it was opened."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def forget_semaphores_if_unlinked(self, prefix: str) -> None:
+        """If the file is gone, unlink every semaphore name of ``prefix``.
+
+        A name opened since the file went (with O_CREAT) may have been created
+        after :func:`destroy_file` unlinked the names (it unlinks the file
+        first), and nothing else would remove it; handles keep the semaphores
+        they have open.  Best effort, and only for the prefix derived from this
+        file's own inode: no other file can have it while our descriptor holds
+        the inode, whereas a header naming another spool's prefix (a copy, a
+        planted file) must not make us unlink that spool's locks.
+        """
+        if prefix != sem_prefix_of(self.st) or not self.unlinked():
+            return
+        try:
+            unlink_semaphores(prefix, 0)
+        except posix_ipc.Error:  # a name another user created, say: theirs to remove
+            pass
+
     def close(self) -> None:
         """Unmap and close the descriptor.  Idempotent."""
         if self.mm is not None:
@@ -598,18 +626,25 @@ def destroy_file(path: str) -> None:
         else:
             prefixes.append(geo["sem_prefix"])
             slots = geo["slot_count"]
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise NotASpool(f"{path}: was replaced while being destroyed; left alone")
+        if st.st_uid == os.geteuid():
+            owners = None if st.st_mode & 0o022 else {st.st_uid}
+        else:
+            owners = {st.st_uid}
+        # The file goes first, the semaphores after it.  A handle being opened
+        # meanwhile (O_CREAT) may re-create a semaphore already unlinked; it
+        # looks at the file's link count after opening it (Spool.open_semaphore),
+        # and removes it if the file is gone.  In the other order, a name
+        # re-created between our two steps would outlive the spool.  Our
+        # descriptor stays open until the semaphores are gone: while it is open,
+        # no new file can get the inode, so no new spool the prefix of ours.
+        os.unlink(path)
+        for prefix in dict.fromkeys(prefixes):
+            unlink_semaphores(prefix, slots, owners)
     finally:
         os.close(fd)
-    now = os.lstat(path)
-    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-        raise NotASpool(f"{path}: was replaced while being destroyed; left alone")
-    if st.st_uid == os.geteuid():
-        owners = None if st.st_mode & 0o022 else {st.st_uid}
-    else:
-        owners = {st.st_uid}
-    for prefix in dict.fromkeys(prefixes):
-        unlink_semaphores(prefix, slots, owners)
-    os.unlink(path)
     for prefix in dict.fromkeys(prefixes):
         unregister_spool(prefix)
 

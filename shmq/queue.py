@@ -546,6 +546,8 @@ class JoinableQueue(Queue):
     def _attach(self, spool: Spool, trusted: bool) -> None:
         super()._attach(spool, trusted)
         self._unfinished = spool.open_semaphore(sem_name(spool.sem_prefix, SEM_UNFINISHED), 0)
+        # the count's name, if created on a destroyed spool, must not outlive it
+        spool.mapping.forget_semaphores_if_unlinked(spool.sem_prefix)
 
     def task_done(self) -> None:
         """Mark one item as processed.

@@ -522,6 +522,8 @@ class GroupReader(_SlotReader):
         try:
             spool.ring.check_cursor(name, *spool.slots.cursor(self._slot))
             self._lock = self._make_lock()
+            # the group's name, if created on a destroyed spool, must not outlive it
+            spool.mapping.forget_semaphores_if_unlinked(spool.sem_prefix)
         except BaseException:
             self.close()
             raise

@@ -33,7 +33,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, Self, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Self, overload
 
 from . import _core
 from . import _format as F
@@ -45,7 +45,7 @@ from ._format import (
 from ._lock import FIRST_LOOK_S, LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
-    destroy_file, resolve_path, sem_name, unlink_semaphores,
+    destroy_file, resolve_path, sem_name,
 )
 from ._notify import Doorbell
 from .codec import PROTOCOL
@@ -127,13 +127,15 @@ class Spool:
         prefix = self.sem_prefix = geo["sem_prefix"]
         self._sem_mode = m.st_mode & 0o666
         self._writer_sem = self.open_semaphore(sem_name(prefix, SEM_WRITER), 1)
-        self.writer_lock = RecoverableLock(
-            self._writer_sem, m.ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
-            F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout)
         read_waiters = self.open_semaphore(sem_name(prefix, SEM_READ_WAITERS), 0)
         space_waiters = self.open_semaphore(sem_name(prefix, SEM_SPACE_WAITERS), 0)
-        # the core opens the same three names, which open_semaphore has just checked
+        sems = (self._writer_sem, read_waiters, space_waiters)
+        # The lock and the core open the same three names, which open_semaphore has
+        # just checked.  destroy() may unlink them meanwhile (after the file).
         try:
+            self.writer_lock = RecoverableLock(
+                self._writer_sem, m.ctl, F.W_LOCK_HOLDER, F.W_LOCK_TOKEN, m,
+                F.RECOVERY_LOCK_BYTE, breaks_word=F.W_LOCK_BREAKS, recovery_timeout=recovery_timeout)
             self.core = _core.Ring(
                 m.mm, m.path, geo["ring_offset"], geo["ring_bytes"], geo["slot_offset"],
                 geo["slot_count"], F.POLICIES.index(self._policy), self.checksum,
@@ -142,6 +144,10 @@ class Spool:
                 # how long the core waits for a lock before handing it to the
                 # Python paths that look at its holder (retry_stuck): FIRST_LOOK_S
                 float(min(recovery_timeout, FIRST_LOOK_S)))
+        except OSError as exc:
+            if isinstance(exc, ValueError) or not self.mapping.unlinked():
+                raise
+            self._destroyed_while_opening(sems)  # the names went before the core's opens
         except ValueError as exc:
             if isinstance(exc, SpoolFormatError):
                 raise
@@ -158,15 +164,8 @@ class Spool:
             # Spool.put's own code, bound per handle: the call goes straight
             # to C (no Python frame).  A subclass that overrides put keeps it.
             self.put = self.core.put_api
-        if os.fstat(m.fd).st_nlink == 0:
-            # Destroyed while we opened it: our O_CREAT may have re-created
-            # semaphores that destroy() had just unlinked; do not leak them.
-            for sem in (self._writer_sem, self.data_bell.sem, self.space_bell.sem):
-                sem.close()
-            self.core.close()
-            unlink_semaphores(prefix, 0)
-            raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
-                                    m.path)
+        if self.mapping.unlinked():
+            self._destroyed_while_opening(sems)
         self.ring = Ring(m, self.core, self.writer_lock, recovery_timeout)
         self.writer_lock.on_recover = self.ring.repair_after_writer_death
         self.ring.check_control()
@@ -178,9 +177,23 @@ class Spool:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         self.holder = holder_word()
 
+    def _destroyed_while_opening(self, sems: tuple[Semaphore, ...]) -> NoReturn:
+        # Our O_CREAT may have re-created semaphores destroy() had unlinked, and
+        # a handle on a file already gone is of no use to the caller: refuse it
+        # as the path's absence would have, with no name left behind.
+        for opened in (getattr(self, "core", None), getattr(self, "writer_lock", None), *sems):
+            if opened is not None:
+                opened.close()
+        self.mapping.forget_semaphores_if_unlinked(self.sem_prefix)
+        raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
+                                self.mapping.path)
+
     def open_semaphore(self, name: str, initial: int) -> Semaphore:
         """Open (or create) named semaphore ``name`` with this spool's mode, refusing one
-        that another user squatted (see :func:`shmq._mapping.open_semaphore`)."""
+        that another user squatted (see :func:`shmq._mapping.open_semaphore`).
+
+        A name created here after the spool was destroyed would outlive it: once the
+        core has opened it too, call ``mapping.forget_semaphores_if_unlinked``."""
         m = self.mapping
         return open_semaphore(name, initial, self._sem_mode, owner=m.st_uid, group=m.st.st_gid)
 

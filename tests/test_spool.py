@@ -570,3 +570,161 @@ def test_sync_policy(spool_dir):
     sp.sync()
     assert sp.reader().get_many(100)[-1].seq == 9
     sp.close()
+
+
+def _names_of(prefix):
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}."))
+
+
+@pytest.mark.parametrize("at", ["w", "r", "f", "core"])
+def test_a_spool_destroyed_while_it_is_opened_leaves_no_semaphore(spool_dir, monkeypatch, at):
+    """A handle being opened (it creates its semaphores with O_CREAT) while the spool
+    is destroyed.  Destroy is stopped between its two steps (the file, the semaphores)
+    and the opener's semaphore opens, from ``at`` on, run in that gap.  The opener is
+    refused (FileNotFoundError, as if the path had gone) and no name is left behind:
+    with the semaphores unlinked first, the opener re-created them and they outlived
+    the spool (CI saw a lone ``.f`` left)."""
+    import threading
+
+    import shmq._mapping as M
+    import shmq.spool as S
+
+    path = os.path.join(spool_dir, "racy")
+    shmq.Spool.create(path, capacity=8192).close()
+    prefix = M.sem_prefix_of(os.stat(path))
+    between, resume = threading.Event(), threading.Event()
+    steps, errors = [], []
+
+    def after_step(what):
+        steps.append(what)
+        if len(steps) == 1:  # destroy's first step is done: let the opener run
+            between.set()
+            assert resume.wait(bound(10))
+
+    real_unlink, real_unlink_sems = os.unlink, M.unlink_semaphores
+
+    def unlink(p, *a, **kw):
+        real_unlink(p, *a, **kw)
+        if p == path:
+            after_step("file")
+
+    def unlink_sems(*a, **kw):
+        real_unlink_sems(*a, **kw)
+        after_step("semaphores")
+
+    def destroy():
+        try:
+            shmq.Spool.destroy(path)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    destroyer = threading.Thread(target=destroy)
+
+    def start_destroy_and_wait():
+        destroyer.start()
+        assert between.wait(bound(10)), "destroy never reached its second step"
+
+    real_open_sem, real_ring = S.open_semaphore, S._core.Ring
+
+    def open_sem(name, *a, **kw):
+        if name.endswith("." + at) and not destroyer.is_alive() and not between.is_set():
+            start_destroy_and_wait()
+        return real_open_sem(name, *a, **kw)
+
+    def ring(*a, **kw):
+        if at == "core":
+            start_destroy_and_wait()
+        return real_ring(*a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(M, "unlink_semaphores", unlink_sems)
+    monkeypatch.setattr(S, "open_semaphore", open_sem)
+    monkeypatch.setattr(S._core, "Ring", ring)
+    try:
+        with pytest.raises(FileNotFoundError, match="destroyed while being opened"):
+            shmq.Spool.open(path)
+    finally:
+        resume.set()
+        destroyer.join(bound(10))
+    assert not destroyer.is_alive() and errors == []
+    assert steps[0] == "file"  # the file first, its semaphores after
+    assert not os.path.exists(path)
+    assert _names_of(prefix) == []
+
+
+def test_a_semaphore_first_opened_on_a_destroyed_spool_does_not_outlive_it(spool_dir, monkeypatch):
+    """A group's semaphore is created on the group's first use, a JoinableQueue's
+    count when it attaches: when that is after the spool was destroyed (handles keep
+    working on the unlinked file), the name is unlinked again at once, and the
+    handle keeps working with its semaphore."""
+    path = os.path.join(spool_dir, "gone")
+    with shmq.Spool.create(path, capacity=8192) as sp:
+        sp.put(b"one")
+        shmq.Spool.destroy(path)
+        assert _names_of(sp.sem_prefix) == []
+        r = sp.reader("workers", group=True)
+        assert r.get(timeout=bound(5)).data == b"one"
+        assert _names_of(sp.sem_prefix) == []
+        r.close()
+
+    # A JoinableQueue's count is opened once the spool is: destroyed in between
+    qpath = os.path.join(spool_dir, "joinable")
+    real_open_sem = shmq.Spool.open_semaphore
+    prefixes = []
+
+    def open_sem(self, name, initial):
+        prefixes.append(self.sem_prefix)
+        if name.endswith(".u") and os.path.exists(qpath):
+            shmq.Spool.destroy(qpath)
+        return real_open_sem(self, name, initial)
+
+    monkeypatch.setattr(shmq.Spool, "open_semaphore", open_sem)
+    q = shmq.JoinableQueue(path=qpath, capacity=8192)
+    monkeypatch.undo()
+    assert not os.path.exists(qpath)
+    assert _names_of(prefixes[0]) == []
+    q.put("item")
+    assert q.get(timeout=bound(5)) == "item"
+    q.task_done()
+    q.join()
+    assert _names_of(prefixes[0]) == []
+    q.close()
+
+
+def test_a_header_naming_another_spools_prefix_never_unlinks_its_names(spool_dir, monkeypatch):
+    """Found destroyed, a handle unlinks only names derived from its own file's inode.
+    A file whose header names another spool's prefix (a copy; or a file another user
+    planted) is refused when it goes during the open, but the other spool's
+    semaphores are kept, the group's too."""
+    import shutil
+
+    import shmq.spool as S
+
+    ours = os.path.join(spool_dir, "ours")
+    copy = os.path.join(spool_dir, "copy")
+    with shmq.Spool.create(ours, capacity=8192) as sp:
+        group = sp.reader("workers", group=True)
+        names = _names_of(sp.sem_prefix)
+        assert len(names) == 4  # w, r, f and the group's g0
+        shutil.copyfile(ours, copy)  # the same header, so the same sem_prefix; another inode
+        with shmq.Spool.open(copy) as other:
+            assert other.sem_prefix == sp.sem_prefix
+            os.unlink(copy)
+            other.reader("workers", group=True).close()  # opens g0, on a file now gone
+        assert _names_of(sp.sem_prefix) == names
+        shutil.copyfile(ours, copy)
+        real_open_sem = S.open_semaphore
+
+        def open_sem(name, *a, **kw):
+            if os.path.exists(copy):
+                os.unlink(copy)  # gone while being opened
+            return real_open_sem(name, *a, **kw)
+
+        monkeypatch.setattr(S, "open_semaphore", open_sem)
+        with pytest.raises(FileNotFoundError, match="destroyed while being opened"):
+            shmq.Spool.open(copy)
+        monkeypatch.undo()
+        assert _names_of(sp.sem_prefix) == names
+        sp.put(b"still works")
+        assert group.get(timeout=bound(5)).data == b"still works"
+        group.close()
