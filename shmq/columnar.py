@@ -123,7 +123,8 @@ class PinnedView:
     __slots__ = ("obj", "seq", "_spool", "_pos", "_view", "__weakref__")
     _spool: Spool | None
 
-    def __init__(self, obj: Any, seq: int, spool: Spool, pos: int, view: memoryview) -> None:
+    def __init__(self, obj: Any, seq: int, spool: Spool, pos: int | None, view: Any) -> None:
+        # pos None: over a private copy (nothing pinned)
         self.obj, self.seq, self._spool, self._pos, self._view = obj, seq, spool, pos, view
 
     @property
@@ -139,6 +140,8 @@ class PinnedView:
         if self._spool is not None:
             sp, self._spool = self._spool, None
             self.obj = None
+            if self._pos is None:
+                return  # a copy: nothing to unpin
             try:
                 self._view.release()
             except BufferError:
@@ -272,7 +275,10 @@ def _get(reader: Reader, block: bool, timeout: float | None, copy: bool, codec: 
     """Next frame of ``codec``, decoded: over a private copy, or a PinnedView if ``copy=False``."""
     seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, codec)
     if pos is None:
-        return decode(payload)
+        obj = decode(payload)
+        # copy=False, and the frame came copied (its reader lost frames): a view
+        # all the same, with nothing pinned, so that the caller's code holds
+        return obj if copy else PinnedView(obj, seq, reader.spool, None, payload)
     try:
         obj = decode(payload)
     except BaseException:

@@ -329,12 +329,17 @@ class Reader:
         """
         sp = self._spool
         seq, pos = self.cursor()
-        if not copy and seq < sp.ring.next_seq:
+        if not copy:
+            if seq >= sp.ring.next_seq:
+                # Nothing yet.  Not the core's get: a frame committed meanwhile
+                # would come back copied, where the caller asked for a pin.
+                return None
             got = sp.pins.read(seq, pos)
             if got is not None:
                 view, codec, fpos, npos = got
                 self.advance(seq + 1, npos)
                 return seq, view, codec, fpos
+            # gone (overwritten): the core's get counts the loss, and copies the next
         frame = self._cur.get()
         if type(frame) is not Frame:
             return None

@@ -9,6 +9,7 @@ import pytest
 
 import shmq
 from conftest import join_all
+from shmq.columnar import PinnedView
 
 DTYPES = [np.int8, np.uint16, np.float32, np.complex128, "<M8[ns]", "S5", "U3",
           np.dtype([("id", "<i8"), ("v", "<f8"), ("tag", "S4")]),
@@ -95,6 +96,54 @@ def test_pinned_view_context_manager_and_group(make_spool):
         assert sp.pins.held
     assert not sp.pins.held
     assert np.array_equal(g.get_array(), np.zeros(10))
+
+
+@pytest.mark.parametrize("kind", ["anonymous", "named"])
+def test_a_frame_committed_while_a_caught_up_reader_looks_is_pinned_not_copied(make_spool,
+                                                                                monkeypatch, kind):
+    """``get_array(copy=False)`` of a reader that has caught up with the writer: a frame
+    committed between its look at NEXT_SEQ and its read came back copied, a plain
+    ndarray, and ``with r.get_array(copy=False) as v`` failed (CI, test_memory's
+    zero-copy run).  It is now read pinned, on the next look."""
+    from shmq.ring import Ring
+
+    sp = make_spool()
+    r = sp.reader() if kind == "anonymous" else sp.reader("r")
+    real = Ring.next_seq.fget
+    looks = []
+
+    def next_seq(ring):
+        seq = real(ring)
+        looks.append(seq)
+        if len(looks) == 1:  # the reader's first look: nothing yet, then a commit
+            sp.put_array(np.arange(5))
+        return seq
+
+    monkeypatch.setattr(Ring, "next_seq", property(next_seq))
+    with r.get_array(copy=False, timeout=5) as v:
+        assert isinstance(v, PinnedView) and v.seq == 0
+        assert np.array_equal(v.array, np.arange(5)) and not v.array.flags.writeable
+        assert sp.pins.held
+    assert looks[0] == 0 and not sp.pins.held
+
+
+def test_a_lapped_readers_zero_copy_read_is_a_view_all_the_same(make_spool):
+    """A reader lapped in overwrite mode: the frame at its cursor is gone, so the next
+    one comes from the core's get (which counts the loss), copied.  ``copy=False``
+    still returns a :class:`shmq.PinnedView` (over that copy, nothing pinned), so the
+    caller's ``with`` holds."""
+    sp = make_spool(capacity=64 * 1024, on_full="overwrite")
+    r = sp.reader()
+    for i in range(40):
+        sp.put_array(np.full(1000, i, dtype=np.int64))  # 8 KB each: the ring wraps
+    with r.get_array(copy=False, timeout=5) as v:
+        assert isinstance(v, PinnedView) and v.seq > 0
+        assert np.array_equal(v.array, np.full(1000, v.seq, dtype=np.int64))
+        assert not sp.pins.held
+    assert r.lost == v.seq
+    with r.get_array(copy=False, timeout=5) as w:  # the next one is there: pinned
+        assert w.seq == v.seq + 1 and sp.pins.held
+    assert not sp.pins.held
 
 
 def _pin_and_die(path, ready):
