@@ -152,6 +152,16 @@ def test_call_many_sends_bundles_sized_by_the_handlers_speed(service, svc_path):
         assert cl.duplicates == 0
 
 
+def test_a_worker_takes_about_batch_s_of_calls_several_bundles_when_fast():
+    from shmq.rpc.service import _take_size
+    from shmq.rpc.wire import BATCH_S, BUNDLE_MAX, TAKE_MAX
+
+    assert TAKE_MAX >= 4 * BUNDLE_MAX  # a fast handler's worker takes several bundles
+    assert _take_size(1e-7) == TAKE_MAX  # 10 000 calls in BATCH_S: capped
+    assert _take_size(BATCH_S / 100) == 100
+    assert _take_size(BATCH_S) == 1 and _take_size(1.0) == 1  # slow: one call (or bundle)
+
+
 def test_a_bundle_runs_every_request_and_keeps_errors_in_place():
     from shmq.rpc.service import _run_bundle
     from shmq.rpc.wire import ERR, OK

@@ -25,7 +25,7 @@ from ..spool import Spool
 from .board import Board, board_path, service_status
 from .replies import Replies, caller_alive
 from .requests import GROUP, create_or_open, decode, take_views, taken_up_to
-from .wire import BATCH_S, BUNDLE_MAX, ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, error_tuple
+from .wire import BATCH_S, ERR, MAX_ATTEMPTS, OK, REQUEST_CAPACITY, TAKE_MAX, error_tuple
 
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
@@ -609,13 +609,13 @@ def _serve_batches(svc, handler, parent):
     """A worker's loop: take a batch, run the handler on each call, answer the batch.
 
     It takes as many waiting calls at once as the handler answers in about
-    ``BATCH_S`` (from its recent service times), at most ``BUNDLE_MAX``, and
+    ``BATCH_S`` (from its recent service times, :func:`_take_size`), and
     answers each caller's calls with one put (one wake-up per caller); a
     bundle with one reply, without a :class:`Call` per call.
     """
     per_call = BATCH_S  # seconds per call, smoothed; starts at one call per take
     while not svc._stopping:
-        n = max(1, min(BUNDLE_MAX, int(BATCH_S / per_call)))
+        n = _take_size(per_call)
         try:
             units = svc._units(n, STOP_POLL_S)
         except Empty:
@@ -655,6 +655,15 @@ def _serve_batches(svc, handler, parent):
             per_call = BATCH_S
         if os.getppid() != parent:
             break
+
+
+def _take_size(per_call):
+    """Calls a worker takes at once: as many as its handler answers in about
+    ``BATCH_S`` (``per_call``: smoothed seconds a call), 1 to ``TAKE_MAX``.  A fast
+    handler's worker so takes several waiting bundles with one lock round trip and
+    answers them in one turn of its loop; a slow one's takes one call or bundle,
+    leaving the rest to the other workers."""
+    return max(1, min(TAKE_MAX, int(BATCH_S / per_call)))
 
 
 def _run_bundle(handler, requests):

@@ -30,8 +30,11 @@ MAX_ATTEMPTS = 10
 #: a batch costs one take and one reply instead of one of each per call, without
 #: holding calls another worker could be answering.
 BATCH_S = 0.001
-#: ... and at most this many calls.
+#: ... at most this many calls in a bundle ...
 BUNDLE_MAX = 64
+#: ... and at most this many in a worker's take: several bundles, when the handler
+#: is fast (fewer takes and loop turns a bundle; measured in docs/service.md).
+TAKE_MAX = 4 * BUNDLE_MAX
 
 
 def label(name, path):
