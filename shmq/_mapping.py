@@ -552,7 +552,7 @@ class Mapping:
         the inode, whereas a header naming another spool's prefix (a copy, a
         planted file) must not make us unlink that spool's locks.
         """
-        if prefix != sem_prefix_of(self.st) or not self.unlinked():
+        if not self.unlinked() or prefix != sem_prefix_of(self.st):  # one fstat when linked
             return
         try:
             unlink_semaphores(prefix, 0)
@@ -634,12 +634,13 @@ def destroy_file(path: str) -> None:
         else:
             owners = {st.st_uid}
         # The file goes first, the semaphores after it.  A handle being opened
-        # meanwhile (O_CREAT) may re-create a semaphore already unlinked; it
-        # looks at the file's link count after opening it (Spool.open_semaphore),
-        # and removes it if the file is gone.  In the other order, a name
-        # re-created between our two steps would outlive the spool.  Our
-        # descriptor stays open until the semaphores are gone: while it is open,
-        # no new file can get the inode, so no new spool the prefix of ours.
+        # meanwhile (O_CREAT) may re-create a semaphore already unlinked; once
+        # the core has opened it too, the handle looks at the file's link
+        # count (Mapping.forget_semaphores_if_unlinked) and removes it if the
+        # file is gone.  In the other order, a name re-created between our two
+        # steps would outlive the spool.  Our descriptor stays open until the
+        # semaphores are gone: while it is open, no new file can get the inode,
+        # so no new spool the prefix of ours.
         os.unlink(path)
         for prefix in dict.fromkeys(prefixes):
             unlink_semaphores(prefix, slots, owners)

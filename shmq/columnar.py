@@ -117,7 +117,10 @@ class PinnedView:
 
     Use as a context manager, or call :meth:`release`.  ``obj`` is the numpy
     array (read-only) or the pyarrow object.  After release, using ``obj``
-    is undefined (the bytes may be overwritten): copy what you keep.
+    is undefined (the bytes may be overwritten): copy what you keep.  The
+    one exception: a reader lapped in overwrite mode gets the frame after
+    its loss from the core's get, copied, and then the view is over that
+    private copy (nothing pinned; release only drops it).
     """
 
     __slots__ = ("obj", "seq", "_spool", "_pos", "_view", "__weakref__")
@@ -161,7 +164,7 @@ class PinnedView:
             pass
 
     def __repr__(self) -> str:
-        state = "released" if self._spool is None else "pinned"
+        state = "released" if self._spool is None else "pinned" if self._pos is not None else "copied"
         return f"<shmq.PinnedView seq={self.seq} {state}>"
 
 

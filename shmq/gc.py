@@ -28,10 +28,8 @@ import re
 import stat
 import time
 
-import posix_ipc
-
 from ._mapping import (
-    SEM_DIR, registry_dir, sem_prefix_of, unregister_spool,
+    SEM_DIR, registry_dir, sem_prefix_of, unlink_semaphore, unregister_spool,
 )
 from .queue import anonymous_paths, is_orphan, reclaim_if_orphan
 
@@ -181,10 +179,7 @@ def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
     if remove:
         for names in orphans.values():
             for n in names:
-                try:
-                    posix_ipc.unlink_semaphore("/" + n[len("sem."):])
-                except posix_ipc.ExistentialError:
-                    pass
+                unlink_semaphore("/" + n[len("sem."):])
         for name in stale:
             if _prefix_if_file(os.path.join(registry_dir(), name)) is not None:
                 unregister_spool(name)

@@ -278,9 +278,11 @@ class Reader:
         """The next frame as a numpy array (it must be a numpy frame).
 
         ``copy=True``: a writable array over one private copy.  ``copy=False``:
-        a :class:`shmq.columnar.PinnedView` whose ``.array`` is a read-only
-        view into the spool; the frame is not overwritten until it is
-        released (``with r.get_array(copy=False) as v: ...``).
+        always a :class:`shmq.columnar.PinnedView`, whose ``.array`` is a
+        read-only view into the spool; the frame is not overwritten until it
+        is released (``with r.get_array(copy=False) as v: ...``).  (A reader
+        lapped in overwrite mode gets the frame after its loss copied, in a
+        PinnedView that pins nothing.)
 
         :raises shmq.Empty: nothing arrived in time.
         :raises shmq.ShmqError: the frame is not a numpy frame (it is consumed).
@@ -323,9 +325,10 @@ class Reader:
 
         With ``copy=False`` a plain frame is pinned and ``payload`` is a
         memoryview into the mapping: the caller unpins ``pos`` when done
-        (``spool.pins.unpin(pos)``); otherwise ``payload`` is a private
-        copy and ``pos`` None.  Never blocks (``timeout`` bounds a group's
-        lock wait).
+        (``spool.pins.unpin(pos)``); otherwise (or when the frame at the
+        cursor was overwritten: the next one, its loss counted) ``payload``
+        is a private copy and ``pos`` None.  Never blocks (``timeout``
+        bounds a group's lock wait).
         """
         sp = self._spool
         seq, pos = self.cursor()
