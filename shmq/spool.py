@@ -49,7 +49,7 @@ from ._mapping import (
 )
 from ._notify import Doorbell
 from .codec import PROTOCOL
-from .errors import Empty, SpoolFormatError
+from .errors import Empty, ShmqError, SpoolFormatError
 from .pins import Pins
 from .ring import Ring
 from .slots import SlotTable
@@ -66,10 +66,7 @@ if TYPE_CHECKING:
     from .reader import GroupReader, NamedReader, Reader
 
 # (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
-_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty)
-# The core mirrors the layout, limits and texts of _format: refuse to run if they
-# ever disagree (a core built from another version).
-F.check_core(_core)
+_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty, ShmqError)
 
 log = logging.getLogger("shmq")
 
