@@ -32,11 +32,11 @@ from .errors import NotASpool, SpoolFormatError
 from ._layout import *  # noqa: F401,F403
 from ._layout import (
     CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_WORKQ,
-    FRAME_FORMAT, GEOMETRY_FORMAT, MAGIC as _MAGIC, POLICY_BLOCK, POLICY_ERROR, POLICY_OVERWRITE,
+    FRAME_FORMAT, GEOMETRY_FORMAT, MAGIC_STRING, POLICY_BLOCK, POLICY_ERROR, POLICY_OVERWRITE,
     WQ_HEADER_FORMAT,
 )
 
-MAGIC = _MAGIC.encode("ascii").ljust(8, b"\x00")
+MAGIC = MAGIC_STRING.encode("ascii") + b"\x00"
 #: The versions an older shmq wrote (FORMAT_VERSION is this one's).  Version 3 moved the
 #: oldest-frame words (FIRST_SEQ, FIRST_POS) off the cache line the writer stores to on
 #: every put; versions 1 (fixed) and 2 (growable) keep them at 18/19: refused, with the

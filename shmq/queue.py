@@ -28,8 +28,6 @@ from multiprocessing import resource_tracker
 from multiprocessing import util as _mp_util
 from typing import Any
 
-import posix_ipc
-
 from . import _core
 from . import _format as F
 from . import codec as _codec
@@ -556,10 +554,8 @@ class JoinableQueue(Queue):
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        try:
-            self._unfinished.acquire(0)
-        except posix_ipc.BusyError:
-            raise ValueError("task_done() called too many times") from None
+        if not self._unfinished.acquire(0):
+            raise ValueError("task_done() called too many times")
         sp = self._spool
         if not self._unfinished.value and sp.space_bell.has_waiters():
             sp.space_bell.ring()

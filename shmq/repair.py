@@ -119,15 +119,11 @@ def _fix_semaphore_value(v, actions):
     sem = existing_semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER))
     if sem is None:
         return
-    import posix_ipc
-
     ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)
     try:
         before = sem.value
         while sem.value > 1:
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
+            if not sem.acquire(0):
                 break
         if before > 1:
             actions.append(f"writer semaphore value {before} -> {sem.value}")
@@ -180,13 +176,9 @@ def _finish_commit(v, actions):
 
 
 def _with_writer_lock(v, actions, timeout, fn):
-    import posix_ipc
-
     sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     try:
-        try:
-            sem.acquire(timeout)
-        except posix_ipc.BusyError:
+        if not sem.acquire(timeout):
             actions.append(f"skipped a repair: the writer lock stayed busy for {timeout} s")
             return
         v.ctl[W_LOCK_HOLDER] = holder_word()

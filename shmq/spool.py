@@ -61,7 +61,6 @@ from . import writer as _writer
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, StrPath
     from numpy.typing import NDArray
-    from posix_ipc import Semaphore
 
     from .reader import GroupReader, NamedReader, Reader
 
@@ -174,7 +173,7 @@ class Spool:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         self.holder = holder_word()
 
-    def _destroyed_while_opening(self, sems: tuple[Semaphore, ...]) -> NoReturn:
+    def _destroyed_while_opening(self, sems: tuple[_core.Semaphore, ...]) -> NoReturn:
         # Our O_CREAT may have re-created semaphores destroy() had unlinked, and
         # a handle on a file already gone is of no use to the caller: refuse it
         # as the path's absence would have, with no name left behind.
@@ -185,7 +184,7 @@ class Spool:
         raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
                                 self.mapping.path)
 
-    def open_semaphore(self, name: str, initial: int) -> Semaphore:
+    def open_semaphore(self, name: str, initial: int) -> _core.Semaphore:
         """Open (or create) named semaphore ``name`` with this spool's mode, refusing one
         that another user squatted (see :func:`shmq._mapping.open_semaphore`).
 

@@ -27,6 +27,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
+from . import _core
 from . import _format as F
 from ._format import (
     FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME_BYTES, MAX_COUNTER, W_FIRST_POS,
@@ -104,11 +105,9 @@ def _open_geometry(view, rep):
 
 def existing_semaphore(name):
     """Named semaphore ``name`` if it exists and we may open it, else None (creates nothing)."""
-    import posix_ipc
-
     try:
-        return posix_ipc.Semaphore(name)
-    except posix_ipc.Error:  # missing, or not ours to open (read-only fsck by another user)
+        return _core.Semaphore(name, existing=True)
+    except OSError:  # missing, or not ours to open (read-only fsck by another user)
         return None
 
 

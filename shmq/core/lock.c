@@ -331,17 +331,19 @@ typedef struct {
 } Semaphore;
 
 static int Semaphore_init(Semaphore *s, PyObject *args, PyObject *kw) {
-    /* Semaphore(name, initial=0, mode=0o600, owner=-1, group=-1, create=False): open (or
-     * create) the named semaphore as the engine does, refusing a squatted name; create:
-     * exclusively (FileExistsError if the name is taken). */
-    static char *names[] = {"name", "initial", "mode", "owner", "group", "create", NULL};
+    /* Semaphore(name, initial=0, mode=0o600, owner=-1, group=-1, create=False, existing=False):
+     * open (or create) the named semaphore as the engine does, refusing a squatted name;
+     * create: exclusively (FileExistsError if the name is taken); existing: only if it
+     * exists (FileNotFoundError), unchecked (fsck reading its value). */
+    static char *names[] = {"name", "initial", "mode", "owner", "group", "create", "existing", NULL};
     PyObject *name;
     unsigned int initial = 0, mode = 0600;
     long owner = -1, group = -1;
-    int create = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "U|IIllp:Semaphore", names, &name, &initial, &mode, &owner, &group,
-                                     &create))
+    int create = 0, existing = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "U|IIllpp:Semaphore", names, &name, &initial, &mode, &owner, &group,
+                                     &create, &existing))
         return -1;
+    int how = create ? ENG_SEM_CREATE : existing ? ENG_SEM_EXISTING : ENG_SEM_OPEN;
     const char *cname = PyUnicode_AsUTF8(name);
     if (!cname) return -1;
     if (s->sem) sem_close(s->sem);
@@ -349,7 +351,7 @@ static int Semaphore_init(Semaphore *s, PyObject *args, PyObject *kw) {
     int err = 0;
     sem_t *sem;
     Py_BEGIN_ALLOW_THREADS /* getpwuid_r may ask NSS (a network directory) */
-    sem = eng_sem_open(cname, initial, mode, owner, group, create, &err);
+    sem = eng_sem_open(cname, initial, mode, owner, group, how, &err);
     Py_END_ALLOW_THREADS
     if (sem == SEM_FAILED) {
         CoreState *st = PyType_GetModuleState(Py_TYPE(s));

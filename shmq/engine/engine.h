@@ -301,8 +301,8 @@ static inline int ring_closing(eng_ring *r) { return atomic_load_explicit(&r->cl
 uint32_t eng_crc(uint32_t crc, const unsigned char *p, size_t n);
 
 /* ---- sem.c: named semaphores ---- */
-sem_t *eng_sem_open(const char *name, unsigned initial, unsigned mode, long owner, long group, int create,
-                    int *err);
+enum { ENG_SEM_OPEN = 0, ENG_SEM_CREATE = 1, ENG_SEM_EXISTING = 2 };
+sem_t *eng_sem_open(const char *name, unsigned initial, unsigned mode, long owner, long group, int how, int *err);
 int eng_sem_check(const char *name, long owner, unsigned mode, long group);
 ENG_API int eng_sem_unlink(const char *name);
 

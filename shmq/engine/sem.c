@@ -93,18 +93,23 @@ int eng_sem_check(const char *name, long owner, unsigned mode, long group) {
     return rc;
 }
 
-/* Open (create: exclusively) the named semaphore `name`, readable and
- * writable by whoever may use a spool of `owner` (-1: us), `mode` and
- * `group` (-1: none).  The semaphore, or SEM_FAILED with *err: -errno (a
- * create that found the name taken: -EEXIST) or SHMQ_ESQUATTED. */
-sem_t *eng_sem_open(const char *name, unsigned initial, unsigned mode, long owner, long group, int create,
-                    int *err) {
-    sem_t *s = sem_open(name, create ? O_CREAT | O_EXCL : O_CREAT, (mode_t)mode, initial);
+/* Open (or create: a group's on first use, or after a reboot kept a disk
+ * spool) the named semaphore `name`, readable and writable by whoever may use
+ * a spool of `owner` (-1: us), `mode` and `group` (-1: none); `how`:
+ * ENG_SEM_OPEN (open or create), ENG_SEM_CREATE (create exclusively: a
+ * spool's own, at its creation), ENG_SEM_EXISTING (open only if it exists,
+ * unchecked: fsck reading a value).  The semaphore, or SEM_FAILED with *err:
+ * -errno (-EEXIST: a create found the name taken; -ENOENT: not there) or
+ * SHMQ_ESQUATTED. */
+sem_t *eng_sem_open(const char *name, unsigned initial, unsigned mode, long owner, long group, int how, int *err) {
+    int flags = how == ENG_SEM_CREATE ? O_CREAT | O_EXCL : how == ENG_SEM_EXISTING ? 0 : O_CREAT;
+    sem_t *s = sem_open(name, flags, (mode_t)mode, initial);
     if (s == SEM_FAILED) {
         *err = -errno;
         eng_fail(*err, "semaphore %s: %s", name, strerror(errno));
         return SEM_FAILED;
     }
+    if (how == ENG_SEM_EXISTING) return s;
     int rc = eng_sem_check(name, owner, mode, group);
     if (rc < 0) {
         sem_close(s); /* not ours to unlink */

@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 /* ---- the file ---- */
-#define SHMQ_MAGIC "SHMQSPL"      /* 8 bytes with its NUL */
+#define SHMQ_MAGIC_STRING "SHMQSPL" /* the geometry's 8 magic bytes, with its NUL */
 #define SHMQ_FORMAT_VERSION 3
 #define SHMQ_HEADER_BYTES 4096    /* the header page: geometry, control words, lock bytes */
 #define SHMQ_PAGE 4096
