@@ -36,9 +36,9 @@ int eng_fail(int code, const char *fmt, ...) {
 
 void eng_clear_error(void) { last_msg[0] = 0; }
 
-ENG_API const char *shmq_errmsg(void) { return last_msg; }
+const char *shmq_errmsg(void) { return last_msg; }
 
-ENG_API const char *shmq_strerror(int code) {
+const char *shmq_strerror(int code) {
     switch (code) {
     case SHMQ_OK: return "success";
     case SHMQ_ELOCKED: return "the lock is held by a live process";

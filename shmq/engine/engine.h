@@ -62,6 +62,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -74,7 +75,6 @@
 
 /* Hot loops whose callers pass constant callbacks: inlined so the calls are direct. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define ENG_API __attribute__((visibility("default")))
 
 /* ---- limits the engine applies ---- */
 #define MAX_BATCH 65536       /* frames per put_many */
@@ -304,17 +304,17 @@ uint32_t eng_crc(uint32_t crc, const unsigned char *p, size_t n);
 enum { ENG_SEM_OPEN = 0, ENG_SEM_CREATE = 1, ENG_SEM_EXISTING = 2 };
 sem_t *eng_sem_open(const char *name, unsigned initial, unsigned mode, long owner, long group, int how, int *err);
 int eng_sem_check(const char *name, long owner, unsigned mode, long group);
-ENG_API int eng_sem_unlink(const char *name);
+int eng_sem_unlink(const char *name);
 
 /* ---- lock.c: semaphore locks and their recovery ---- */
 int eng_sem_lock(sem_t *s, double wait_s, const eng_hooks *hooks, eng_ring *busy, uint64_t *word,
                  uint64_t holder);
-ENG_API uint64_t eng_holder_word(void);
-ENG_API uint64_t eng_process_start(int pid);
-ENG_API int eng_process_alive(int pid, uint64_t start, int check_start);
-ENG_API int eng_ofd_lock(int fd, uint64_t byte, int exclusive, int wait);
-ENG_API int eng_ofd_unlock(int fd, uint64_t byte);
-ENG_API int eng_ofd_locked_by_other(int fd, uint64_t byte);
+uint64_t eng_holder_word(void);
+uint64_t eng_process_start(int pid);
+int eng_process_alive(int pid, uint64_t start, int check_start);
+int eng_ofd_lock(int fd, uint64_t byte, int exclusive, int wait);
+int eng_ofd_unlock(int fd, uint64_t byte);
+int eng_ofd_locked_by_other(int fd, uint64_t byte);
 typedef struct {
     sem_t *sem;
     uint64_t *holder, *token, *breaks; /* shared words; breaks may be NULL */
@@ -328,7 +328,7 @@ typedef struct {
     pthread_mutex_t *mu;     /* orders this process's threads, which share the descriptor (or NULL) */
     const eng_hooks *hooks;  /* the wait for the recovery byte drops the caller's lock */
 } eng_lock_ref;
-ENG_API int eng_lock_recover(const eng_lock_ref *l);
+int eng_lock_recover(const eng_lock_ref *l);
 void eng_writer_lock_ref(eng_ring *r, eng_lock_ref *l);
 void eng_group_lock_ref(eng_cursor *c, eng_lock_ref *l);
 
@@ -402,11 +402,11 @@ typedef struct {
     uint64_t seq, pos, stored, length, ts, crc, flags, codec; /* pos: past the short-tail skip */
     int sane;                                                 /* header_sane: inside the ring */
 } eng_hit;
-ENG_API void eng_header_at(const char *ring, uint64_t ring_bytes, uint64_t pos, eng_hit *out);
-ENG_API int eng_control_problems(const uint64_t *ctl, uint64_t ring_bytes, char *msg, size_t cap);
-ENG_API int eng_repair_control(uint64_t *ctl, const char *ring, uint64_t ring_bytes, int drop_unreadable,
+void eng_header_at(const char *ring, uint64_t ring_bytes, uint64_t pos, eng_hit *out);
+int eng_control_problems(const uint64_t *ctl, uint64_t ring_bytes, char *msg, size_t cap);
+int eng_repair_control(uint64_t *ctl, const char *ring, uint64_t ring_bytes, int drop_unreadable,
                                char *log, size_t cap);
-ENG_API int eng_first_cursor(uint64_t *ctl, const char *ring, uint64_t ring_bytes, uint64_t *oseq, uint64_t *opos);
+int eng_first_cursor(uint64_t *ctl, const char *ring, uint64_t ring_bytes, uint64_t *oseq, uint64_t *opos);
 
 /* ---- ring.c ---- */
 int eng_ring_init(eng_ring *r, const eng_ring_spec *s);
@@ -420,5 +420,16 @@ int eng_slot_attach(eng_ring *r, const char *name, int kind, int latest);
 int eng_slot_hold(eng_ring *r, int64_t i, int exclusive);
 void eng_slot_let_go(eng_ring *r, int64_t i);
 int eng_reclaim_pins(eng_ring *r, uint64_t limit, int64_t mine);
+
+/* ---- spool.c: files ---- */
+void eng_sem_prefix(const struct stat *st, char out[16]);
+void eng_sem_name(const char *prefix, const char *which, char *out, size_t cap);
+int eng_resolve_path(const char *path, char *out, size_t cap, int create_dir);
+int eng_open_file(const char *path, struct stat *st);
+int eng_geometry_check(const shmq_geometry *g, uint64_t size, const char *where);
+void eng_unlink_semaphores(const char *prefix, uint64_t slots, long owner);
+int eng_create_file(const char *path, uint64_t ring_bytes, uint64_t start_bytes, int policy, unsigned mode,
+                    unsigned slots, unsigned leases, int checksum);
+int eng_destroy_file(const char *path);
 
 #endif

@@ -41,6 +41,12 @@
 extern "C" {
 #endif
 
+/* What libshmq exports (the Python extension, which links the engine in,
+ * defines it empty: it exports only its module init). */
+#ifndef SHMQ_API
+#define SHMQ_API __attribute__((visibility("default")))
+#endif
+
 #define SHMQ_FOREVER (-1.0)
 
 /* ---- error codes (besides -errno) ---- */
@@ -63,9 +69,9 @@ extern "C" {
 #define SHMQ_ESTATE (-2016)    /* not now: e.g. no open reservation, or a put inside one (deadlock) */
 
 /* The name of a code (-errno or SHMQ_E*); never NULL. */
-const char *shmq_strerror(int code);
+SHMQ_API const char *shmq_strerror(int code);
 /* The calling thread's detailed message for the last failure ("" if none). */
-const char *shmq_errmsg(void);
+SHMQ_API const char *shmq_errmsg(void);
 
 /* ---- spools ---- */
 typedef struct shmq_spool shmq_spool;
@@ -84,13 +90,13 @@ typedef struct {
 /* Open the spool at `path` (a bare name: the caller's private directory
  * /dev/shm/shmq-<euid>/, as Python's).  `recovery_timeout`: seconds a lock
  * holder is trusted between checks of whether it is alive (<= 0: 1.0). */
-int shmq_open(const char *path, double recovery_timeout, shmq_spool **out);
+SHMQ_API int shmq_open(const char *path, double recovery_timeout, shmq_spool **out);
 /* Create a spool (Spool.create's options; NULL: the defaults) and open it. */
-int shmq_create(const char *path, const shmq_create_options *opts, shmq_spool **out);
+SHMQ_API int shmq_create(const char *path, const shmq_create_options *opts, shmq_spool **out);
 /* Remove a spool file and its semaphores (handles still open keep working). */
-int shmq_destroy(const char *path);
+SHMQ_API int shmq_destroy(const char *path);
 /* Close the handle and its readers (an open reservation is abandoned). */
-int shmq_close(shmq_spool *sp);
+SHMQ_API int shmq_close(shmq_spool *sp);
 
 /* ---- writing ---- */
 typedef struct {
@@ -102,16 +108,16 @@ typedef struct {
  * or no room within the timeout), SHMQ_ETOOLARGE, SHMQ_ELOCKED (a live
  * holder kept the lock past the timeout), SHMQ_ENOSPACE.  Atomic: readers see
  * the whole frame or nothing, whenever this process dies. */
-int64_t shmq_put(shmq_spool *sp, const void *data, size_t len, int codec, double timeout);
+SHMQ_API int64_t shmq_put(shmq_spool *sp, const void *data, size_t len, int codec, double timeout);
 /* Append `count` frames as one atomic, contiguous batch; the first seq. */
-int64_t shmq_put_many(shmq_spool *sp, const shmq_iovec *frames, size_t count, int codec, double timeout);
+SHMQ_API int64_t shmq_put_many(shmq_spool *sp, const shmq_iovec *frames, size_t count, int codec, double timeout);
 /* Room for one frame of `nbytes`, written in place at *buf; the writer lock is
  * held until shmq_commit (publishes; returns the seq) or shmq_abandon.  One
  * open reservation per handle; a put through the same handle meanwhile fails
  * with SHMQ_ESTATE. */
-int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, void **buf);
-int64_t shmq_commit(shmq_spool *sp);
-int shmq_abandon(shmq_spool *sp);
+SHMQ_API int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, void **buf);
+SHMQ_API int64_t shmq_commit(shmq_spool *sp);
+SHMQ_API int shmq_abandon(shmq_spool *sp);
 
 /* ---- reading ---- */
 typedef struct shmq_reader shmq_reader;
@@ -122,8 +128,8 @@ typedef struct shmq_reader shmq_reader;
 #define SHMQ_VERIFY 0x8         /* check each frame's CRC-32 (spools created with checksum) */
 
 /* An anonymous reader (name NULL), a durable named reader, or a group member. */
-int shmq_reader_open(shmq_spool *sp, const char *name, int flags, shmq_reader **out);
-int shmq_reader_close(shmq_reader *r);
+SHMQ_API int shmq_reader_open(shmq_spool *sp, const char *name, int flags, shmq_reader **out);
+SHMQ_API int shmq_reader_close(shmq_reader *r);
 
 typedef struct {
     uint64_t seq;
@@ -137,17 +143,17 @@ typedef struct {
  * once the timeout passed, or SHMQ_ESIZE (frame->len: the size needed;
  * nothing was taken).  Frames overwritten before they were read are skipped
  * and counted (shmq_reader_lost). */
-int shmq_get(shmq_reader *r, void *buf, size_t cap, shmq_frame *frame, double timeout);
+SHMQ_API int shmq_get(shmq_reader *r, void *buf, size_t cap, shmq_frame *frame, double timeout);
 /* Up to `max` frames, copied one after the other into buf: how many (>= 1),
  * blocking only for the first. */
-int shmq_take(shmq_reader *r, void *buf, size_t cap, shmq_frame *frames, size_t max, double timeout);
+SHMQ_API int shmq_take(shmq_reader *r, void *buf, size_t cap, shmq_frame *frames, size_t max, double timeout);
 /* Persist a named reader's position (SHMQ_NO_AUTOCOMMIT). */
-int shmq_reader_commit(shmq_reader *r);
+SHMQ_API int shmq_reader_commit(shmq_reader *r);
 /* Seq of the next frame this reader returns (a group's shared cursor). */
-uint64_t shmq_reader_position(shmq_reader *r);
+SHMQ_API uint64_t shmq_reader_position(shmq_reader *r);
 /* Frames skipped because they were overwritten first: exact (named readers
  * and groups: the count stored in the spool for that name). */
-uint64_t shmq_reader_lost(shmq_reader *r);
+SHMQ_API uint64_t shmq_reader_lost(shmq_reader *r);
 
 /* ---- statistics ---- */
 typedef struct {
@@ -157,7 +163,7 @@ typedef struct {
     int on_full, checksum, growable;
 } shmq_stats;
 
-int shmq_stats_get(shmq_spool *sp, shmq_stats *out);
+SHMQ_API int shmq_stats_get(shmq_spool *sp, shmq_stats *out);
 
 #ifdef __cplusplus
 }

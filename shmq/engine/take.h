@@ -174,7 +174,7 @@ ALWAYS_INLINE long take_loop(eng_cursor *c, uint64_t *seq, uint64_t *pos, long m
     int clocked = 0;
     long got = 0;
     while (got < max) {
-        shmq_frame_header h;
+        shmq_frame_header h = {0}; /* (read_loop fills it whenever it returns 1) */
         int rc = read_loop(c->ring, seq, pos, c->verify, lost, &h, &c->known, k->copy, k->drop, k->ctx);
         if (rc < 0) return rc;
         if (!rc) break;
