@@ -246,12 +246,6 @@ def frame_crc(data) -> int:
     return zlib.crc32(data)
 
 
-def valid_frame_header(stored: int, length: int, offset: int, ring_bytes: int) -> bool:
-    """True when a decoded frame header's lengths keep it inside the ring."""
-    return (stored >= FRAME_BYTES + length and stored % ALIGN == 0
-            and offset + stored <= ring_bytes)
-
-
 def or_frame_flags(buf, offset: int, flags: int) -> None:
     """OR ``flags`` into the flags field of the frame header at ``offset`` in ``buf``
     (one 2-byte store; the rest of the header is untouched)."""

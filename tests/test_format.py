@@ -83,13 +83,24 @@ def test_frame_stored_bytes(length):
     assert stored % F.ALIGN == 0 and F.FRAME_BYTES + length <= stored < F.FRAME_BYTES + length + F.ALIGN
 
 
-@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.integers(1, 1 << 30))
-def test_valid_frame_header_keeps_frames_inside_the_ring(length, offset, ring_bytes):
-    stored = F.frame_stored_bytes(length)
-    ok = F.valid_frame_header(stored, length, offset, ring_bytes)
-    assert ok == (offset + stored <= ring_bytes)
-    assert not F.valid_frame_header(stored - 1, length, 0, 1 << 31)  # not aligned / too short
-    assert not F.valid_frame_header(F.FRAME_BYTES + length - F.ALIGN, length, 0, 1 << 31)
+@given(st.integers(0, 1 << 12), st.integers(0, 1 << 13), st.integers(-16, 16), st.integers(0, 1 << 40))
+def test_the_engines_header_decoder_keeps_frames_inside_the_ring(length, slot, delta, seq):
+    """_core.header_at (the engine's one decoder: ring.py, fsck and the engine's reads)
+    decodes a header at a ring position, follows the short tail, and refuses (checked)
+    lengths that leave the ring: too short, misaligned, or past the ring's end."""
+    from shmq import _core
+
+    ring = 1 << 14
+    off = slot * F.ALIGN % ring
+    stored = max(0, F.frame_stored_bytes(length) + delta)
+    buf = bytearray(8 + ring)
+    head = off if ring - off >= F.FRAME_BYTES else 0  # a short tail: the header is at offset 0
+    F.FRAME.pack_into(buf, 8 + head, seq, stored, length, 7, 9, F.FLAG_CRC, F.CODEC_UTF8, 0)
+    pos = 3 * ring + off
+    raw = _core.header_at(buf, 8, ring, pos, False)
+    assert raw == (seq, pos if head == off else pos + ring - off, stored, length, 7, 9, F.FLAG_CRC, F.CODEC_UTF8)
+    inside = stored >= F.FRAME_BYTES + length and stored % F.ALIGN == 0 and head + stored <= ring
+    assert (_core.header_at(buf, 8, ring, pos) is not None) == inside
 
 
 # --- geometry ----------------------------------------------------------------------------
