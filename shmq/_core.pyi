@@ -7,7 +7,7 @@
 
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Final, final
+from typing import Any, Final, Literal, final, overload
 
 from _typeshed import ReadableBuffer, structseq
 
@@ -164,10 +164,8 @@ class Waiting:
     def __exit__(self, *exc: object) -> None: ...
     def close(self) -> None: ...
 
-def setup(
-    format_error: type[Exception], loads: Callable[..., Any], dumps: Callable[..., bytes], protocol: int,
-    empty: type[Exception], base_error: type[Exception], /,
-) -> None: ...
+def setup(format_error: type[Exception], empty: type[Exception], base_error: type[Exception], /) -> None: ...
+def setup_pickle(loads: Callable[..., Any], dumps: Callable[..., bytes], protocol: int, /) -> None: ...
 def set_safety_net(seconds: float, /) -> None: ...
 
 class QueuePort:
@@ -187,6 +185,11 @@ def crc32(data: ReadableBuffer, crc: int = ..., /) -> int: ...
 def yield_cpu() -> None: ...
 
 # the engine's inspection and recovery (fsck, repair, shmq.ring) and process identity
+@overload
+def header_at(
+    buf: Any, base: int, size: int, pos: int, checked: Literal[False], /
+) -> tuple[int, int, int, int, int, int, int, int]: ...
+@overload
 def header_at(
     buf: Any, base: int, size: int, pos: int, checked: bool = ..., /
 ) -> tuple[int, int, int, int, int, int, int, int] | None: ...

@@ -20,6 +20,7 @@ A queue created with ``path`` is persistent until ``shmq.Spool.destroy``.
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import stat as _stat
 import weakref
@@ -55,7 +56,9 @@ ANONYMOUS_PREFIX = "shmq-q-"
 _TRACKED_SEMS = ("w", "r", "f", "u")
 
 
-# The codec layer (shmq.codec) owns pickling and the trust decision.
+# The codec layer (shmq.codec) owns pickling and the trust decision; the Queue port in
+# the binding pickles with its protocol (items in one C call: shmq/core/api.c).
+_core.setup_pickle(pickle.loads, pickle.dumps, _codec.PROTOCOL)
 _encode = _codec.encode
 _decode = _codec.decode_item  # only after _codec.require_trust() at attach
 

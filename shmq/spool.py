@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -48,7 +47,6 @@ from ._mapping import (
     destroy_file, resolve_path, sem_name,
 )
 from ._notify import Doorbell
-from .codec import PROTOCOL
 from .errors import Empty, ShmqError, SpoolFormatError
 from .pins import Pins
 from .ring import Ring
@@ -62,10 +60,12 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, StrPath
     from numpy.typing import NDArray
 
-    from .reader import GroupReader, NamedReader, Reader
+    from .group import GroupReader
+    from .reader import NamedReader, Reader
 
-# (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
-_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty, ShmqError)
+# The engine's errors as this package's exceptions (shmq.Queue hands the binding its
+# pickling: the spool carries bytes).
+_core.setup(SpoolFormatError, Empty, ShmqError)
 
 log = logging.getLogger("shmq")
 
@@ -445,7 +445,9 @@ class Spool:
         if type(items).__module__ == "numpy" and getattr(items, "ndim", 0) == 1:
             from .columnar import put_records
 
-            return put_records(self, items, block=block, timeout=timeout)  # type: ignore[arg-type]
+            timeout = check_block_timeout(block, timeout)
+            self.check_open()
+            return put_records(self.writer, items, timeout)  # type: ignore[arg-type]
         if type(items) is not list and type(items) is not tuple:
             items = list(items)
         if not items:
@@ -495,7 +497,9 @@ class Spool:
         """
         from .columnar import put_array
 
-        return put_array(self, arr, block=block, timeout=timeout)
+        timeout = check_block_timeout(block, timeout)
+        self.check_open()
+        return put_array(self.writer, arr, timeout)
 
     def put_arrow(self, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
         """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).
@@ -505,7 +509,9 @@ class Spool:
         """
         from .columnar import put_arrow
 
-        return put_arrow(self, data, block=block, timeout=timeout)
+        timeout = check_block_timeout(block, timeout)
+        self.check_open()
+        return put_arrow(self.writer, data, timeout)
 
     def notify_space(self) -> None:
         """Wake writers blocked on a full spool (call after a consumer advances)."""
@@ -562,7 +568,8 @@ class Spool:
         :raises shmq.ShmqError: the reader table is full, or the name is a
             group/reader of the other kind.
         """
-        from .reader import GroupReader, NamedReader, Reader
+        from .group import GroupReader
+        from .reader import NamedReader, Reader
 
         self.check_open()
         if name is None:

@@ -65,13 +65,22 @@ static PyObject *core_inband(PyObject *m, PyObject *buf) {
 }
 
 static PyObject *core_setup(PyObject *m, PyObject *args) {
-    /* setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol, Empty, ShmqError) */
+    /* setup(SpoolFormatError, Empty, ShmqError): the engine's errors as exceptions */
     CoreState *st = state_of(m);
-    PyObject *fmt_err, *loads, *dumps, *protocol, *empty, *base_err;
-    if (!PyArg_ParseTuple(args, "OOOOOO", &fmt_err, &loads, &dumps, &protocol, &empty, &base_err)) return NULL;
+    PyObject *fmt_err, *empty, *base_err;
+    if (!PyArg_ParseTuple(args, "OOO", &fmt_err, &empty, &base_err)) return NULL;
     Py_XSETREF(st->ShmqError, Py_NewRef(base_err));
     Py_XSETREF(st->EmptyError, Py_NewRef(empty));
     Py_XSETREF(st->SpoolFormatError, Py_NewRef(fmt_err));
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_setup_pickle(PyObject *m, PyObject *args) {
+    /* setup_pickle(pickle.loads, pickle.dumps, protocol): the Queue port's item codec
+     * (shmq.queue hands it over: the spool layer carries bytes) */
+    CoreState *st = state_of(m);
+    PyObject *loads, *dumps, *protocol;
+    if (!PyArg_ParseTuple(args, "OOO", &loads, &dumps, &protocol)) return NULL;
     Py_XSETREF(st->pickle_loads, Py_NewRef(loads));
     Py_XSETREF(st->pickle_dumps, Py_NewRef(dumps));
     Py_XSETREF(st->dumps_protocol, Py_NewRef(protocol));
@@ -105,8 +114,8 @@ static PyObject *core_yield_cpu(PyObject *m, PyObject *unused) {
 }
 
 static PyMethodDef core_methods[] = {
-    {"setup", core_setup, METH_VARARGS,
-     "setup(SpoolFormatError, pickle.loads, pickle.dumps, protocol, Empty, ShmqError)"},
+    {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, Empty, ShmqError)"},
+    {"setup_pickle", core_setup_pickle, METH_VARARGS, "setup_pickle(pickle.loads, pickle.dumps, protocol)"},
     {"set_safety_net", core_set_safety_net, METH_O,
      "set_safety_net(seconds): the longest sleep of a get parked in C (shmq._notify hands its value over)"},
     {"_inband", core_inband, METH_O, "QueuePort.put's pickle buffer_callback: keep the buffer in-band"},
