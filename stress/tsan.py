@@ -1,28 +1,27 @@
 #!/usr/bin/env python3
-"""ThreadSanitizer evidence for the compiled core's C11 memory ordering.
+"""ThreadSanitizer evidence for the engine's C11 memory ordering, through its public API.
 
-Builds ``stress/tsan_harness/harness.c`` and the core's C files (listed in
-pyproject's ``[[tool.setuptools.ext-modules]]``, each compiled unchanged with
-the one adapter ``stress/tsan_harness/core_adapter.h`` force-included for its
-shims) with ``-fsanitize=thread -O1 -g``, then, for each iteration and
-scenario, creates a spool with shmq, registers its named readers and group,
-and runs the harness on it: writers (batched puts and zero-copy reservations,
-committed or abandoned), named readers, group members and, in the overwrite
-scenario, anonymous readers, as threads of one process over ONE mapping of the
-spool, driving the core's Python-free internals (docs/format.md, "The compiled
-core"), none holding the GIL and no interpreter initialized (see the adapter:
-with the GIL held, its mutex would order every thread and TSan would prove
-nothing). TSan checks every access against C11 happens-before: atomics with
-their orders, fences, and the semaphores that are the writer and group locks.
-The harness also checks what was read (every frame intact and CRC-verified,
-seq order, none lost or duplicated), and after each run the spool is verified
-with ``shmq.verify`` and the readers' committed positions are checked.
+Builds ``stress/tsan_harness/harness.c`` and the engine's C files
+(``shmq/engine/*.c``, the sources libshmq is made of, each compiled
+unchanged: no adapter, no Python) with ``-fsanitize=thread -O1 -g``, then,
+for each iteration and scenario, creates a spool with shmq and runs the
+harness on it: writers (batched puts and zero-copy reservations, committed
+or abandoned, patient ones waiting on the space doorbell), named readers,
+group members and, in the overwrite scenario, anonymous readers, as threads
+of one process on ONE handle of the spool (``shmq_open`` once: one
+mapping), driving the engine through ``shmq.h`` as any C program does.
+Nothing else synchronizes them: TSan checks every access against C11
+happens-before: atomics with their orders, fences, the semaphores that are
+the writer and group locks, a private cursor's lock.  The harness also
+checks what was read (every frame intact and CRC-verified, seq order, none
+lost or duplicated), and after each run the spool is verified with
+``shmq.verify`` and the readers' committed positions are checked.
 
 Scenarios: ``block`` (fixed 64 KiB ring, block policy: 2 writers, 2 named
-readers, a group of 3), ``growable`` (the same over a growable ring: early
-wraps, segment allocation and punching), ``overwrite`` (2 writers lapping 2
-anonymous readers: the seqlock read path; see docs/guarantees.md for what
-TSan reports there and why).
+readers, a group of 3, readers waiting on the doorbell), ``growable`` (the
+same over a growable ring: early wraps, segment allocation and punching,
+trims), ``overwrite`` (2 writers lapping 2 anonymous readers: the seqlock
+read path; see docs/guarantees.md for what TSan reports there and why).
 
     python stress/tsan.py                  # 5 iterations of every scenario
     python stress/tsan.py --quick          # the suite's mode: 1 short iteration each (~10-20 s)
@@ -30,12 +29,11 @@ TSan reports there and why).
     python stress/tsan.py -n 20 --seed 7 --ops 5000 --scenario block
 
 Prints the number of TSan reports per run and in total; exits 1 if any run
-had a report (outside what ``--allow-seqlock`` explains) or broke an
-invariant, 2 if the toolchain is missing and cannot be installed.
+had a report (outside what ``is_seqlock`` explains) or broke an invariant,
+2 if the toolchain is missing and cannot be installed.
 
 Toolchain: gcc (or ``CC``) with its TSan runtime (Debian/Ubuntu: ``libtsan2``,
-pulled in by ``gcc``), and the Python headers and shared library of the
-running interpreter (``python3-dev``).  When the runtime is missing and we
+pulled in by ``gcc``); no Python headers.  When the runtime is missing and we
 run as root with apt-get available, the script installs ``gcc libtsan2``
 (``--no-install`` to refuse).  TSan maps its shadow memory at fixed
 addresses and aborts ("unexpected memory mapping") on kernels with large
@@ -52,7 +50,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import uuid
@@ -61,17 +58,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 HARNESS_DIR = os.path.join(ROOT, "stress", "tsan_harness")
+ENGINE_DIR = os.path.join(ROOT, "shmq", "engine")
 MISSING_TOOLCHAIN = 2
-TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std=gnu11"]
+# SHMQ_SEM_TIMEDWAIT: the engine waits for a contended lock with sem_timedwait, which the
+# TSan runtime intercepts (gcc 12's does not intercept sem_clockwait: it would miss the
+# acquire, and report the writer's stores under the lock as races).
+TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std=gnu11", "-DSHMQ_SEM_TIMEDWAIT"]
 #: Orderings --self-test weakens, one build each, in a scratch copy of the core: with any
 #: of them relaxed, TSan must report a reader's copy racing with a writer's stores.
 WEAKENINGS = {
     # the commit point (write.c's commit_batch, the one commit of put, put_many and reserve):
     # readers would copy unpublished bytes
-    "commit": (r"st_rel\(&c\[W_NEXT_SEQ\],", "st_rlx(&c[W_NEXT_SEQ],"),
-    # a named reader's / group's consumed position (read.c's named_commit, group_take_in): the writer
-    # would overwrite bytes a reader may still be copying
-    "consumed": (r"st_rel\(&s\[S_POS\],", "st_rlx(&s[S_POS],"),
+    "commit": (r"st_rel\(&c\[SHMQ_W_NEXT_SEQ\],", "st_rlx(&c[SHMQ_W_NEXT_SEQ],"),
+    # a named reader's / group's consumed position (read.c's named_commit, take.h's group_take_in):
+    # the writer would overwrite bytes a reader may still be copying
+    "consumed": (r"st_rel\(&s\[SHMQ_S_POS\],", "st_rlx(&s[SHMQ_S_POS],"),
 }
 REPORT_RE = re.compile(r"^WARNING: ThreadSanitizer: (.*?)(?: \(pid=\d+\))?$", re.M)
 RUN_TIMEOUT_S = 600
@@ -94,17 +95,8 @@ def log(*a):
 # --------------------------------------------------------------- toolchain
 
 def core_sources():
-    """The core's C sources, from pyproject's [[tool.setuptools.ext-modules]] entry for shmq._core."""
-    try:
-        import tomllib
-    except ImportError:  # pragma: no cover - Python 3.10
-        tomllib = None
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        data = tomllib.load(f) if tomllib else {}
-    for ext in data.get("tool", {}).get("setuptools", {}).get("ext-modules", []):
-        if ext.get("name") == "shmq._core":
-            return [os.path.join(ROOT, s) for s in ext["sources"]]
-    raise SystemExit("tsan: no [[tool.setuptools.ext-modules]] entry for shmq._core in pyproject.toml")
+    """The engine's C sources (what libshmq is built from: shmq/engine/Makefile)."""
+    return sorted(os.path.join(ENGINE_DIR, f) for f in os.listdir(ENGINE_DIR) if f.endswith(".c"))
 
 
 def compiler():
@@ -152,63 +144,40 @@ def _missing(msg):
     return MISSING_TOOLCHAIN
 
 
-def python_flags():
-    """Compile and link flags for the running interpreter's headers and libpython."""
-    inc = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(inc, "Python.h")):
-        raise SystemExit(_missing(f"no Python.h in {inc}: install python3-dev"))
-    libdir = sysconfig.get_config_var("LIBDIR")
-    ver = sysconfig.get_config_var("LDVERSION") or sysconfig.get_config_var("VERSION")
-    return [f"-I{inc}"], [f"-L{libdir}", f"-lpython{ver}", f"-Wl,-rpath,{libdir}", "-lpthread", "-lm"]
-
-
 def build(cc, workdir, weaken=None):
-    """Compile the harness; `weaken`: a key of WEAKENINGS, applied to a scratch copy of the core.
-
-    Each of the core's C files is compiled unchanged (or from the scratch copy) with the
-    adapter force-included (``-include core_adapter.h -DHX_CORE_FILE``: its shims only),
-    then linked with harness.c and libpython, which is never initialized."""
-    sources = core_sources()
-    core_dirs = sorted({os.path.dirname(s) for s in sources})
-    if weaken:  # a scratch copy of the whole core folder (its .c and .h files), never the real one
+    """Compile the harness with the engine; `weaken`: a key of WEAKENINGS, applied to a scratch
+    copy of the engine's folder (never the real one).  The engine's files are compiled
+    unchanged, with nothing but their own headers: no adapter, no Python."""
+    src_dir = ENGINE_DIR
+    if weaken:
         pattern, repl = WEAKENINGS[weaken]
-        scratch = os.path.join(workdir, f"weak_{weaken}")
-        shutil.rmtree(scratch, ignore_errors=True)
+        src_dir = os.path.join(workdir, f"weak_{weaken}")
+        shutil.rmtree(src_dir, ignore_errors=True)
+        shutil.copytree(ENGINE_DIR, src_dir, ignore=shutil.ignore_patterns("build"))
         n = 0
-        mapped = {}
-        for i, d in enumerate(core_dirs):
-            dst_dir = os.path.join(scratch, f"{i}_{os.path.basename(d)}")
-            shutil.copytree(d, dst_dir)
-            mapped[d] = dst_dir
-            for name in sorted(os.listdir(dst_dir)):
-                if not name.endswith((".c", ".h")):
-                    continue
-                f = os.path.join(dst_dir, name)
-                text, k = re.subn(pattern, repl, open(f).read())
-                if k:
-                    with open(f, "w") as out:
-                        out.write(text)
-                    log(f"tsan: self-test build '{weaken}': {k} release store(s) made relaxed in "
-                        f"{os.path.relpath(os.path.join(d, name), ROOT)} (scratch copy)")
-                n += k
+        for name in sorted(os.listdir(src_dir)):
+            if not name.endswith((".c", ".h")):
+                continue
+            f = os.path.join(src_dir, name)
+            text, k = re.subn(pattern, repl, open(f).read())
+            if k:
+                with open(f, "w") as out:
+                    out.write(text)
+                log(f"tsan: self-test build '{weaken}': {k} release store(s) made relaxed in "
+                    f"shmq/engine/{name} (scratch copy)")
+            n += k
         if n == 0:
-            raise SystemExit(f"tsan: --self-test found nothing to weaken ({pattern!r} in "
-                             f"{core_dirs}): update WEAKENINGS in stress/tsan.py")
-        sources = [os.path.join(mapped[os.path.dirname(s)], os.path.basename(s)) for s in sources]
-        core_dirs = [mapped[d] for d in core_dirs]
-    cflags, ldflags = python_flags()
-    inc = [f"-I{d}" for d in core_dirs]
-    adapter = os.path.join(HARNESS_DIR, "core_adapter.h")
-    tag = f"weak_{weaken}" if weaken else "core"
+            raise SystemExit(f"tsan: --self-test found nothing to weaken ({pattern!r} in {ENGINE_DIR}): "
+                             "update WEAKENINGS in stress/tsan.py")
+    sources = [os.path.join(src_dir, os.path.basename(s)) for s in core_sources()]
+    tag = f"weak_{weaken}" if weaken else "engine"
     objs, jobs = [], []
-    for s in sources:
+    for s in sources + [os.path.join(HARNESS_DIR, "harness.c")]:
         obj = os.path.join(workdir, f"{tag}_{os.path.splitext(os.path.basename(s))[0]}.o")
         objs.append(obj)
-        jobs.append([cc, *TSAN_FLAGS, "-Wall", *cflags, *inc, "-DHX_CORE_FILE", "-include", adapter,
-                     "-c", s, "-o", obj])
+        jobs.append([cc, *TSAN_FLAGS, "-Wall", f"-I{src_dir}", "-c", s, "-o", obj])
     out = os.path.join(workdir, f"harness_weak_{weaken}" if weaken else "harness")
-    link = [cc, *TSAN_FLAGS, "-Wall", "-Wno-unused-function", "-Wno-unused-variable", *cflags, *inc,
-            os.path.join(HARNESS_DIR, "harness.c"), *objs, "-o", out, *ldflags]
+    link = [cc, *TSAN_FLAGS, *objs, "-o", out, "-pthread"]
     running = []
     for cmd in jobs + [None]:  # two compilers at a time
         while running and (cmd is None or len(running) >= 2):
@@ -230,34 +199,15 @@ def build(cc, workdir, weaken=None):
 # --------------------------------------------------------------- one run
 
 def prepare(path, spool_kw, threads):
-    """Create the spool, register the named readers and the group; the harness's arguments."""
+    """Create the spool (its readers attach in the harness, through shmq.h); the harness's
+    arguments and the spool's next seq."""
     import shmq
-    from shmq import _format as F
-    from shmq._mapping import SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, group_sem_name, sem_name
 
     sp = shmq.Spool.create(path, checksum=True, readers=8, **spool_kw)
     try:
-        geo = sp.geometry
-        prefix = sp.sem_prefix
-        args = [f"ring_offset={geo['ring_offset']}", f"ring_bytes={geo['ring_bytes']}",
-                f"slot_offset={geo['slot_offset']}", f"slot_count={geo['slot_count']}",
-                f"policy={F.POLICIES.index(geo['policy'])}", f"checksum={int(bool(geo['checksum']))}",
-                f"wsem={sem_name(prefix, SEM_WRITER)}", f"rsem={sem_name(prefix, SEM_READ_WAITERS)}",
-                f"fsem={sem_name(prefix, SEM_SPACE_WAITERS)}",
-                f"writers={threads['writers']}", f"anon={threads['anon']}",
-                f"waiters={threads.get('waiters', 0)}"]
-        seq, pos = sp.ring.cursor_for("latest")
-        args.append(f"start={seq}:{pos}")
-        for i in range(threads["named"]):
-            r = sp.reader(f"tsan-named-{i}")
-            s, p = sp.slots.cursor(r.slot)
-            args.append(f"named={r.slot}:{s}:{p}")
-            r.close()
-        if threads["group"]:
-            g = sp.reader("tsan-group", group=True)
-            args += [f"group={g.slot}:{threads['group']}", f"gsem={group_sem_name(prefix, g.slot)}"]
-            g.close()
-        return args, seq
+        args = [f"writers={threads['writers']}", f"named={threads['named']}", f"group={threads['group']}",
+                f"anon={threads['anon']}", f"waiters={threads.get('waiters', 0)}"]
+        return args, sp.next_seq
     finally:
         sp.close()
 
@@ -295,6 +245,8 @@ def one_run(binary, scenario, seed, ops, state):
     d = tempfile.mkdtemp(prefix="shmq-tsan-", dir="/dev/shm")
     path = os.path.join(d, f"{scenario}-{uuid.uuid4().hex[:6]}.spool")
     import shmq
+    from shmq._mapping import read_geometry
+
     try:
         args, start_seq = prepare(path, spool_kw, threads)
         r = run_harness(binary, path, args, seed, ops, state.get("setarch", False))
@@ -306,7 +258,7 @@ def one_run(binary, scenario, seed, ops, state):
             args, start_seq = prepare(path, spool_kw, threads)
             r = run_harness(binary, path, args, seed, ops, True)
         reports = parse_reports(r.stderr)
-        ring_offset = int(next(a for a in args if a.startswith("ring_offset=")).split("=")[1])
+        ring_offset = read_geometry(path)["ring_offset"]
         for rep in reports:
             rep["seqlock"] = scenario in SEQLOCK_SCENARIOS and is_seqlock(rep, ring_offset)
         problems = [ln for ln in r.stderr.splitlines() if ln.startswith("FAIL")]
@@ -324,8 +276,8 @@ def one_run(binary, scenario, seed, ops, state):
         shutil.rmtree(d, ignore_errors=True)
 
 
-#: A lock-free reader's speculative reads of ring bytes (read_loop, inlined into the takes and
-#: read_frame; the adapter's sink copy runs under it), and the writers' stores to the ring.
+#: A lock-free reader's speculative reads of ring bytes (read_loop, inlined into the takes; the
+#: sink's copy runs under it), and the writers' stores to the ring.
 SEQLOCK_READERS = ("read_loop", "read_frame", "first_cursor", "resync")
 RING_WRITERS = ("write_locked", "write_pads", "reserve_locked", "commit_reserved", "writer_main")
 

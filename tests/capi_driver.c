@@ -81,10 +81,10 @@ static int slowread(const char *path, long long total, long pause_us) {
 
 static int holdlock(const char *path) {
     shmq_spool *sp = open_or_die(path);
-    void *buf;
-    int rc = shmq_reserve(sp, 64, SHMQ_CODEC_RAW, 5.0, &buf);
+    shmq_reservation rv;
+    int rc = shmq_reserve(sp, 64, SHMQ_CODEC_RAW, 5.0, &rv);
     if (rc < 0) return fail("reserve", rc);
-    memset(buf, 'x', 64);
+    memset(rv.data, 'x', 64);
     printf("held pid=%d\n", (int)getpid());
     fflush(stdout);
     for (;;) pause(); /* until SIGKILLed: the lock stays held */
@@ -240,23 +240,31 @@ static int errors(const char *dir) {
     long long n = 0;
     while (shmq_put(sp, big, 100, 0, 0) >= 0) n++; /* the named reader holds the ring: policy error */
     printf("full=%d ", (int)shmq_put(sp, big, 100, 0, 0));
-    void *p;
-    rc = shmq_reserve(sp, 0, 0, 0, &p); /* full too: nothing reserved */
+    shmq_reservation rv, rv2;
+    rc = shmq_reserve(sp, 0, 0, 0, &rv); /* full too: nothing reserved */
     printf("reservefull=%d ", rc);
     shmq_reader_close(r); /* the named reader stays in the table: it holds the ring */
     shmq_close(sp);
     shmq_destroy(path);
     o.on_full = SHMQ_POLICY_OVERWRITE;
     if ((rc = shmq_create(path, &o, &sp)) < 0) return fail("create", rc);
-    rc = shmq_reserve(sp, 8, 0, 0, &p);
+    rc = shmq_reserve(sp, 8, 0, 0, &rv);
     printf("reserve=%d ", rc);
-    printf("second=%d ", shmq_reserve(sp, 8, 0, 0, &p));
+    printf("second=%d ", shmq_reserve(sp, 8, 0, 0, &rv2)); /* this thread holds the lock: refused */
     printf("inside=%d ", (int)shmq_put(sp, "x", 1, 0, 0));
-    printf("commit=%d ", (int)shmq_commit(sp));
-    printf("nothing=%d\n", shmq_abandon(sp));
+    memcpy(rv.data, "reserved", 8);
+    printf("commit=%d ", (int)shmq_commit(&rv));
+    printf("again=%d ", (int)shmq_commit(&rv));
+    printf("nothing=%d ", shmq_abandon(&rv)); /* committed: a no-op */
+    shmq_reader *anon;
+    shmq_frame fr2;
+    rc = shmq_reader_open(sp, NULL, 0, &anon);
+    printf("read=%d\n", rc == 0 && shmq_get(anon, buf, sizeof buf, &fr2, 0) == 0 && fr2.len == 8 &&
+                            !memcmp(fr2.data, "reserved", 8) ? 0 : -1);
+    shmq_reader_close(anon);
     shmq_close(sp);
     printf("destroy=%d ", shmq_destroy(path));
-    printf("again=%d\n", shmq_destroy(path));
+    printf("gone=%d\n", shmq_destroy(path));
     return 0;
 }
 

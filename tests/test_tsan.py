@@ -1,9 +1,11 @@
-"""ThreadSanitizer over the compiled core (stress/tsan.py; docs/guarantees.md, "ThreadSanitizer").
+"""ThreadSanitizer over the engine, through shmq.h (stress/tsan.py; docs/guarantees.md,
+"ThreadSanitizer").
 
-Writers, named readers, group members and reservations run as GIL-free threads of
-one process over one mapping of a spool; TSan must report nothing outside the
-documented seqlock reports of lapped anonymous readers, and must report once the
-self-test relaxes a release store of the core (so the first check is not vacuous).
+Writers, named readers, group members and reservations run as threads of one C
+process on one spool handle, driving the engine through its public API (no
+interpreter, no stand-in); TSan must report nothing outside the documented
+seqlock reports of lapped anonymous readers, and must report once the self-test
+relaxes a release store of the engine (so the first check is not vacuous).
 Skipped, with the reason, where no compiler with a TSan runtime can be found or
 installed (the script exits 2 then).
 """

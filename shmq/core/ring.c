@@ -337,7 +337,9 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
 }
 
 static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
-    return Py_BuildValue("(KK)", r->eng.full_floor, r->eng.full_pin);
+    uint64_t f, p;
+    eng_full_marker(&f, &p); /* this thread's last write that found no room */
+    return Py_BuildValue("(KK)", f, p);
 }
 
 /* The room marker now (no lock: each word is one atomic load), computed as

@@ -24,8 +24,10 @@ struct shmq_spool {
     pthread_mutex_t mu;      /* the readers list and the slots' attachment counts */
     uint32_t *slot_refs;     /* this handle's attachments of each slot (OFD locks are per handle) */
     struct shmq_reader *readers;
-    eng_resv resv;           /* the open reservation, if resv.open */
 };
+
+_Static_assert(sizeof(eng_resv) <= sizeof(((shmq_reservation *)0)->priv_), "a reservation holds an eng_resv");
+static eng_resv *resv_of(shmq_reservation *rv) { return (eng_resv *)(void *)rv->priv_; }
 
 static double mono_s(void) { return (double)mono_ns() / 1e9; }
 
@@ -172,7 +174,8 @@ int shmq_close(shmq_spool *sp) {
  * without a word), on the space doorbell.  0: look again; SHMQ_EFULL: the
  * deadline passed. */
 static int wait_for_room(eng_ring *r, double deadline, int poll) {
-    uint64_t floor0 = r->full_floor, pin0 = r->full_pin, f, p;
+    uint64_t floor0, pin0, f, p;
+    eng_full_marker(&floor0, &pin0);
     atomic_fetch_add_explicit(&r->busy, 1, memory_order_acq_rel);
     sem_post(r->fsem); /* register: a full fence before the re-check */
     int rc = 0;
@@ -279,17 +282,20 @@ int64_t shmq_put_many(shmq_spool *sp, const shmq_iovec *frames, size_t count, in
     return rc;
 }
 
-int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, void **buf) {
+int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, shmq_reservation *rv) {
     eng_clear_error();
     eng_ring *r = &sp->ring;
+    memset(rv, 0, sizeof *rv);
     if (!r->base) return eng_fail(SHMQ_ECLOSED, "spool handle is closed");
-    if (sp->resv.open) return eng_fail(SHMQ_ESTATE, "this handle already has an open reservation");
+    eng_resv *e = resv_of(rv);
     double deadline, lock_deadline, period = first_wait(r);
     deadlines(r, timeout, &deadline, &lock_deadline);
     for (;;) {
-        int st = eng_reserve(r, nbytes, codec, period, &sp->resv);
+        int st = eng_reserve(r, nbytes, codec, period, e);
         if (st == 0) {
-            *buf = r->ring + sp->resv.off + SHMQ_FRAME_BYTES;
+            rv->data = r->ring + e->off + SHMQ_FRAME_BYTES;
+            rv->len = nbytes;
+            rv->seq = e->seq;
             return 0;
         }
         int rc = after_status(sp, st, deadline, lock_deadline, &period);
@@ -297,16 +303,22 @@ int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, void 
     }
 }
 
-int64_t shmq_commit(shmq_spool *sp) {
+int64_t shmq_commit(shmq_reservation *rv) {
     eng_clear_error();
-    return eng_resv_commit(&sp->resv);
+    return eng_resv_commit(resv_of(rv));
 }
 
-int shmq_abandon(shmq_spool *sp) {
+int shmq_abandon(shmq_reservation *rv) {
     eng_clear_error();
-    if (!sp->resv.open) return eng_fail(SHMQ_ESTATE, "no open reservation");
-    eng_resv_abandon(&sp->resv);
+    eng_resv_abandon(resv_of(rv));
     return 0;
+}
+
+int shmq_trim(shmq_spool *sp, double timeout) {
+    eng_clear_error();
+    if (!sp->ring.base) return eng_fail(SHMQ_ECLOSED, "spool handle is closed");
+    int rc = eng_trim(&sp->ring, timeout < 0 ? 1e9 : timeout);
+    return rc == 1 ? SHMQ_ELOCKED : rc;
 }
 
 /* ---- readers ---- */

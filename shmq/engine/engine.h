@@ -149,7 +149,6 @@ typedef struct eng_ring {
     uint64_t rate_until;
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
-    uint64_t full_floor, full_pin; /* room marker, taken under the lock when full */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
     /* Guarded by pop_busy (one thread pre-faults at a time, see eng_write): */
     uint64_t pop_start, pop_pos;   /* ring positions this handle pre-faulted: [pop_start, pop_pos) */
@@ -348,6 +347,7 @@ uint64_t slot_hwm(eng_ring *r);
 int slot_floor(eng_ring *r, int word, uint64_t *out);
 uint64_t pin_floor(eng_ring *r);
 void take_full_marker(eng_ring *r);
+void eng_full_marker(uint64_t *floor, uint64_t *pin);
 void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin);
 int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos);
 int place_batch(eng_ring *r, size_t count, const uint64_t *needs, uint64_t total, int64_t max_backlog,

@@ -263,10 +263,11 @@ int eng_cursor_flush(eng_cursor *c, double wait) {
     if (atomic_load_explicit(&c->closed, memory_order_acquire) || !c->ring->base || c->slot < 0) return 0;
     if (c->kind == K_GROUP) {
         if (!c->n) return 0;
-        int lk = group_lock(c, wait, NULL, 0);
+        uint64_t *word = &cur_slot(c)[SHMQ_S_LOCK_HOLDER]; /* recorded: a live holder is never broken */
+        int lk = group_lock(c, wait, word, c->ring->holder);
         if (lk != 0) return lk;
         flush_locked(c);
-        group_unlock(c, NULL);
+        group_unlock(c, word);
     } else {
         int rc = eng_cursor_lock(c);
         if (rc < 0) return rc;

@@ -102,11 +102,12 @@ void eng_ring_release(eng_ring *r) {
 /* (NEXT_SEQ, NEXT_POS) as a consistent pair, under the writer lock (up to
  * `wait`): 0, 1 (the lock was not free in time), or an error. */
 int eng_latest(eng_ring *r, double wait, uint64_t *seq, uint64_t *pos) {
-    int lk = eng_sem_lock(r->wsem, wait, r->hooks, r, NULL, 0);
+    /* the holder recorded, as every taker of the lock does: a live one is never broken */
+    int lk = eng_sem_lock(r->wsem, wait, r->hooks, r, &r->ctl[SHMQ_W_LOCK_HOLDER], r->holder);
     if (lk != 0) return lk;
     *seq = ld_rlx(&r->ctl[SHMQ_W_NEXT_SEQ]);
     *pos = ld_rlx(&r->ctl[SHMQ_W_NEXT_POS]);
-    sem_post(r->wsem);
+    wlock_release(r);
     return 0;
 }
 

@@ -111,13 +111,23 @@ typedef struct {
 SHMQ_API int64_t shmq_put(shmq_spool *sp, const void *data, size_t len, int codec, double timeout);
 /* Append `count` frames as one atomic, contiguous batch; the first seq. */
 SHMQ_API int64_t shmq_put_many(shmq_spool *sp, const shmq_iovec *frames, size_t count, int codec, double timeout);
-/* Room for one frame of `nbytes`, written in place at *buf; the writer lock is
- * held until shmq_commit (publishes; returns the seq) or shmq_abandon.  One
- * open reservation per handle; a put through the same handle meanwhile fails
- * with SHMQ_ESTATE. */
-SHMQ_API int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, void **buf);
-SHMQ_API int64_t shmq_commit(shmq_spool *sp);
-SHMQ_API int shmq_abandon(shmq_spool *sp);
+/* Room for one frame of `nbytes`, written in place at rv->data; the writer lock
+ * is held until shmq_commit (publishes; returns the seq) or shmq_abandon (a
+ * no-op once committed).  A put or reserve from the thread holding one fails
+ * with SHMQ_ESTATE instead of deadlocking; other threads wait for the lock. */
+typedef struct {
+    void *data;      /* where the payload goes */
+    size_t len;      /* nbytes */
+    uint64_t seq;    /* the seq the frame gets when committed */
+    uint64_t priv_[8];
+} shmq_reservation;
+SHMQ_API int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, shmq_reservation *rv);
+SHMQ_API int64_t shmq_commit(shmq_reservation *rv);
+SHMQ_API int shmq_abandon(shmq_reservation *rv);
+/* Give back a drained growable spool's memory now (Spool.trim): 0, or
+ * SHMQ_ELOCKED if the writer lock stayed busy for `timeout` seconds.  A fixed
+ * spool releases nothing. */
+SHMQ_API int shmq_trim(shmq_spool *sp, double timeout);
 
 /* ---- reading ---- */
 typedef struct shmq_reader shmq_reader;

@@ -61,11 +61,22 @@ void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin) {
     *pin = pin_floor(r);
 }
 
+/* The room marker a write that found no room took under the lock, the
+ * calling thread's (its waiter compares the marker now with it): per thread,
+ * not per handle, since threads sharing a handle wait for room each on their
+ * own. */
+static _Thread_local uint64_t full_floor, full_pin;
+
 void take_full_marker(eng_ring *r) {
     uint64_t f;
     if (!slot_floor(r, SHMQ_S_POS, &f)) f = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
-    r->full_floor = f;
-    r->full_pin = pin_floor(r);
+    full_floor = f;
+    full_pin = pin_floor(r);
+}
+
+void eng_full_marker(uint64_t *floor, uint64_t *pin) {
+    *floor = full_floor;
+    *pin = full_pin;
 }
 
 static void record_high_water(eng_ring *r) {
