@@ -151,7 +151,8 @@ typedef struct eng_ring {
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
     /* Guarded by pop_busy (one thread pre-faults at a time, see eng_write): */
-    uint64_t pop_start, pop_pos;   /* ring positions this handle pre-faulted: [pop_start, pop_pos) */
+    uint64_t pop_start;            /* ring positions this handle pre-faulted: [pop_start, pop_pos) */
+    _Atomic uint64_t pop_pos;
     _Atomic int pop_state;         /* 0 not started, 1 going, 2 done or unsupported */
     _Atomic int pop_busy;
     /* Any thread: */

@@ -94,10 +94,14 @@ int eng_sem_lock(sem_t *s, double wait_s, const eng_hooks *hooks, eng_ring *busy
 
 /* ---- process identity ---- */
 
-/* Fields of /proc/PID/stat: *state and *start (clock ticks since boot).  0, or -1. */
+/* Fields of /proc/PID/stat: *state and *start (clock ticks since boot).  0, or -1.
+ * Read as "//proc/...": the same file on Linux, and under qemu-user (the
+ * emulated aarch64 CI) the kernel's, not qemu's rewrite of a process's own
+ * /proc/self/stat, whose start time differs from what every other process
+ * reads for it (a live holder would look dead: docs/platforms.md). */
 static int proc_stat(int pid, char *state, unsigned long long *start) {
     char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    snprintf(path, sizeof path, "//proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
@@ -162,7 +166,7 @@ int eng_process_alive(int pid, uint64_t start, int check_start) {
     unsigned long long ticks;
     if (proc_stat(pid, &state, &ticks) < 0) {
         char path[64];
-        snprintf(path, sizeof path, "/proc/%d", pid);
+        snprintf(path, sizeof path, "//proc/%d", pid);
         struct stat st;
         return stat(path, &st) == 0 || errno != ENOENT; /* gone between kill and here: dead */
     }

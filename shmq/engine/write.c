@@ -392,33 +392,44 @@ abort:
 #define POPULATE_CHUNK (256u << 10)
 static void populate_window(eng_ring *r, uint64_t pos, uint64_t len);
 void populate_ahead(eng_ring *r, uint64_t pos, uint64_t len) {
-    if (r->pop_state == 2 || r->segment) return; /* (a racy look: the state only moves to 2) */
+    if (atomic_load_explicit(&r->pop_state, memory_order_relaxed) == 2 || r->segment) return;
+    /* Mapped far enough ahead already (the common case): no lock taken.  A
+     * racy look at the window's end: it only grows within a lap, and a stale
+     * one only makes this put take the lock and look again. */
+    if (atomic_load_explicit(&r->pop_state, memory_order_relaxed) == 1 &&
+        pos + len + POPULATE_CHUNK / 2 <= atomic_load_explicit(&r->pop_pos, memory_order_relaxed))
+        return;
     if (atomic_exchange_explicit(&r->pop_busy, 1, memory_order_acquire)) return;
     populate_window(r, pos, len);
     atomic_store_explicit(&r->pop_busy, 0, memory_order_release);
 }
 
+/* pop_busy held. */
 static void populate_window(eng_ring *r, uint64_t pos, uint64_t len) {
     uint64_t ring = r->ring_bytes, page = 4096;
-    if (r->pop_state == 0 || pos > r->pop_pos) { /* first write, or written past: restart at pos */
-        if (r->pop_state == 0) r->pop_start = pos & ~(page - 1);
-        r->pop_pos = pos & ~(page - 1);
-        r->pop_state = 1;
+    int state = atomic_load_explicit(&r->pop_state, memory_order_relaxed);
+    uint64_t at = atomic_load_explicit(&r->pop_pos, memory_order_relaxed);
+    if (state == 0 || pos > at) { /* first write, or written past: restart at pos */
+        if (state == 0) r->pop_start = pos & ~(page - 1);
+        at = pos & ~(page - 1);
+        state = 1;
     }
     uint64_t want = pos + len + POPULATE_CHUNK;
-    while (r->pop_pos < want) {
-        if (r->pop_pos - r->pop_start >= ring) { /* a whole lap is mapped in this process */
-            r->pop_state = 2;
-            return;
+    while (at < want) {
+        if (at - r->pop_start >= ring) { /* a whole lap is mapped in this process */
+            state = 2;
+            break;
         }
-        uint64_t off = r->pop_pos % ring, n = POPULATE_CHUNK;
+        uint64_t off = at % ring, n = POPULATE_CHUNK;
         if (n > ring - off) n = ring - off;
         if (madvise(r->ring + off, n, MADV_POPULATE_WRITE) != 0) {
-            r->pop_state = 2;
-            return;
+            state = 2;
+            break;
         }
-        r->pop_pos += n;
+        at += n;
     }
+    atomic_store_explicit(&r->pop_pos, at, memory_order_relaxed);
+    atomic_store_explicit(&r->pop_state, state, memory_order_relaxed);
 }
 
 /* Ask for the lines the next puts will write, for writing, while this one
