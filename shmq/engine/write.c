@@ -214,6 +214,13 @@ int place_batch(eng_ring *r, size_t count, const uint64_t *needs, uint64_t total
     uint64_t seq0 = ld_rlx(&c[SHMQ_W_NEXT_SEQ]), start = ld_rlx(&c[SHMQ_W_NEXT_POS]);
     pl->seq0 = seq0;
     pl->start = start;
+    /* Counters no writer reaches (SHMQ_MAX_COUNTER, 2**62), as the readers and
+     * the open-time checks refuse them: a write returns its first seq as a
+     * non-negative int64, and positions below 2**62 never wrap. */
+    if (seq0 >= SHMQ_MAX_COUNTER - (uint64_t)count || start >= SHMQ_MAX_COUNTER)
+        return eng_fail(SHMQ_ECORRUPT, "%s: control word NEXT_SEQ = %llu or NEXT_POS = %llu is out of range "
+                        "(>= 2**62): the header is corrupt", r->path, (unsigned long long)seq0,
+                        (unsigned long long)start);
     if (max_backlog >= 0) {
         uint64_t floor;
         if (slot_floor(r, SHMQ_S_SEQ, &floor) && seq0 - floor + (uint64_t)count > (uint64_t)max_backlog) {
