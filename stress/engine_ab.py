@@ -17,7 +17,9 @@ each run a fresh process tree of bench.py's own ``measure``, and prints every ru
 figure, the medians, the ratio of medians (head / base) and the median of the
 per-repetition ratios (the two builds of one repetition ran back to back, so a slow
 phase of a shared machine hits both), then the single-process table of
-stress/abi3_ab.py (ns per Spool.put, Reader.get, Queue.put, Queue.get).
+stress/abi3_ab.py (ns per Spool.put, Reader.get, Queue.put, Queue.get), and last, where
+valgrind is installed, abi3_ab.py's callgrind count of instructions per call inside each
+entry point, which the machine's load does not change.
 
     .venv/bin/python stress/engine_ab.py                    # 5 repetitions, quick scale
     .venv/bin/python stress/engine_ab.py --base 56384b5 --runs 9
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--no-micro", action="store_true", help="skip the single-process table")
     ap.add_argument("--micro-only", action="store_true", help="only the single-process table (no bench rows)")
     ap.add_argument("--reuse-base", action="store_true", help="reuse the base build already in --out")
+    ap.add_argument("--no-callgrind", action="store_true", help="skip the instruction counts (valgrind)")
     a = ap.parse_args()
     out = a.out or tempfile.mkdtemp(prefix="shmq-engineab-")
     os.makedirs(out, exist_ok=True)
@@ -129,19 +132,18 @@ def main() -> None:
         print(f"{r:26s} {c:17s} {mf:9.3f} {ms:9.3f} {ms / mf:9.3f} {pair:8.3f}  "
               + " ".join(f"{x:.2f}" for x in f) + " | " + " ".join(f"{x:.2f}" for x in s))
     if not a.no_micro:
-        print(f"\n{'single process':26s} {'':17s} {'base ns':>9s} {'head ns':>9s} {'head/base':>9s} {'pair med':>8s}"
-              "  runs base | head")
-        names = {"put": "Spool.put 100 B", "get": "Reader.get 100 B", "qput": "Queue.put dict",
-                 "qget": "Queue.get dict"}
-        for k in abi3_ab.MICRO:
-            f, s = mic[k]["base"], mic[k]["head"]
-            mf, ms = statistics.median(f), statistics.median(s)
-            pair = statistics.median(y / x for x, y in zip(f, s))
-            print(f"{names[k]:26s} {'':17s} {mf:9.0f} {ms:9.0f} {ms / mf:9.3f} {pair:8.3f}  "
-                  + " ".join(f"{x:.0f}" for x in f) + " | " + " ".join(f"{x:.0f}" for x in s))
+        abi3_ab.print_micro(mic, "base", "head")
+    ir: dict = {}
+    if not a.no_callgrind and shutil.which("valgrind"):
+        ir = {b: abi3_ab.instructions(targets[b], out, b) for b in BUILDS}
+        print(f"\n{'instructions per call':44s} {'base':>9s} {'head':>9s} {'head/base':>9s}  (callgrind, "
+              "inclusive, the same every run)")
+        for f, label in abi3_ab.IR_FUNCS.items():
+            x, y = ir["base"][f], ir["head"][f]
+            print(f"{label:44s} {x:9.0f} {y:9.0f} {y / x:9.3f}")
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"python": sys.version, "base": a.base, "base_rev": rev, "head": head, "mode": a.mode,
-                   "runs": a.runs, "rows": res, "micro": mic}, fh, indent=1)
+                   "runs": a.runs, "rows": res, "micro": mic, "instructions": ir}, fh, indent=1)
     print(f"\n# every figure: {os.path.join(out, 'results.json')}")
 
 

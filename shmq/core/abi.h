@@ -108,6 +108,7 @@ static inline void shmq_list_set_item(PyObject *l, Py_ssize_t i, PyObject *v) {
 #define PyTuple_SET_ITEM(op, i, v) shmq_tuple_set_item((PyObject *)(op), (i), (PyObject *)(v))
 #define PyList_SET_ITEM(op, i, v) shmq_list_set_item((PyObject *)(op), (i), (PyObject *)(v))
 #define PyBytes_AS_STRING(op) PyBytes_AsString((PyObject *)(op))
+#define PyBytes_GET_SIZE(op) PyBytes_Size((PyObject *)(op))
 #define PyByteArray_AS_STRING(op) PyByteArray_AsString((PyObject *)(op))
 #define PyStructSequence_GET_ITEM(op, i) PyStructSequence_GetItem((PyObject *)(op), (i))
 #define PyStructSequence_SET_ITEM(op, i, v) PyStructSequence_SetItem((PyObject *)(op), (i), (v))

@@ -144,7 +144,7 @@ PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObjec
     double lock_wait;
     if (r->fast_put && r->eng.base && fast_put_wait(r, a[1], a[2], &lock_wait)) {
         Item item;
-        if (load_item(&item, a[0], r->eng.checksum) < 0) return NULL;
+        if (load_item(&item, &item.item, a[0], r->eng.checksum) < 0) return NULL;
         int64_t res = eng_write(&r->eng, &item.item, 1, codec, -1, lock_wait, 1, NULL);
         release_items(&item, 1);
         if (res >= 0) return PyLong_FromLongLong(res);
@@ -269,7 +269,7 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
         }
         if (data && r->eng.base) { /* (__reduce__ code may have closed the handle) */
             Item item;
-            int rc = load_item(&item, data, r->eng.checksum);
+            int rc = load_item(&item, &item.item, data, r->eng.checksum);
             Py_DECREF(data);
             if (rc < 0) return NULL;
             int64_t res = eng_write(&r->eng, &item.item, 1, codec, q->backlog, lock_wait, 1, NULL);

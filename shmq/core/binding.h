@@ -91,10 +91,14 @@ typedef struct {
     PyObject *get_slow; /* owner's slow path, a plain function: get_slow(owner, block, timeout, first) */
 } Cursor;
 
-/* One item of a batch for the engine, with the buffers that keep its segments alive. */
+/* The buffers (or the bytes object) that keep one item's segments alive while
+ * the engine writes it (load_item fills them and the engine's eng_item);
+ * `item`: a single put's. */
 typedef struct {
     Py_buffer views[MAX_SEGS];
     eng_seg segs[MAX_SEGS];
+    int nviews;
+    PyObject *hold; /* a bytes object used without a view (strong), or NULL */
     eng_item item;
 } Item;
 
@@ -120,7 +124,7 @@ extern PyMethodDef inspect_methods[];
 
 /* ---- ring.c ---- */
 extern PyType_Spec ring_spec;
-int load_item(Item *it, PyObject *o, int checksum);
+int load_item(Item *it, eng_item *e, PyObject *o, int checksum);
 void release_items(Item *items, Py_ssize_t k);
 
 /* ---- cursor.c ---- */
@@ -166,7 +170,7 @@ typedef struct {
     Ring *ring;
     PyObject *before_commit;
 } WriteOpts;
-int load_deferred(Ring *r, Item *it, PyObject *o); /* 1: o is a Deferred (loaded), 0: it is not, -1: error */
+int load_deferred(Ring *r, Item *it, eng_item *e, PyObject *o); /* 1: o is a Deferred (loaded), 0: it is not, -1: error */
 int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssize_t count, WriteOpts *o);
 void free_write_opts(WriteOpts *o);
 

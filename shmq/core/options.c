@@ -109,18 +109,20 @@ static int fill_payload(void *fill, char *dst, uint64_t n) {
     return res ? 0 : -1;
 }
 
-int load_deferred(Ring *r, Item *it, PyObject *o) {
+int load_deferred(Ring *r, Item *it, eng_item *e, PyObject *o) {
     if (!r->st || !Py_IS_TYPE(o, r->st->DeferredType)) return 0;
     if (!((Deferred *)o)->fill) {
         PyErr_SetString(PyExc_ValueError, "Deferred was not initialized");
         return -1;
     }
-    it->item.segs = it->segs;
-    it->item.nsegs = 0;
-    it->item.n = (uint64_t)((Deferred *)o)->nbytes;
-    it->item.crc = 0; /* computed after fill, under the lock */
-    it->item.fill = fill_payload;
-    it->item.fill_ctx = ((Deferred *)o)->fill;
+    it->nviews = 0;
+    it->hold = NULL;
+    e->segs = it->segs;
+    e->nsegs = 0;
+    e->n = (uint64_t)((Deferred *)o)->nbytes;
+    e->crc = 0; /* computed after fill, under the lock */
+    e->fill = fill_payload;
+    e->fill_ctx = ((Deferred *)o)->fill;
     return 1;
 }
 

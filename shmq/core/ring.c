@@ -68,18 +68,34 @@ static int get_segment(PyObject *o, Py_buffer *v) {
 }
 
 void release_items(Item *items, Py_ssize_t k) {
-    for (Py_ssize_t i = 0; i < k; i++)
-        for (int j = 0; j < items[i].item.nsegs; j++) PyBuffer_Release(&items[i].views[j]);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        for (int j = 0; j < items[i].nviews; j++) PyBuffer_Release(&items[i].views[j]);
+        Py_XDECREF(items[i].hold);
+    }
 }
 
-/* A bytes-like object, or a tuple of them (segments), as an engine item. */
-int load_item(Item *it, PyObject *o, int checksum) {
-    eng_item *e = &it->item;
+/* A bytes-like object, or a tuple of them (segments), as engine item *e,
+ * its buffers held in *it (release_items). */
+int load_item(Item *it, eng_item *e, PyObject *o, int checksum) {
     e->segs = it->segs;
-    e->nsegs = 0;
-    e->n = 0;
     e->crc = 0;
     e->fill = NULL;
+    it->hold = NULL;
+    if (PyBytes_CheckExact(o)) {
+        /* bytes are immutable: their storage is the segment for as long as a
+         * reference is held, without the buffer protocol's view and release */
+        it->segs[0].buf = PyBytes_AS_STRING(o);
+        it->segs[0].len = (size_t)PyBytes_GET_SIZE(o);
+        Py_INCREF(o);
+        it->hold = o;
+        it->nviews = 0;
+        e->nsegs = 1;
+        e->n = (uint64_t)it->segs[0].len;
+        if (checksum) eng_item_crc(e);
+        return 0;
+    }
+    e->nsegs = 0;
+    e->n = 0;
     if (PyTuple_CheckExact(o)) {
         Py_ssize_t k = PyTuple_GET_SIZE(o);
         if (k > MAX_SEGS) {
@@ -89,7 +105,7 @@ int load_item(Item *it, PyObject *o, int checksum) {
         for (Py_ssize_t j = 0; j < k; j++) {
             if (get_segment(PyTuple_GET_ITEM(o, j), &it->views[j]) < 0) {
                 for (int q = 0; q < e->nsegs; q++) PyBuffer_Release(&it->views[q]);
-                e->nsegs = 0;
+                it->nviews = e->nsegs = 0;
                 return -1;
             }
             it->segs[j].buf = it->views[j].buf;
@@ -104,6 +120,7 @@ int load_item(Item *it, PyObject *o, int checksum) {
         e->nsegs = 1;
         e->n = (uint64_t)it->views[0].len;
     }
+    it->nviews = e->nsegs;
     if (checksum) eng_item_crc(e);
     return 0;
 }
@@ -145,7 +162,7 @@ static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     double wait;
     if (parse_put_args(r, args, nargs, &codec, &backlog, &wait) < 0) return NULL;
     Item item;
-    if (load_item(&item, args[0], r->eng.checksum) < 0) return NULL;
+    if (load_item(&item, &item.item, args[0], r->eng.checksum) < 0) return NULL;
     int64_t res = eng_write(&r->eng, &item.item, 1, codec, backlog, wait, 0, NULL);
     release_items(&item, 1);
     return write_result(r, res);
@@ -184,10 +201,10 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
         Py_DECREF(seq);
         return PyLong_FromLong(SHMQ_ETOOLARGE);
     }
-    Item *items = PyMem_Malloc(sizeof(Item) * (size_t)count);
-    eng_item *eitems = items ? PyMem_Malloc(sizeof(eng_item) * (size_t)count) : NULL;
-    if (!items || !eitems) {
-        PyMem_Free(items);
+    /* one block: the engine's items, then the buffers that keep them alive */
+    eng_item *eitems = PyMem_Malloc((sizeof(eng_item) + sizeof(Item)) * (size_t)count);
+    Item *items = (Item *)(eitems + count);
+    if (!eitems) {
         free_write_opts(&opts);
         Py_DECREF(seq);
         return PyErr_NoMemory();
@@ -195,29 +212,26 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
     shmq_fast_items objs = SHMQ_FAST_ITEMS(seq);
     Py_ssize_t k;
     for (k = 0; k < count; k++) {
-        if (load_item(&items[k], SHMQ_FAST_AT(objs, k), r->eng.checksum) < 0) {
+        if (load_item(&items[k], &eitems[k], SHMQ_FAST_AT(objs, k), r->eng.checksum) < 0) {
             /* a Deferred is no buffer: recognized only here, off the plain path */
-            int d = PyErr_ExceptionMatches(PyExc_TypeError) ? load_deferred(r, &items[k], SHMQ_FAST_AT(objs, k)) : 0;
+            int d = PyErr_ExceptionMatches(PyExc_TypeError) ?
+                load_deferred(r, &items[k], &eitems[k], SHMQ_FAST_AT(objs, k)) : 0;
             if (d > 0) {
                 PyErr_Clear();
                 opts.eng.deferred = 1;
-                eitems[k] = items[k].item;
                 continue;
             }
             release_items(items, k);
-            PyMem_Free(items);
             PyMem_Free(eitems);
             free_write_opts(&opts);
             Py_DECREF(seq);
             return NULL;
         }
-        eitems[k] = items[k].item;
     }
     const eng_wopts *o =
         opts.eng.before_commit || opts.eng.timestamps || opts.eng.sync || opts.eng.deferred ? &opts.eng : NULL;
     int64_t res = eng_write(&r->eng, eitems, (size_t)count, codec, backlog, wait, 0, o);
     release_items(items, count);
-    PyMem_Free(items);
     PyMem_Free(eitems);
     free_write_opts(&opts);
     Py_DECREF(seq);

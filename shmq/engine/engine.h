@@ -261,6 +261,19 @@ static inline void read_header(eng_ring *r, uint64_t off, shmq_frame_header *h) 
     memcpy(h, r->ring + off, SHMQ_FRAME_BYTES);
 }
 
+/* The header at or after ring position *pos, unchecked: a tail shorter than
+ * a header is skipped (*pos moves on to the ring's start).  Returns the
+ * header's ring offset. */
+static inline uint64_t read_header_at(eng_ring *r, uint64_t *pos, shmq_frame_header *h) {
+    uint64_t ring = r->ring_bytes, off = *pos % ring;
+    if (ring - off < SHMQ_FRAME_BYTES) {
+        *pos += ring - off;
+        off = 0;
+    }
+    read_header(r, off, h);
+    return off;
+}
+
 /* The one check of a decoded frame header: its lengths keep it inside the ring. */
 static inline int header_sane(const shmq_frame_header *h, uint64_t off, uint64_t ring) {
     return (uint64_t)h->stored >= SHMQ_FRAME_BYTES + (uint64_t)h->length && h->stored % SHMQ_ALIGN == 0 &&
@@ -376,6 +389,16 @@ int trim_locked(eng_ring *r);
 /* ---- reserve.c (write.c) ---- */
 int reserve_locked(eng_ring *r, uint64_t nbytes, eng_resv *rv);
 void commit_reserved(eng_ring *r, const eng_resv *rv);
+int writer_reentry_slow(eng_ring *r, const char *what);
+/* 0, or SHMQ_ESTATE if this thread holds the writer lock already, through an
+ * open reservation or a callout of this handle: `what` (a put, a reserve)
+ * would wait for itself.  Inline: the common case is two relaxed loads. */
+static inline int writer_reentry(eng_ring *r, const char *what) {
+    if (!atomic_load_explicit(&r->resv_thread, memory_order_relaxed) &&
+        !atomic_load_explicit(&r->callout_thread, memory_order_relaxed))
+        return 0;
+    return writer_reentry_slow(r, what);
+}
 int eng_reserve(eng_ring *r, uint64_t nbytes, int codec, double lock_wait, eng_resv *rv);
 int64_t eng_resv_commit(eng_resv *rv);
 void eng_resv_abandon(eng_resv *rv);
@@ -385,7 +408,12 @@ int first_cursor(eng_ring *r, uint64_t *oseq, uint64_t *opos);
 int resync(eng_ring *r, uint64_t *seq, uint64_t *pos, const shmq_frame_header *h, uint64_t off, uint64_t *lost);
 void release_behind(eng_ring *r, uint64_t *released, uint64_t pos);
 void flush_locked(eng_cursor *c);
-void named_commit(eng_cursor *c);
+/* A named reader's commit: its cursor to its slot (position first: see resync). */
+static inline void named_commit(eng_cursor *c) {
+    uint64_t *s = cur_slot(c);
+    st_rel(&s[SHMQ_S_POS], c->pos);
+    st_rel(&s[SHMQ_S_SEQ], c->seq);
+}
 int eng_cursor_init(eng_cursor *c, eng_ring *r, int kind, int64_t slot, uint64_t seq, uint64_t pos, int autocommit,
                     int verify, const char *gsem);
 void eng_cursor_close(eng_cursor *c);

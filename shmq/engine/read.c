@@ -121,12 +121,6 @@ void flush_locked(eng_cursor *c) {
     c->n = c->bytes = c->dsum = c->dmax = c->dcount = c->lost_pending = 0;
 }
 
-void named_commit(eng_cursor *c) {
-    uint64_t *s = cur_slot(c);
-    st_rel(&s[SHMQ_S_POS], c->pos); /* position first: see resync */
-    st_rel(&s[SHMQ_S_SEQ], c->seq);
-}
-
 
 /* ---- a cursor's lifecycle ---- */
 
@@ -297,13 +291,8 @@ int eng_locate(eng_ring *r, uint64_t want, uint64_t hseq, uint64_t hpos, uint64_
         uint64_t limit = ld_acq(&c[SHMQ_W_NEXT_POS]) + ring; /* a sane walk never gets this far */
         int pads = 0;
         for (;;) {
-            uint64_t off = p % ring;
-            if (ring - off < SHMQ_FRAME_BYTES) {
-                p += ring - off;
-                off = 0;
-            }
             shmq_frame_header h;
-            read_header(r, off, &h);
+            uint64_t off = read_header_at(r, &p, &h);
             atomic_thread_fence(memory_order_acquire);
             if (ld_rlx(&c[SHMQ_W_FIRST_POS]) > p) break; /* overtaken by the writer: start again */
             if (h.seq != s || !header_sane(&h, off, ring) || p > limit)

@@ -54,20 +54,15 @@ void commit_reserved(eng_ring *r, const eng_resv *rv) {
  * SHMQ_ENOSPACE: nothing held), or an error (SHMQ_ESTATE: this thread
  * already holds a reservation or runs a callout of this handle). */
 int eng_reserve(eng_ring *r, uint64_t nbytes, int codec, double lock_wait, eng_resv *rv) {
-    unsigned long me = this_thread();
-    if (atomic_load_explicit(&r->resv_thread, memory_order_relaxed) == me)
-        return eng_fail(SHMQ_ESTATE, "this thread already holds an open reservation of this spool: commit or "
-                        "abandon it first (it holds the writer lock)");
-    if (atomic_load_explicit(&r->callout_thread, memory_order_relaxed) == me)
-        return eng_fail(SHMQ_ESTATE, "reserve from a fill() or before_commit() of the same spool would deadlock "
-                        "(they run under the writer lock)");
+    int st = writer_reentry(r, "reserve");
+    if (st) return st;
     if (nbytes > r->max_payload) return SHMQ_ETOOLARGE;
     int lk = eng_sem_lock(r->wsem, lock_wait, r->hooks, r, &r->ctl[SHMQ_W_LOCK_HOLDER], r->holder);
     if (lk != 0) return lk > 0 ? SHMQ_ELOCKED : lk;
     rv->ring = r;
     rv->codec = codec;
     rv->open = 0;
-    int st = reserve_locked(r, nbytes, rv);
+    st = reserve_locked(r, nbytes, rv);
     if (st != 0) {
         wlock_release(r);
         ring_finish(r);
@@ -75,7 +70,7 @@ int eng_reserve(eng_ring *r, uint64_t nbytes, int codec, double lock_wait, eng_r
     }
     rv->open = 1;
     r->resv = rv;
-    atomic_store_explicit(&r->resv_thread, me, memory_order_relaxed);
+    atomic_store_explicit(&r->resv_thread, this_thread(), memory_order_relaxed);
     return 0;
 }
 

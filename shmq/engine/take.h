@@ -74,13 +74,8 @@ ALWAYS_INLINE int read_loop(eng_ring *r, uint64_t *seqp, uint64_t *posp, int ver
                 return 0;
             }
         }
-        uint64_t off = pos % ring;
-        if (ring - off < SHMQ_FRAME_BYTES) {
-            pos += ring - off;
-            off = 0;
-        }
         shmq_frame_header h;
-        read_header(r, off, &h);
+        uint64_t off = read_header_at(r, &pos, &h);
         if (h.seq != seq || !header_sane(&h, off, ring)) {
             atomic_thread_fence(memory_order_acquire);
             int rs = resync(r, &seq, &pos, &h, off, lost);

@@ -347,10 +347,12 @@ int64_t write_locked(eng_ring *r, eng_item *items, size_t count, uint64_t *needs
     uint64_t nbytes = 0, seq = pl.seq0;
     uint16_t flags = r->checksum ? SHMQ_FLAG_CRC : 0;
     int hooked = count > 1 && crash_armed(r);
+    char *ring = r->ring; /* locals: the copies below could alias *r for the compiler */
+    const uint64_t ring_bytes = r->ring_bytes;
     for (size_t k = 0; k < count; k++) {
-        uint64_t off = placed[k] % r->ring_bytes;
+        uint64_t off = placed[k] % ring_bytes;
         shmq_frame_header h = {seq, (uint32_t)needs[k], (uint32_t)items[k].n, ts, items[k].crc, flags, (uint8_t)codec, 0};
-        char *dst = r->ring + off + SHMQ_FRAME_BYTES;
+        char *dst = ring + off + SHMQ_FRAME_BYTES;
         if (o) {
             if (o->timestamps) h.ts = o->timestamps[k];
             if (o->deferred && items[k].fill) {
@@ -361,10 +363,11 @@ int64_t write_locked(eng_ring *r, eng_item *items, size_t count, uint64_t *needs
                 dst += items[k].n;
             }
         }
-        memcpy(r->ring + off, &h, SHMQ_FRAME_BYTES);
-        for (int j = 0; j < items[k].nsegs; j++) {
-            memcpy(dst, items[k].segs[j].buf, items[k].segs[j].len);
-            dst += items[k].segs[j].len;
+        memcpy(ring + off, &h, SHMQ_FRAME_BYTES);
+        const eng_seg *sg = items[k].segs;
+        for (int j = 0, ns = items[k].nsegs; j < ns; j++) {
+            memcpy(dst, sg[j].buf, sg[j].len);
+            dst += sg[j].len;
         }
         uint64_t pad = needs[k] - SHMQ_FRAME_BYTES - items[k].n;
         if (pad) memset(dst, 0, (size_t)pad);
@@ -486,6 +489,19 @@ void eng_item_crc(eng_item *it) {
     it->crc = crc;
 }
 
+/* writer_reentry's look at this thread, once some thread of the handle holds
+ * the writer lock through a reservation or a callout. */
+int writer_reentry_slow(eng_ring *r, const char *what) {
+    unsigned long me = this_thread();
+    if (atomic_load_explicit(&r->resv_thread, memory_order_relaxed) == me)
+        return eng_fail(SHMQ_ESTATE, "%s inside an open reservation of the same spool in the same thread would "
+                        "deadlock: commit or abandon it first (it holds the writer lock)", what);
+    if (atomic_load_explicit(&r->callout_thread, memory_order_relaxed) == me)
+        return eng_fail(SHMQ_ESTATE, "%s from a fill() or before_commit() of the same spool would deadlock "
+                        "(they run under the writer lock)", what);
+    return 0;
+}
+
 /* Write a batch: take the writer lock (up to lock_wait, the caller's lock
  * dropped while waiting), write_locked, release, ring the readers' doorbell.
  * `patient`: a blocking put (block policy) that may wait a moment for
@@ -495,17 +511,8 @@ void eng_item_crc(eng_item *it) {
  * this thread's own reservation or callout, which would deadlock). */
 int64_t eng_write(eng_ring *r, eng_item *items, size_t count, int codec, int64_t max_backlog, double lock_wait,
                   int patient, const eng_wopts *o) {
-    unsigned long me = 0;
-    if (atomic_load_explicit(&r->resv_thread, memory_order_relaxed) ||
-        atomic_load_explicit(&r->callout_thread, memory_order_relaxed)) {
-        me = this_thread();
-        if (atomic_load_explicit(&r->resv_thread, memory_order_relaxed) == me)
-            return eng_fail(SHMQ_ESTATE, "put inside an open reservation of the same spool in the same thread "
-                            "would deadlock: commit or abandon it first");
-        if (atomic_load_explicit(&r->callout_thread, memory_order_relaxed) == me)
-            return eng_fail(SHMQ_ESTATE, "put from a fill() or before_commit() of the same spool would deadlock "
-                            "(they run under the writer lock)");
-    }
+    int st = writer_reentry(r, "put");
+    if (st) return st;
     uint64_t stack_needs[64], stack_placed[64];
     uint64_t *needs = stack_needs, *placed = stack_placed;
     if (count > 64) {
