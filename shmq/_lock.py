@@ -57,6 +57,13 @@ def holder_word() -> int:
     return _holder
 
 
+def process_start(pid: int) -> int:
+    """Process ``pid``'s start time in centiseconds since the epoch (the engine reads
+    ``/proc/PID/stat``), or 0 if there is no such process or its stat file cannot be
+    read.  A holder word keeps the low 32 bits."""
+    return _core.process_start(pid)
+
+
 def holder_pid(word: int) -> int:
     return word & 0xFFFFFFFF
 
