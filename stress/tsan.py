@@ -70,7 +70,7 @@ WEAKENINGS = {
     # the commit point (write.c's commit_batch, the one commit of put, put_many and reserve):
     # readers would copy unpublished bytes
     "commit": (r"st_rel\(&c\[SHMQ_W_NEXT_SEQ\],", "st_rlx(&c[SHMQ_W_NEXT_SEQ],"),
-    # a named reader's / group's consumed position (read.c's named_commit, take.h's group_take_in):
+    # a named reader's / group's consumed position (engine.h's named_commit, take.h's group_take_in):
     # the writer would overwrite bytes a reader may still be copying
     "consumed": (r"st_rel\(&s\[SHMQ_S_POS\],", "st_rlx(&s[SHMQ_S_POS],"),
 }
