@@ -100,6 +100,12 @@ DOORBELL_BYTE = 4000  # pwrite target: mmap stores raise no inotify event
 RECOVERY_LOCK_BYTE = 4064  # fcntl region lock: one process recovers the writer lock
 TABLE_LOCK_BYTE = 4065  # fcntl region lock: reader table allocation
 REPLAY_LOCK_BYTE = 4066  # fcntl region lock: one replayer of a dead-letter spool
+#: fcntl OFD region lock held *shared* by every open handle while it has the file
+#: mapped (taken at open, dropped by the kernel when the last descriptor of the
+#: handle's open file description closes, at the latest when its process dies).
+#: An exclusive non-blocking attempt that succeeds proves that no handle exists
+#: anywhere: how an anonymous queue's orphan check costs one fcntl (shmq.anonymous).
+HANDLE_LOCK_BYTE = 4067
 
 # --- reader / group table ------------------------------------------------
 
@@ -234,11 +240,12 @@ def ring_geometry(capacity: int, slots: int, leases: int):
 
 
 def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
-                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns,
+                  flags=0) -> bytes:
     body = GEOMETRY.pack(
         MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
         slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
-        POLICIES.index(policy), int(bool(checksum)), 0, 0,
+        POLICIES.index(policy), int(bool(checksum)), 0, flags,
         sem_prefix.encode("ascii"), created_ns, b"", 0,
     )
     crc = zlib.crc32(body[:GEOMETRY_CRC_SPAN])
@@ -248,6 +255,10 @@ def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_coun
 #: Geometry ``flags`` bit: the spool is fed from the network (``shmq sub``): its payloads
 #: came from another host, so nothing in it is unpickled unless the caller opts in.
 GEO_FLAG_NETWORK = 0x1
+#: Geometry ``flags`` bit: the spool was created by a shmq whose handles hold
+#: :data:`HANDLE_LOCK_BYTE` while open, so an exclusive attempt on it tells whether any
+#: handle exists.  Without it (a file an older shmq created) the lock proves nothing.
+GEO_FLAG_HANDLE_LOCKS = 0x2
 
 
 def with_geometry_flags(raw: bytes, flags: int) -> bytes:
@@ -256,6 +267,12 @@ def with_geometry_flags(raw: bytes, flags: int) -> bytes:
     fields[15] |= flags  # magic, version, ..., policy, checksum, reserved, flags
     body = GEOMETRY.pack(*fields)
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:GEOMETRY_CRC_SPAN]))
+
+
+def handles_lock(geo: dict) -> bool:
+    """True if every handle of the spool with this decoded geometry holds
+    :data:`HANDLE_LOCK_BYTE` (it was created by a shmq that takes it)."""
+    return bool(geo.get("flags", 0) & GEO_FLAG_HANDLE_LOCKS)
 
 
 def from_network(geo: dict) -> bool:

@@ -24,8 +24,8 @@ import time
 import psutil
 
 from . import _core
-from ._format import pack_flock, unpack_flock
-from .errors import Timeout
+from ._format import HANDLE_LOCK_BYTE, pack_flock, unpack_flock
+from .errors import ShmqError, Timeout
 
 #: Linux's largest possible pid (PID_MAX_LIMIT, include/linux/threads.h).
 PID_MAX_LIMIT = 4 * 1024 * 1024
@@ -132,6 +132,50 @@ def ofd_locked_by_other(fd: int, byte: int) -> bool:
     """True if some other open file description holds any lock on ``byte``."""
     raw = fcntl.fcntl(fd, F_OFD_GETLK, pack_flock(fcntl.F_WRLCK, byte))
     return unpack_flock(raw)[0] != fcntl.F_UNLCK
+
+
+#: How long opening a spool waits while its handle lock is held exclusively: only a
+#: process removing an orphaned anonymous queue holds it so, for the few unlinks
+#: that takes (milliseconds), so a wait this long means a hostile holder.
+HANDLE_LOCK_WAIT_S = 5.0
+
+
+def _try_shared(fd: int) -> bool:
+    try:
+        return ofd_lock(fd, HANDLE_LOCK_BYTE, exclusive=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+            return True  # a filesystem without fcntl locks: no handle lock to hold
+        raise
+
+
+def hold_handle_lock(fd: int, path: str) -> None:
+    """Take the handle lock (:data:`shmq._format.HANDLE_LOCK_BYTE`, shared) on ``fd``:
+    every handle holds it while it has the spool mapped, so an exclusive attempt
+    elsewhere fails while any handle exists.  Never released explicitly: the kernel
+    drops it when the last descriptor of ``fd``'s open file description closes
+    (a fork child sharing it keeps it), at the latest when the process dies.
+
+    Blocks only while another process holds it exclusively, at most
+    :data:`HANDLE_LOCK_WAIT_S` (polling; a removal holds it for milliseconds).  On a
+    filesystem without fcntl locks (some network mounts) there is none to hold; the
+    anonymous queues that rely on it live on ``/dev/shm``, which has them.
+
+    :raises shmq.ShmqError: still held exclusively after that.
+    """
+    delay, deadline = 0.0005, None
+    while not _try_shared(fd):
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + HANDLE_LOCK_WAIT_S
+        elif now > deadline:
+            raise ShmqError(f"{path}: another process has held this spool's handle lock "
+                            f"(fcntl byte {HANDLE_LOCK_BYTE}) exclusively for over "
+                            f"{HANDLE_LOCK_WAIT_S} s; only shmq removing an orphaned queue "
+                            "takes it so, for milliseconds: find the holder with 'fuser' or "
+                            "/proc/locks")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 # --- recoverable semaphore lock ------------------------------------------

@@ -15,7 +15,12 @@ samples):
   (``sleep``), as on a Spark executor host.
 
 What is timed is the constructor alone (``q = shmq.Queue()``); each queue is
-closed (and so removed) outside the clock.  Round teardown releases the
+closed (and so removed) outside the clock.  With the held orphans in place, the
+program also times one check of a candidate for users, three ways: the handle
+lock ``Queue()`` uses (an open and one ``F_OFD_SETLK``), the same with a
+whole-file ``flock``, and the scan of every process's ``/proc`` maps and
+descriptors that ``Queue()`` used before and ``shmq gc`` keeps for files of
+older versions.  Round teardown releases the
 holders: each removes its orphan as it exits (the creator is dead and nobody
 else maps it), which the program checks.  Other users' processes on the host
 count towards the process total (printed).
@@ -28,6 +33,7 @@ count towards the process total (printed).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import multiprocessing as mp
 import os
@@ -39,6 +45,9 @@ import sys
 import time
 
 import shmq
+import shmq.gc
+from shmq import anonymous
+from shmq.anonymous import queue_creator
 
 STATES = ("clean", "held", "busy")
 #: The issue's targets: creation on the busy host within this factor of the clean one ...
@@ -123,12 +132,49 @@ def time_creations(n):
     return out
 
 
+def _probe_handle_lock(path, creator):
+    return anonymous._reclaim_one(path, creator)  # in use: open, one F_OFD_SETLK, close
+
+
+def _probe_flock(path, creator):
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (nothing holds flocks: it succeeds)
+    finally:
+        os.close(fd)
+
+
+def _probe_proc_scan(path, creator):
+    return shmq.gc._open_anywhere(path)  # every process's maps and descriptors
+
+
+#: How a candidate can be checked for users: what Queue() does now, the same with a
+#: whole-file flock instead, and the /proc scan it did before (shmq gc's fallback).
+PROBES = {"handle lock": _probe_handle_lock, "flock": _probe_flock, "/proc scan": _probe_proc_scan}
+
+
+def time_probes(paths, reps):
+    """Seconds per candidate check, for each way in :data:`PROBES`, over ``paths``."""
+    out = {}
+    for name, fn in PROBES.items():
+        times = []
+        for _ in range(reps):
+            for p in paths:
+                creator = queue_creator(p)
+                t = time.perf_counter()
+                fn(p, creator)
+                times.append(time.perf_counter() - t)
+        out[name] = times
+    return out
+
+
 def count_processes():
     return sum(1 for e in os.listdir("/proc") if e.isdigit())
 
 
-def run(rounds, creations, orphans, others, log=print):
+def run(rounds, creations, orphans, others, probe_reps=3, log=print):
     samples = {s: [] for s in STATES}
+    probes = {s: {name: [] for name in PROBES} for s in STATES[1:]}
     procs_seen = {s: [] for s in STATES}
     leftovers = []
     time_creations(3)  # warm up: imports, the resource tracker
@@ -140,9 +186,13 @@ def run(rounds, creations, orphans, others, log=print):
             held = make_held_orphans(orphans)
             procs_seen["held"].append(count_processes())
             samples["held"] += time_creations(creations)
+            for name, t in time_probes([p for p, _h, _c in held], probe_reps).items():
+                probes["held"][name] += t
             busy = start_others(others)
             procs_seen["busy"].append(count_processes())
             samples["busy"] += time_creations(creations)
+            for name, t in time_probes([p for p, _h, _c in held], probe_reps).items():
+                probes["busy"][name] += t
         finally:
             stop_others(busy)
             leftovers += release_orphans(held)
@@ -157,6 +207,8 @@ def run(rounds, creations, orphans, others, log=print):
         "p90_ms": {s: statistics.quantiles(v, n=10)[-1] * 1e3 for s, v in samples.items()},
         "processes_on_host": {s: statistics.median(v) for s, v in procs_seen.items()},
         "busy_vs_clean": med["busy"] / med["clean"], "held_vs_clean": med["held"] / med["clean"],
+        "probe_median_us": {s: {name: statistics.median(t) * 1e6 for name, t in by.items()}
+                            for s, by in probes.items()},
         "orphans_not_removed_by_their_holders": leftovers,
     }
 
@@ -173,6 +225,11 @@ def report(res):
         m = res["median_ms"][s]
         print(f"| {labels[s]} | {res['processes_on_host'][s]:.0f} | {m:.3f} ms | "
               f"{res['p90_ms'][s]:.3f} ms | {m / res['median_ms']['clean']:.2f}x |")
+    print("\nchecking one held orphan for users, median per candidate:")
+    print("| host state | " + " | ".join(PROBES) + " |")
+    print("|---|" + "---|" * len(PROBES))
+    for s, by in res["probe_median_us"].items():
+        print(f"| {labels[s]} | " + " | ".join(f"{by[n]:.1f} us" for n in PROBES) + " |")
     ok_ratio = res["busy_vs_clean"] <= TARGET_RATIO
     ok_ms = res["median_ms"]["busy"] < TARGET_MS
     print(f"target: busy within {TARGET_RATIO}x of clean: {res['busy_vs_clean']:.2f}x "
