@@ -65,7 +65,8 @@ BACKOFF_MAX_S = 8.0
 _backoff: dict[str, tuple[float, float, bool]] = {}
 
 # What a probe found (see probe and _reclaim_one).
-REMOVED, IN_USE, FREE, GONE, UNKNOWN = "removed", "in use", "free", "gone", "unknown"
+REMOVED, IN_USE, FREE, GONE, UNKNOWN, FOREIGN = (
+    "removed", "in use", "free", "gone", "unknown", "not ours")
 
 
 def anonymous_path() -> str:
@@ -182,14 +183,17 @@ def destroy_owned(path: str, prefix: str, owner: int) -> None:
 
 def _open_candidate(path: str):
     """``(fd, stat)`` of the anonymous queue at ``path`` if it is this user's regular
-    file (never following or blocking); None if gone or not ours."""
+    file (never following or blocking); else ``GONE`` or ``FOREIGN`` (another user's,
+    not a regular file, not readable: never ours to remove)."""
     try:
         fd, st = open_file(path)
+    except FileNotFoundError:
+        return GONE
     except (OSError, ShmqError):
-        return None
+        return FOREIGN
     if st.st_uid != os.getuid():
         os.close(fd)
-        return None
+        return FOREIGN
     return fd, st
 
 
@@ -210,8 +214,8 @@ def _reclaim_one(path: str, creator: tuple[int, int]) -> tuple[str, str | None]:
     does not decode; the lock tells nothing about those.
     """
     opened = _open_candidate(path)
-    if opened is None:
-        return GONE, None
+    if isinstance(opened, str):
+        return opened, None
     fd, st = opened
     try:
         try:
@@ -242,11 +246,11 @@ def probe(path: str) -> str:
     """Whether a handle to the anonymous queue at ``path`` exists anywhere, from the
     handle lock, taking nothing (``F_OFD_GETLK``): ``IN_USE``, ``FREE``, ``UNKNOWN``
     (a file an older shmq created, or whose header does not decode: the lock tells
-    nothing) or ``GONE`` (not there, or not this user's regular file).  The answer may
+    nothing), ``GONE`` or ``FOREIGN`` (not this user's regular file).  The answer may
     be stale by the time the caller acts: :func:`reclaim` decides again under the lock."""
     opened = _open_candidate(path)
-    if opened is None:
-        return GONE
+    if isinstance(opened, str):
+        return opened
     fd, st = opened
     try:
         try:
@@ -341,7 +345,7 @@ def reclaim_orphans(limit: int | None = None, probes: int | None = None) -> int:
             interval = min(BACKOFF_MAX_S, interval * 2 or BACKOFF_FIRST_S) if was_dead == dead \
                 else BACKOFF_FIRST_S
             _backoff[path] = (now + interval, interval, dead)
-        elif outcome == UNKNOWN:
+        elif outcome in (UNKNOWN, FOREIGN):  # not for this call to decide, now or later
             _backoff[path] = (now + BACKOFF_MAX_S, BACKOFF_MAX_S, dead)
         else:
             _backoff.pop(path, None)

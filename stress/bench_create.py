@@ -246,11 +246,12 @@ def main(argv=None):
     ap.add_argument("--creations", type=int, default=30, help="timed creations per state per round")
     ap.add_argument("--orphans", type=int, default=8)
     ap.add_argument("--others", type=int, default=500, help="idle processes started for the busy state")
-    ap.add_argument("--quick", action="store_true", help="1 round, 10 creations, 50 other processes")
+    ap.add_argument("--quick", action="store_true", help="1 round, 10 creations, at most 50 other processes")
     ap.add_argument("--json", help="write the figures to this file")
     a = ap.parse_args(argv)
     if a.quick:
-        a.rounds, a.creations, a.others = 1, 10, 50
+        a.rounds, a.creations = 1, 10
+        a.others = min(a.others, 50)
     res = run(a.rounds, a.creations, a.orphans, a.others)
     report(res)
     if a.json:

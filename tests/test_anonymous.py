@@ -265,6 +265,35 @@ def test_creation_probes_are_bounded(monkeypatch):
                 shmq.Spool.destroy(p)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's file needs root")
+def test_another_users_queue_file_is_never_taken_and_costs_one_probe(monkeypatch):
+    ctx = mp.get_context("fork")
+    dead = ctx.Process(target=lambda: None)
+    dead.start()
+    dead.join(bound(30))  # its pid names a dead creator
+    path = os.path.join(anonymous.ANONYMOUS_DIR, f"{anonymous.ANONYMOUS_PREFIX}{dead.pid}-0-"
+                        f"{os.urandom(8).hex()}")
+    sp = shmq.Spool.create(path, capacity="64KiB", on_full="block", readers=1, leases=0)
+    sp.close()
+    os.chown(path, 65534, 65534)  # nobody's, as if planted by another user
+    probes = []
+    real = anonymous._reclaim_one
+    monkeypatch.setattr(anonymous, "_reclaim_one",
+                        lambda p, c: probes.append(p) or real(p, c) if p == path else real(p, c))
+    monkeypatch.setattr(anonymous, "PROBE_BATCH", 1 << 20)
+    anonymous._backoff.pop(path, None)
+    try:
+        anonymous.reclaim_orphans()
+        anonymous.reclaim_orphans()
+        assert probes == [path]  # not ours: left alone, and not probed at every creation
+        assert os.path.exists(path) and anonymous.probe(path) == anonymous.FOREIGN
+        assert anonymous.reclaim(path) is False and not anonymous.is_orphan(path)
+        assert path not in _gc("--min-age", "0")["queues"]
+    finally:
+        os.chown(path, 0, 0)
+        shmq.Spool.destroy(path)
+
+
 # -- the handle lock ----------------------------------------------------------------
 
 

@@ -141,3 +141,22 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
     assert all(v > 0 for v in data["medians"].values())
     text = "\n".join(data["summary"])
     assert "target >= 3x" in text and "target >= 1.5x" in text and "Service(copy=False)" in text
+
+
+def test_bench_create_runs_and_holders_remove_their_orphans(tmp_path):
+    """stress/bench_create.py --quick (one round; no timing asserted): every host state
+    and every way of checking a candidate is measured, the resource tracker says
+    nothing, and each holder removed its orphan as it exited (exit status 0)."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, "-W", "error", os.path.join(STRESS, "bench_create.py"),
+                           "--quick", "--others", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr == ""
+    data = json.loads(out.read_text())
+    assert set(data["median_ms"]) == {"clean", "held", "busy"} and all(
+        v > 0 for v in data["median_ms"].values())
+    assert {n for by in data["probe_median_us"].values() for n in by} == {
+        "handle lock", "flock", "/proc scan"}
+    assert data["orphans_not_removed_by_their_holders"] == []
+    assert "target: busy within 1.5x of clean" in proc.stdout
