@@ -48,7 +48,7 @@ __all__ = ["anonymous_path", "anonymous_paths", "queue_creator", "probe", "is_or
 #: Where a Queue made without ``path`` lives.
 ANONYMOUS_DIR = "/dev/shm"
 ANONYMOUS_PREFIX = "shmq-q-"
-#: The semaphores :func:`track` registers with the resource tracker, besides group 0's.
+#: The semaphores :func:`track` registers with the resource tracker (group 0's included).
 _TRACKED_SEMS = ("w", "r", "f", "u", "g0")
 
 #: At most this many orphans are removed per :func:`reclaim_orphans` call ...
@@ -69,11 +69,14 @@ REMOVED, IN_USE, FREE, GONE, UNKNOWN, FOREIGN = (
     "removed", "in use", "free", "gone", "unknown", "not ours")
 
 
+def _names_of(word: int) -> str:
+    """The start of the names of the queues created by the process with holder ``word``."""
+    return f"{ANONYMOUS_PREFIX}{word & 0xFFFFFFFF}-{word >> 32:x}-"
+
+
 def anonymous_path() -> str:
     """A new anonymous queue path for this process (its pid and start time, 64 random bits)."""
-    me = holder_word()
-    return os.path.join(ANONYMOUS_DIR, f"{ANONYMOUS_PREFIX}{me & 0xFFFFFFFF}-{me >> 32:x}-"
-                        f"{secrets.token_hex(8)}")
+    return os.path.join(ANONYMOUS_DIR, _names_of(holder_word()) + secrets.token_hex(8))
 
 
 def anonymous_paths() -> list[str]:
@@ -322,8 +325,7 @@ def reclaim_orphans(limit: int | None = None, probes: int | None = None) -> int:
     except OSError:
         return 0
     now = time.monotonic()
-    me = holder_word()
-    mine = f"{ANONYMOUS_PREFIX}{me & 0xFFFFFFFF}-{me >> 32:x}-"
+    mine = _names_of(holder_word())
     paths = {os.path.join(ANONYMOUS_DIR, n) for n in names
              if n.startswith(ANONYMOUS_PREFIX) and not n.startswith(mine)}
     for gone in _backoff.keys() - paths:

@@ -174,6 +174,24 @@ def test_the_next_queue_removes_a_dead_creators_queue_nobody_holds(dead_creators
         alive_one.close()
 
 
+def _named_after_a_dead_creator():
+    """An anonymous queue path whose creator (a fork child that has exited) is dead."""
+    dead = mp.get_context("fork").Process(target=lambda: None)
+    dead.start()
+    dead.join(bound(30))
+    return os.path.join(anonymous.ANONYMOUS_DIR, f"{anonymous.ANONYMOUS_PREFIX}{dead.pid}-0-"
+                        f"{os.urandom(8).hex()}")
+
+
+def _count_probes(monkeypatch, path):
+    """A list that gets ``path`` each time the orphan sweep probes it (behaviour unchanged)."""
+    probes = []
+    real = anonymous._reclaim_one
+    monkeypatch.setattr(anonymous, "_reclaim_one",
+                        lambda p, c: probes.append(p) or real(p, c) if p == path else real(p, c))
+    return probes
+
+
 class _Clock:
     """The back-off's clock, moved by the test."""
 
@@ -194,10 +212,7 @@ def test_a_held_orphan_is_probed_with_back_off_then_removed(dead_creators_queue,
     # other queues on the host (other test runs') must not use up a call's budget
     monkeypatch.setattr(anonymous, "PROBE_BATCH", 1 << 20)
     monkeypatch.setattr(anonymous, "RECLAIM_BATCH", 1 << 20)
-    probes = []
-    real = anonymous._reclaim_one
-    monkeypatch.setattr(anonymous, "_reclaim_one",
-                        lambda p, c: probes.append(p) or real(p, c) if p == path else real(p, c))
+    probes = _count_probes(monkeypatch, path)
     anonymous._backoff.pop(path, None)
 
     assert path not in _removed_by(anonymous.reclaim_orphans)
@@ -267,19 +282,11 @@ def test_creation_probes_are_bounded(monkeypatch):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making another user's file needs root")
 def test_another_users_queue_file_is_never_taken_and_costs_one_probe(monkeypatch):
-    ctx = mp.get_context("fork")
-    dead = ctx.Process(target=lambda: None)
-    dead.start()
-    dead.join(bound(30))  # its pid names a dead creator
-    path = os.path.join(anonymous.ANONYMOUS_DIR, f"{anonymous.ANONYMOUS_PREFIX}{dead.pid}-0-"
-                        f"{os.urandom(8).hex()}")
+    path = _named_after_a_dead_creator()
     sp = shmq.Spool.create(path, capacity="64KiB", on_full="block", readers=1, leases=0)
     sp.close()
     os.chown(path, 65534, 65534)  # nobody's, as if planted by another user
-    probes = []
-    real = anonymous._reclaim_one
-    monkeypatch.setattr(anonymous, "_reclaim_one",
-                        lambda p, c: probes.append(p) or real(p, c) if p == path else real(p, c))
+    probes = _count_probes(monkeypatch, path)
     monkeypatch.setattr(anonymous, "PROBE_BATCH", 1 << 20)
     anonymous._backoff.pop(path, None)
     try:
@@ -426,12 +433,7 @@ def _without_handle_locks_flag(path):
 def test_an_older_shmqs_queue_is_left_to_gc_which_scans_for_users():
     """A file without the handle-lock flag: its handles (an older shmq's) take no lock,
     so neither Queue() nor a closing handle removes it; shmq gc scans /proc for it."""
-    ctx = mp.get_context("fork")
-    dead = ctx.Process(target=lambda: None)
-    dead.start()
-    dead.join(bound(30))  # its pid names a dead creator
-    path = os.path.join(anonymous.ANONYMOUS_DIR, f"{anonymous.ANONYMOUS_PREFIX}{dead.pid}-0-"
-                        f"{os.urandom(8).hex()}")
+    path = _named_after_a_dead_creator()
     sp = shmq.Spool.create(path, capacity="64KiB", on_full="block", readers=1, leases=0)
     prefix = sp.sem_prefix
     try:
