@@ -39,7 +39,7 @@ from multiprocessing import resource_tracker
 
 from . import _format as F
 from ._lock import holder_word, ofd_lock, ofd_locked_by_other, process_alive
-from ._mapping import destroy_file, open_file, sem_name, unlink_semaphores
+from ._mapping import destroy_file, open_file, sem_name, semaphore_file, unlink_semaphores
 from .errors import ShmqError
 
 __all__ = ["anonymous_path", "anonymous_paths", "queue_creator", "probe", "is_orphan", "reclaim",
@@ -59,10 +59,16 @@ PROBE_BATCH = 16
 BACKOFF_FIRST_S = 1.0
 #: ... doubling each time it is found in use again, up to this.
 BACKOFF_MAX_S = 8.0
+#: A dead creator's queue registered with another resource tracker is left to that
+#: tracker this long (seconds) after the creator is first seen dead (:func:`shares_tracker`).
+TRACKER_GRACE_S = 5.0
 
 # path -> (monotonic time before which it is not probed, current interval, whether
 # its creator was dead then: a creator's death ends the back-off at once)
 _backoff: dict[str, tuple[float, float, bool]] = {}
+# path -> monotonic time its creator was first seen dead (queues registered with
+# another process's resource tracker: see shares_tracker)
+_dead_since: dict[str, float] = {}
 
 # What a probe found (see probe and _reclaim_one).
 REMOVED, IN_USE, FREE, GONE, UNKNOWN, FOREIGN = (
@@ -74,9 +80,29 @@ def _names_of(word: int) -> str:
     return f"{ANONYMOUS_PREFIX}{word & 0xFFFFFFFF}-{word >> 32:x}-"
 
 
+def tracker_tag() -> str:
+    """This process's resource tracker, as 8 hex digits: the inode of the pipe to it,
+    which every process using that tracker shares (fork, spawn and forkserver children
+    use their parent's); ``"0"`` if this process has none yet."""
+    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if fd is None:
+        return "0"
+    try:
+        return f"{os.fstat(fd).st_ino & 0xFFFFFFFF:x}"
+    except OSError:
+        return "0"
+
+
 def anonymous_path() -> str:
-    """A new anonymous queue path for this process (its pid and start time, 64 random bits)."""
-    return os.path.join(ANONYMOUS_DIR, _names_of(holder_word()) + secrets.token_hex(8))
+    """A new anonymous queue path for this process: its pid and start time, its resource
+    tracker (:func:`tracker_tag`; started here if need be, as :func:`track` needs it),
+    and 64 random bits."""
+    try:
+        resource_tracker.ensure_running()
+    except Exception:
+        pass  # no tracker: the name says so ("0"), and track() fails as it would have
+    return os.path.join(ANONYMOUS_DIR, f"{_names_of(holder_word())}{tracker_tag()}-"
+                        f"{secrets.token_hex(8)}")
 
 
 def anonymous_paths() -> list[str]:
@@ -113,13 +139,32 @@ def queue_creator(path: str) -> tuple[int, int] | None:
     if os.path.dirname(path) != ANONYMOUS_DIR or not name.startswith(ANONYMOUS_PREFIX):
         return None
     parts = name[len(ANONYMOUS_PREFIX):].split("-")
-    if len(parts) != 3:
+    if len(parts) not in (3, 4):  # with or without the tracker's tag
         return None
     try:
         pid, start = int(parts[0]), int(parts[1], 16)
     except ValueError:
         return None
     return (pid, start) if 0 < pid and 0 <= start < 1 << 32 else None
+
+
+def shares_tracker(path: str) -> bool:
+    """True if the creator of the anonymous queue at ``path`` registered it with this
+    process's resource tracker (the tag in its name is this process's
+    :func:`tracker_tag`); False if with another tracker, or if the name does not say.
+
+    Why it matters: the creator's tracker unlinks the queue's names once every process
+    sharing it is gone, and warns if it finds them gone already.  A queue registered
+    with this process's tracker is removed here and taken out of the tracker
+    (:func:`forget_in_tracker`): quiet.  One registered with another tracker is left to
+    that tracker, which removes it (quietly) as soon as its processes are gone; only if
+    it is still there :data:`TRACKER_GRACE_S` after its creator was seen dead does
+    :func:`reclaim_orphans` remove it (its tracker then died too, or serves other live
+    processes, and may warn at its exit).
+    """
+    parts = os.path.basename(path)[len(ANONYMOUS_PREFIX):].split("-")
+    mine = tracker_tag()
+    return len(parts) == 4 and mine != "0" and parts[2] == mine
 
 
 # -- the resource tracker ---------------------------------------------------------
@@ -133,17 +178,13 @@ def _tracked(path: str, prefix: str) -> list[tuple[str, str]]:
 def track(path: str, prefix: str) -> None:
     """Register the creator's new queue with this process's resource tracker, which
     unlinks the file and its semaphores if every process sharing the tracker dies
-    without :func:`destroy_owned` (the creator killed, and nothing reclaimed it)."""
+    without :func:`destroy_owned` (the creator killed, and nothing reclaimed it).
+
+    Only the names that exist are registered (a plain Queue has no ``u`` semaphore):
+    the tracker warns about every name it cannot unlink."""
     for name, rtype in _tracked(path, prefix):
-        resource_tracker.register(name, rtype)
-
-
-def _untrack(path: str, prefix: str) -> None:
-    try:
-        for name, rtype in _tracked(path, prefix):
-            resource_tracker.unregister(name, rtype)
-    except Exception:
-        pass  # a tracker that died: nothing left to tell
+        if rtype == "shared_memory" or os.path.exists(semaphore_file(name)):
+            resource_tracker.register(name, rtype)
 
 
 def forget_in_tracker(path: str, prefix: str) -> None:
@@ -160,6 +201,9 @@ def forget_in_tracker(path: str, prefix: str) -> None:
     if getattr(resource_tracker._resource_tracker, "_fd", None) is None:
         return
     try:
+        # A pair per name, registered or not: the tracker keeps a set, so a pair takes
+        # out a registered name and leaves nothing for one never registered (a lone
+        # unregister of an unknown name would make the tracker print a traceback).
         for name, rtype in _tracked(path, prefix):
             resource_tracker.register(name, rtype)
             resource_tracker.unregister(name, rtype)
@@ -178,7 +222,7 @@ def destroy_owned(path: str, prefix: str, owner: int) -> None:
     except FileNotFoundError:
         pass
     unlink_semaphores(prefix, 1)
-    _untrack(path, prefix)
+    forget_in_tracker(path, prefix)  # what track() registered, whichever names it was
 
 
 # -- orphans ------------------------------------------------------------------------
@@ -283,10 +327,11 @@ def reclaim(path: str) -> bool:
     read) only if no handle exists.  A queue whose name does not carry its creator,
     or a file the handle lock cannot tell about (see :func:`probe`), is left alone.
     What the creator registered with this process's resource tracker is taken out of
-    it (:func:`forget_in_tracker`).
+    it (:func:`forget_in_tracker`); a queue registered with another tracker is left to
+    that one (:func:`shares_tracker`), and to :func:`reclaim_orphans` after its grace.
     """
     creator = queue_creator(path)
-    if creator is None:
+    if creator is None or not shares_tracker(path):
         return False
     outcome, prefix = _reclaim_one(path, creator)
     if outcome == REMOVED:
@@ -330,6 +375,8 @@ def reclaim_orphans(limit: int | None = None, probes: int | None = None) -> int:
              if n.startswith(ANONYMOUS_PREFIX) and not n.startswith(mine)}
     for gone in _backoff.keys() - paths:
         del _backoff[gone]
+    for gone in _dead_since.keys() - paths:
+        del _dead_since[gone]
     removed = probed = 0
     for path in paths:
         if removed >= limit or probed >= probes:
@@ -341,6 +388,9 @@ def reclaim_orphans(limit: int | None = None, probes: int | None = None) -> int:
         retry_at, interval, was_dead = _backoff.get(path, (0.0, 0.0, dead))
         if retry_at > now and was_dead == dead:
             continue  # in use when last probed, and its creator has not died since
+        if dead and not shares_tracker(path):
+            if now - _dead_since.setdefault(path, now) < TRACKER_GRACE_S:
+                continue  # registered with another tracker, which removes it quietly
         probed += 1
         outcome, prefix = _reclaim_one(path, creator)
         if outcome == IN_USE:
@@ -351,6 +401,7 @@ def reclaim_orphans(limit: int | None = None, probes: int | None = None) -> int:
             _backoff[path] = (now + BACKOFF_MAX_S, BACKOFF_MAX_S, dead)
         else:
             _backoff.pop(path, None)
+            _dead_since.pop(path, None)
             if outcome == REMOVED:
                 removed += 1
                 forget_in_tracker(path, prefix)  # type: ignore[arg-type]  # set with REMOVED

@@ -103,14 +103,20 @@ class Queue:
                                  on_full="block", readers=1, leases=0)
             spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
             self._owner = os.getpid()
-            track(spool.path, spool.sem_prefix)
         else:
             spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
                                  on_full="block", exist_ok=True)
             if maxsize > 0 and not spool.ring.ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
                 spool.ring.ctl[F.W_QUEUE_MAXSIZE] = maxsize
-        self._attach(spool, trusted)
+        try:
+            self._attach(spool, trusted)
+        except BaseException:
+            if self._owner is not None:
+                destroy_owned(spool.path, spool.sem_prefix, self._owner)
+            raise
         if self._owner is not None:
+            # after _attach: the group's (and a JoinableQueue's count's) semaphores exist
+            track(spool.path, spool.sem_prefix)
             _mp_util.register_after_fork(self, Queue._watch_creator)
             # Removes the file and semaphores when the creator is done with it.
             self._finalizer = weakref.finalize(self, destroy_owned, spool.path, spool.sem_prefix,

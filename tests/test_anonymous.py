@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import zlib
+from multiprocessing import resource_tracker
 
 import pytest
 
@@ -175,12 +176,14 @@ def test_the_next_queue_removes_a_dead_creators_queue_nobody_holds(dead_creators
 
 
 def _named_after_a_dead_creator():
-    """An anonymous queue path whose creator (a fork child that has exited) is dead."""
+    """An anonymous queue path whose creator (a fork child that has exited) is dead, and
+    which names this process's resource tracker (the child's: a fork shares it)."""
+    resource_tracker.ensure_running()
     dead = mp.get_context("fork").Process(target=lambda: None)
     dead.start()
     dead.join(bound(30))
     return os.path.join(anonymous.ANONYMOUS_DIR, f"{anonymous.ANONYMOUS_PREFIX}{dead.pid}-0-"
-                        f"{os.urandom(8).hex()}")
+                        f"{anonymous.tracker_tag()}-{os.urandom(8).hex()}")
 
 
 def _count_probes(monkeypatch, path):
@@ -236,6 +239,36 @@ def test_a_held_orphan_is_probed_with_back_off_then_removed(dead_creators_queue,
     anonymous.reclaim_orphans()
     assert not os.path.exists(path) and not _sem_files(prefix)
     assert path not in anonymous._backoff
+
+
+def test_a_queue_of_another_resource_tracker_is_left_to_it_then_removed_after_the_grace(
+        monkeypatch):
+    """A dead creator's queue registered with another process's resource tracker is that
+    tracker's to remove (it unlinks it, quietly, once its processes are gone; removing
+    it first would make it warn): neither the last handle closing nor the next Queue()
+    takes it within TRACKER_GRACE_S; after that the sweep does (that tracker is gone)."""
+    name = os.path.basename(_named_after_a_dead_creator()).split("-")
+    name[4] = "1" if name[4] != "1" else "2"  # another tracker's tag
+    path = os.path.join(anonymous.ANONYMOUS_DIR, "-".join(name))
+    assert not anonymous.shares_tracker(path)
+    sp = shmq.Spool.create(path, capacity="64KiB", on_full="block", readers=1, leases=0)
+    prefix = sp.sem_prefix
+    sp.close()
+    clock = _Clock()
+    monkeypatch.setattr(anonymous, "time", clock)
+    monkeypatch.setattr(anonymous, "PROBE_BATCH", 1 << 20)
+    monkeypatch.setattr(anonymous, "RECLAIM_BATCH", 1 << 20)
+    try:
+        assert anonymous.reclaim(path) is False  # the last handle's close leaves it
+        assert path not in _removed_by(anonymous.reclaim_orphans)
+        clock.now += anonymous.TRACKER_GRACE_S - 0.01
+        assert path not in _removed_by(anonymous.reclaim_orphans)
+        clock.now += 0.02
+        assert path in _removed_by(anonymous.reclaim_orphans)
+        assert not _sem_files(prefix) and path not in anonymous._dead_since
+    finally:
+        if os.path.exists(path):
+            shmq.Spool.destroy(path)
 
 
 def _removed_by(fn):
