@@ -15,16 +15,30 @@ and the second answer is dropped here by call id.
 one :class:`_Group`; a bundle found lost as above is split, and its calls
 are sent again one by one (each with its own attempts from then on).
 
+Waiting (threads and coroutines alike, on one handle): a call first takes
+a slot of the client's window (``window`` calls in flight; beyond it,
+calls wait in order, each parked until a finished call hands it its
+slot).  Then one waiter holds the *reading role*: it reads the reply
+queue and hands each reply to its caller, waking that caller alone (a
+thread on a lock of its own, a coroutine through a future: set directly
+on the reader's own event loop, else one ``call_soon_threadsafe`` per
+loop per batch of replies).  The others park; when the reader's own calls
+are answered it hands the role to one of them, waking that one only.  So
+a reply costs a constant number of wake-ups, however many calls are in
+flight.
+
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import multiprocessing.util
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
@@ -42,6 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["Client"]
 
 _SETUP_LOCK = threading.Lock()
+#: The loop running in this thread, or None (asyncio's own C accessor: a waker on
+#: that loop's thread sets a future directly instead of writing to its self-pipe).
+_running_loop = asyncio._get_running_loop
 #: How often a waiting caller looks for calls lost with a dead worker (and how long
 #: a lost call waits before it is sent again: two looks).
 RECHECK_S = 0.25
@@ -50,30 +67,30 @@ BUNDLE_START = 8
 
 
 class _Pending:
-    """A call waiting for its reply; ``event`` (asyncio) or the client's condition wakes it.
+    """A call waiting for its reply; its ``waiter`` is woken when it is answered.
 
     ``obj``, ``wall`` and ``attempt`` are what sending it again needs; ``seq`` is
     where it sits in the request ring, ``strikes`` how many looks in a row found it
     nowhere (2 send it again the first time, 4 after that).
     """
 
-    __slots__ = ("done", "status", "value", "loop", "event", "obj", "wall", "attempt", "seq",
+    __slots__ = ("done", "status", "value", "waiter", "obj", "wall", "attempt", "seq",
                  "strikes", "group", "index")
 
-    def __init__(self, obj=None, wall=0, loop=None):
+    def __init__(self, obj=None, wall=0):
         self.done = False
-        self.status = self.value = None
-        self.loop = loop
-        self.event = asyncio.Event() if loop is not None else None
+        self.status = self.value = self.waiter = None
         self.obj, self.wall, self.attempt, self.seq, self.strikes = obj, wall, 1, -1, 0
         self.group = self.index = None  # a bundle's call sent again alone: its place there
 
     def answer(self, status, value):
+        """Record the reply; return what it completed (this call, or its bundle once
+        all the bundle's calls are answered; None if not yet)."""
         self.status, self.value, self.done = status, value, True
-        if self.group is not None:
-            self.group.answer(self.index, status, value)
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.event.set)
+        g = self.group
+        if g is None:
+            return self
+        return g if g.answer(self.index, status, value) else None
 
 
 class _Group:
@@ -83,14 +100,13 @@ class _Group:
     :class:`_Pending` of its own (``parts``) and is sent again alone."""
 
     __slots__ = ("first", "objs", "wall", "seq", "strikes", "statuses", "values", "done", "left",
-                 "parts")
+                 "parts", "waiter")
     attempt = 1
-    loop = None
 
     def __init__(self, first, objs, wall):
         self.first, self.objs, self.wall = first, objs, wall
         self.seq, self.strikes, self.done = -1, 0, False
-        self.statuses = self.values = self.parts = None
+        self.statuses = self.values = self.parts = self.waiter = None
         self.left = len(objs)
 
     def answer_all(self, statuses, values):
@@ -110,19 +126,137 @@ class _Group:
         return self.parts
 
     def answer(self, i, status, value):
+        """A split bundle's call ``i`` answered alone; True once all of them are."""
         self.statuses[i], self.values[i] = status, value
         self.left -= 1
         if self.left == 0:
             self.done = True
+        return self.done
+
+
+class _Waiter:
+    """A thread waiting in a call: it parks on a lock of its own, which only a wake
+    meant for it releases (its calls answered, its slots granted, the reading role
+    handed to it).  ``left``: how many of the things it waits for are not done;
+    ``n``, ``granted``, ``gone``: its place in the window's queue (:meth:`Client._grant`)."""
+
+    __slots__ = ("lock", "woken", "left", "n", "granted", "gone")
+    loop = None
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lock.acquire()  # released by a wake (at most one outstanding: ``woken``)
+        self.woken = self.granted = self.gone = False
+        self.left = self.n = 0
+
+    def park(self, timeout):
+        """Sleep until woken or ``timeout`` (None: forever) passes; then, with the
+        client's lock, :meth:`settle` what it returned."""
+        return self.lock.acquire(True, -1 if timeout is None else max(0.0, timeout))
+
+    def settle(self, got):
+        """Client's lock held: consume a wake that came after the park timed out, so
+        that the next park sleeps."""
+        if self.woken:
+            if not got:
+                self.lock.acquire()  # released by that wake: returns at once
+            self.woken = False
+
+
+class _AsyncWaiter:
+    """A coroutine's call in :meth:`Client.call_async`: it parks on ``fut``, a future
+    of its ``loop`` made for each park (see :meth:`Client._wake`); the other fields
+    as :class:`_Waiter`'s, and ``deadline`` (monotonic; None: none), ``armed``: in
+    its loop's :class:`_Deadlines`."""
+
+    __slots__ = ("loop", "fut", "left", "n", "granted", "gone", "deadline", "armed")
+
+    def __init__(self, loop, deadline):
+        self.loop, self.deadline, self.fut = loop, deadline, None
+        self.left = self.n = 0
+        self.granted = self.gone = self.armed = False
+
+
+class _Deadlines:
+    """The deadlines of one event loop's parked calls, behind one timer of that loop.
+
+    Not a timer each: thousands of calls waiting for the window would each add
+    one to the loop's heap, whose order is kept by Python-level comparisons,
+    and one more object to collect.  Here a call is a tuple in a heap ordered
+    in C, added at its first park and woken once its deadline has passed;
+    a call that ends first leaves its tuple behind (``armed`` false), dropped
+    when the heap holds over twice as many as the calls still armed.  Used
+    from the loop's thread only.
+    """
+
+    __slots__ = ("loop", "heap", "timer", "at", "live", "seq")
+
+    def __init__(self, loop):
+        self.loop, self.heap, self.timer, self.at, self.live, self.seq = loop, [], None, None, 0, 0
+
+    def add(self, w):
+        self.seq += 1
+        heapq.heappush(self.heap, (w.deadline, self.seq, w))
+        w.armed = True
+        self.live += 1
+        if len(self.heap) > 2 * self.live + 64:
+            self.heap = [e for e in self.heap if e[2].armed]
+            heapq.heapify(self.heap)
+        if self.at is None or w.deadline < self.at:
+            self._arm(w.deadline)
+
+    def finish(self, w):
+        """``w``'s call is over: its deadline no longer matters."""
+        if w.armed:
+            w.armed = False
+            self.live -= 1
+
+    def _arm(self, when):
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = when
+        self.timer = self.loop.call_later(max(0.0, when - time.monotonic()), self._fire)
+
+    def _fire(self):
+        self.timer = self.at = None
+        heap = self.heap
+        now = time.monotonic()
+        while heap and heap[0][0] <= now:
+            w = heapq.heappop(heap)[2]
+            if w.armed:
+                self.finish(w)
+                fut = w.fut
+                if fut is not None and not fut.done():
+                    fut.set_result(None)  # it sees its deadline passed
+        if heap:
+            self._arm(heap[0][0])
+
+
+def _resolve(futs):
+    """In the futures' loop: wake their coroutines (a cancelled one is done already)."""
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(None)
+
+
+def _post(loop, futs):
+    """From another thread: wake ``futs`` (of ``loop``) with one ``call_soon_threadsafe``."""
+    try:
+        loop.call_soon_threadsafe(_resolve, futs)
+    except RuntimeError:  # the loop is closed: nothing of it waits any more
+        pass
 
 
 class Client:
     """Calls a :class:`Service` and waits for its replies.
 
-    One handle can be used by many threads at once (they share one reply
-    queue: whichever thread is waiting reads replies for all of them) and
-    from asyncio (:meth:`call_async`).  After ``fork`` the child makes its
-    own reply queue on first use; handles pickle by service path.
+    One handle can be used by many threads and coroutines at once (they
+    share one reply queue: one waiting caller reads replies for all of them
+    and wakes each reply's caller alone).  At most ``window`` calls of a
+    process's handle are in flight; more wait for a slot in order, without
+    polling, and a call that times out or is cancelled frees its slot at
+    once.  After ``fork`` the child makes its own reply queue on first
+    use; handles pickle by service path.
 
     ``call`` never creates the service: with no service at the path it
     waits up to its timeout for one to appear, then raises
@@ -155,12 +289,17 @@ class Client:
     def _setup(self):
         """Per-process state, made on first use (and again in a forked child)."""
         self._lock = threading.Lock()       # guards what follows, and the role
-        self._cv = threading.Condition(self._lock)
         self._put_lock = threading.Lock()   # one writer at a time on our work queue handle
         self._pending = {}  # call id -> _Pending: single calls, and split bundles' calls
         self._groups = {}   # first call id -> _Group: bundles
-        self._reading = False
-        self._sleepers = 0  # threads waiting on _cv (notified only when there are some)
+        self._reader = None  # the waiter holding the reading role (None: nobody reads)
+        # parked waiters that may be handed the role, by event loop (None: threads);
+        # a dict per loop, popped from its end (the newest waiter, the last answered)
+        self._idle = {}
+        self._free = self.window  # slots of the window not taken
+        self._slot_queue = deque()  # waiters for room in the window, in order
+        self._timers = {}  # event loop -> _Deadlines of its parked calls
+        self._hint = (0.0, "")  # (when, what) of the last Timeout's look at the service
         self._next_id = 1
         self._ring = None
         self._next_look = 0.0
@@ -229,7 +368,7 @@ class Client:
             # No doorbell exists before the file does: look again in a moment.
             time.sleep(0.02 if left is None else min(0.02, left))
 
-    def _send(self, objs, deadline, wall_deadline, loop=None):
+    def _send(self, objs, deadline, wall_deadline):
         """Register and enqueue calls: several in bundles (:class:`_Group`), else one
         :class:`_Pending` each.  Returns what waits for their replies, in order."""
         ring = self._attach(deadline)
@@ -251,7 +390,7 @@ class Client:
                     self._groups[g.first] = g
             waiting = groups
         else:
-            waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+            waiting = [_Pending(obj, wall_deadline) for obj in objs]
             with self._lock:
                 self._pending.update(zip(range(first, first + n), waiting))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -260,7 +399,7 @@ class Client:
                 seqs = put_bundles(ring, parts, left) if parts is not None else None
                 if parts is not None and seqs is None:  # larger than the ring: one by one
                     self._abandon(first, waiting)
-                    waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+                    waiting = [_Pending(obj, wall_deadline) for obj in objs]
                     with self._lock:
                         self._pending.update(zip(range(first, first + n), waiting))
                 if seqs is None:
@@ -314,9 +453,15 @@ class Client:
             held = []  # no board: nothing is known to be held (backoff below bounds resends)
         except (OSError, ShmqError):
             return
-        items = self._read(0)
+        # Every reply written before the looks above, not only a window's worth: one
+        # still unread would make its call look lost and send it again.
+        items = got = self._read(0)
+        while len(got) == self.window:
+            got = self._read(0)
+            items += got
         now = time.time_ns()
         lost = []
+        far = {}
 
         def found(p):
             return p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
@@ -324,7 +469,7 @@ class Client:
 
         with self._lock:
             if items:
-                self._deliver(items)
+                self._deliver(items, far)
             for g in list(self._groups.values()):
                 if g.done or g.parts is not None or g.seq < 0:
                     continue
@@ -348,6 +493,7 @@ class Client:
                 # sent again once a second while it runs, not twice
                 if p.strikes >= (2 if p.attempt == 1 else 4):
                     lost.append((cid, p))
+        _flush(far)
         # Never wait here for another thread's put (it may wait for room for as long
         # as its timeout, and we hold the reader role): the next look tries again.
         if not lost or not self._put_lock.acquire(blocking=False):
@@ -365,8 +511,9 @@ class Client:
 
     # -- receiving ------------------------------------------------------------------
 
-    def _deliver(self, items):
-        """Lock held: hand replies to their calls; drop those nobody waits for."""
+    def _deliver(self, items, far):
+        """Lock held: hand replies to their calls, waking each completed call's waiter
+        (``far``: see :meth:`_wake`); drop those nobody waits for."""
         pending = self._pending
         for item in items:
             try:
@@ -379,13 +526,14 @@ class Client:
                         continue
                     if g.parts is None:
                         g.answer_all(statuses, values)
+                        self._done(g, far)
                     else:  # split: some of its calls may be answered already, alone
                         for i, cid in enumerate(range(first, first + len(values))):
                             p = pending.get(cid)
                             if p is None or p.done:
                                 self.duplicates += 1
                             else:
-                                p.answer(statuses[i], values[i])
+                                self._done(p.answer(statuses[i], values[i]), far)
                     self._learn(service_ns / len(values))
                     continue
                 cid, status, value = item
@@ -397,7 +545,44 @@ class Client:
             if p is None or p.done:
                 self.duplicates += 1  # a redelivered call's second answer, or a timed-out call
                 continue
-            p.answer(status, value)
+            self._done(p.answer(status, value), far)
+
+    def _done(self, item, far):
+        """Lock held: ``item`` (a call or bundle, or None) is answered: wake its waiter
+        once everything it waits for is (the reader itself needs no wake)."""
+        w = None if item is None else item.waiter
+        if w is None:
+            return
+        w.left -= 1
+        if w.left == 0 and w is not self._reader:
+            idle = self._idle.get(w.loop)
+            if idle:
+                idle.pop(w, None)
+            self._wake(w, far)
+
+    def _wake(self, w, far=None):
+        """Lock held: wake waiter ``w`` (it re-checks its state under the lock).
+
+        A thread: its lock is released.  A coroutine: on its own loop's thread,
+        its future is set directly (no self-pipe write); from elsewhere, one
+        ``call_soon_threadsafe`` wakes it, or, when ``far`` (a dict) is given,
+        it joins ``far[loop]`` for :func:`_flush` to wake with one call per loop
+        after the lock is released (a batch of replies: one wake-up per loop).
+        """
+        if w.loop is None:
+            if not w.woken:
+                w.woken = True
+                w.lock.release()
+            return
+        fut = w.fut
+        if fut is None or fut.done():
+            return
+        if w.loop is _running_loop():
+            fut.set_result(None)
+        elif far is not None:
+            far.setdefault(w.loop, []).append(fut)
+        else:
+            _post(w.loop, [fut])
 
     def _split_for(self, cid):
         """Lock held: the _Pending of call ``cid`` of a bundle answered call by call (a
@@ -416,16 +601,7 @@ class Client:
         self._per_call_ns = per = per_call_ns if old is None else 0.8 * old + 0.2 * per_call_ns
         self._bundle = max(2, min(BUNDLE_MAX, int(BATCH_S * NS / max(per, 1.0))))
 
-    def _release_role(self, items):
-        with self._lock:
-            self._reading = False
-            if items:
-                self._deliver(items)
-            if self._sleepers:  # (Condition.notify_all is Python: not for nobody)
-                self._cv.notify_all()
-            for p in self._pending.values():  # an asyncio waiter may take the role now
-                if p.loop is not None and not p.done:
-                    p.loop.call_soon_threadsafe(p.event.set)
+    # -- waiting --------------------------------------------------------------------
 
     def _read(self, timeout):
         """Role held: the replies that arrive within ``timeout`` (maybe none)."""
@@ -436,38 +612,227 @@ class Client:
         except Empty:
             return []
 
-    def _wait(self, first, waiting, deadline):
-        """Block until every call :meth:`_send` returned has its reply, or raise Timeout."""
-        while True:
-            with self._lock:
-                while True:
-                    if all(w.done for w in waiting):
-                        self._forget(first, waiting)
+    def _take_role(self, w):
+        """Lock held: True if ``w`` holds the reading role (taken now if nobody held
+        it); else ``w`` is recorded as idle, for the role to be handed to it."""
+        if self._reader is None:
+            self._reader = w
+        elif self._reader is not w:
+            idle = self._idle.get(w.loop)
+            if idle is None:
+                idle = self._idle[w.loop] = {}
+            idle[w] = None
+            return False
+        return True
+
+    def _unidle(self, w):
+        """Lock held: ``w`` no longer waits parked."""
+        idle = self._idle.get(w.loop)
+        if idle:
+            idle.pop(w, None)
+
+    def _pass_role(self):
+        """Lock held: the reader is done; hand the role to one idle waiter and wake it
+        alone: one of this thread's loop first (no self-pipe write), then a thread,
+        then one of another loop."""
+        self._reader = None
+        idle = self._idle
+        if not idle:
+            return
+        for key in (_running_loop(), None, *idle):
+            waiters = idle.get(key)
+            if waiters is None:
+                continue
+            if key is not None and key.is_closed():  # its coroutines will never run
+                del idle[key]
+                continue
+            if waiters:
+                w, _ = waiters.popitem()
+                self._reader = w
+                self._wake(w)
+                return
+
+    def _hand_over(self, items, w):
+        """Role held by ``w``: deliver what it read; if its own calls are answered,
+        pass the role on."""
+        far = {}
+        with self._lock:
+            if items:
+                self._deliver(items, far)
+            if w.left == 0:
+                self._pass_role()
+        _flush(far)
+
+    def _leave(self, w):
+        """Lock held: ``w`` stops waiting (answered, timed out, cancelled, interrupted)."""
+        self._unidle(w)
+        if self._reader is w:
+            self._pass_role()
+
+    def _wait(self, first, waiting, deadline, w):
+        """Block until every call :meth:`_send` returned has its reply, or raise Timeout
+        (thread ``w``: a :class:`_Waiter`).  The calls are forgotten on the way out."""
+        lock = self._lock
+        try:
+            with lock:
+                w.left = 0
+                for x in waiting:
+                    if not x.done:
+                        x.waiter = w
+                        w.left += 1
+            while True:
+                with lock:
+                    if w.left == 0:
                         return
                     left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self._forget(first, waiting)
-                        n = sum(len(w.objs) if type(w) is _Group else 1 for w in waiting)
-                        raise self._timeout(n)
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    self._sleepers += 1
+                    expired = left is not None and left <= 0
+                    reading = not expired and self._take_role(w)
+                if expired:
+                    raise self._timeout(sum(len(x.objs) if type(x) is _Group else 1
+                                            for x in waiting))
+                if reading:
+                    items = []
                     try:
-                        self._cv.wait(left)
+                        items = self._read(RECHECK_S if left is None else min(left, RECHECK_S))
+                        if time.monotonic() >= self._next_look:
+                            self._look()
                     finally:
-                        self._sleepers -= 1
-            items = []
-            try:
-                wait = RECHECK_S if left is None else min(left, RECHECK_S)
-                items = self._read(wait)
-                if time.monotonic() >= self._next_look:
-                    self._look()
-            finally:
-                self._release_role(items)
+                        self._hand_over(items, w)
+                else:
+                    got = w.park(left)
+                    with lock:
+                        w.settle(got)
+                        self._unidle(w)
+        finally:
+            with lock:
+                self._forget(first, waiting)
+                self._leave(w)
+
+    def _take_slots(self, n, deadline, w):
+        """Take ``n`` slots of the window, waiting in order (thread ``w``) for them.
+
+        :raises shmq.Timeout: not within ``deadline``.
+        """
+        with self._lock:
+            w.n, w.granted, w.gone = n, False, False
+            if not self._slot_queue and self._free >= n:
+                self._free -= n
+                return
+            self._slot_queue.append(w)
+            self._grant()  # drops those who left the queue ahead of w; may grant w
+            if w.granted:
+                w.settle(False)  # granted by ourselves: no wake to wait for
+                return
+        try:
+            while True:
+                got = w.park(None if deadline is None else deadline - time.monotonic())
+                with self._lock:
+                    w.settle(got)
+                    if w.granted:
+                        return
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self._unslot(w)
+                        break
+        except BaseException:  # Ctrl-C: the slots go back (or to the next in line)
+            with self._lock:
+                self._unslot(w)
+            raise
+        raise self._slot_timeout(n)
+
+    def _slot_step(self, w):
+        """A coroutine's way to a slot of the window (``w``: its :class:`_AsyncWaiter`):
+        None once it has one, else the future to await before the next step (woken when
+        granted, or at its deadline).  The first step takes a free slot at once if
+        nobody waits for one, else queues ``w`` in order.
+
+        :raises shmq.Timeout: its deadline passed first (it left the queue).
+        """
+        with self._lock:
+            if w.granted:
+                return None
+            if w.n == 0:
+                w.n = 1
+                if not self._slot_queue and self._free >= 1:
+                    self._free -= 1
+                    w.granted = True
+                    return None
+                self._slot_queue.append(w)
+                self._grant()
+                if w.granted:
+                    return None
+            elif w.deadline is not None and time.monotonic() >= w.deadline:
+                self._unslot(w)
+                raise self._slot_timeout(1)
+            w.fut = w.loop.create_future()
+        self._arm(w)
+        return w.fut
+
+    def _grant(self):
+        """Lock held: grant slots to the waiters in the queue, in order."""
+        q = self._slot_queue
+        while q:
+            w = q[0]
+            if w.gone:
+                q.popleft()
+                continue
+            if w.n > self._free:
+                return
+            q.popleft()
+            self._free -= w.n
+            w.granted = True
+            self._wake(w)
+
+    def _unslot(self, w):
+        """Lock held: ``w`` stops waiting for slots: granted, it gives them back; still
+        queued, it leaves the queue (lazily: :meth:`_grant` drops it)."""
+        if w.granted:
+            w.granted = False
+            self._free += w.n
+        elif w.gone:
+            return
+        w.gone = True
+        self._grant()
+
+    def _give_slots(self, n):
+        """A call is over (answered, timed out, cancelled): its slots go to the next in line."""
+        with self._lock:
+            self._free += n
+            if self._slot_queue:
+                self._grant()
+
+    def _arm(self, w):
+        """In ``w``'s loop: wake it at its deadline (the first park of its call arms it)."""
+        if w.deadline is None or w.armed:
+            return
+        timers = self._timers.get(w.loop)
+        if timers is None:
+            for old in [lp for lp in self._timers if lp.is_closed()]:
+                del self._timers[old]
+            timers = self._timers[w.loop] = _Deadlines(w.loop)
+        timers.add(w)
+
+    def _disarm(self, w):
+        """In ``w``'s loop: its call is over."""
+        if w.armed:
+            self._timers[w.loop].finish(w)
+
+    def _slot_timeout(self, n):
+        what = "the call" if n == 1 else f"{n} calls"
+        return Timeout(f"{self._label()}: {what} found no room in time: {self.window} calls of "
+                       "this client are in flight (its window) and did not finish")
 
     def _timeout(self, n):
         what = "the call" if n == 1 else f"{n} calls"
+        return Timeout(f"{self._label()} did not answer {what} in time{self._stall_hint()}")
+
+    def _stall_hint(self):
+        """": N call(s) queued, no worker serving; ..." when that is so, else "".  Reading
+        the board takes about 27 ms: one look serves every timeout for RECHECK_S (thousands
+        of calls timing out together must not stall their event loop for minutes)."""
+        now = time.monotonic()
+        when, hint = self._hint
+        if when and now - when < RECHECK_S:
+            return hint
         hint = ""
         try:
             from .service import queued_calls
@@ -477,7 +842,8 @@ class Client:
                 hint = f": {queued} call(s) queued, no worker serving; is the service running?"
         except Exception:  # noqa: BLE001  (a hint only)
             pass
-        return Timeout(f"{self._label()} did not answer {what} in time{hint}")
+        self._hint = (now, hint)
+        return hint
 
     def _results(self, waiting):
         """The replies, in order; raises the first error (:meth:`_result`)."""
@@ -513,24 +879,32 @@ class Client:
         """Send every object, pipelined (up to ``window`` calls in flight), and return
         the replies in request order.  ``timeout`` bounds the whole batch.
 
-        :raises shmq.Timeout: not every reply arrived in time.
+        Calls go in chunks of at most ``window``; each chunk first waits, in order
+        with the handle's other callers (threads and coroutines), for as many free
+        slots of the window, and gives them back once answered, timed out or
+        interrupted.
+
+        :raises shmq.Timeout: not every reply arrived in time (or no room in the
+            window within it).
         :raises shmq.RemoteError: a handler raised (the first such call, in order;
             the other replies are still collected first).
         """
         self._check()
         objs = list(objs)
         deadline, wall = self._deadlines(timeout)
+        w = _Waiter()
         waiting = []
         i = 0
         while i < len(objs):
             chunk = objs[i:i + self.window]
-            first, w = self._send(chunk, deadline, wall)
+            self._take_slots(len(chunk), deadline, w)
             try:
-                self._wait(first, w, deadline)
-            except BaseException:  # Ctrl-C (a Timeout has forgotten them already)
-                self._abandon(first, w)  # nobody waits for them: late replies are dropped
-                raise
-            waiting += w
+                # Ctrl-C or a timeout: _wait forgets the calls, late replies are dropped
+                first, ws = self._send(chunk, deadline, wall)
+                self._wait(first, ws, deadline, w)
+            finally:
+                self._give_slots(len(chunk))
+            waiting += ws
             i += len(chunk)
         return self._results(waiting)
 
@@ -542,46 +916,93 @@ class Client:
         return time.monotonic() + timeout, time.time_ns() + int(timeout * NS)
 
     async def call_async(self, obj: Any, timeout: float | None = None) -> Any:
-        """``await`` the reply to ``obj`` (as :meth:`call`); the event loop is never blocked
-        waiting: it parks on the reply queue's inotify doorbell."""
+        """``await`` the reply to ``obj`` (as :meth:`call`).
+
+        The event loop is never blocked waiting: the call awaits a slot of the
+        window (in order, woken when one is free), then its reply; one waiting
+        caller at a time reads the reply queue (parked on its inotify doorbell)
+        and wakes only the callers whose replies it read.  Cancelled (task
+        cancel, ``asyncio.wait_for``) or timed out, the call frees its slot at
+        once and its late reply is dropped (``duplicates``).
+
+        :raises shmq.Timeout: no reply within ``timeout`` seconds (or no room in
+            the window within it).
+        :raises shmq.RemoteError: the handler raised.
+        """
         self._check()
         deadline, wall = self._deadlines(timeout)
-        loop = asyncio.get_running_loop()
-        cid, [p] = self._send([obj], deadline, wall, loop)
+        w = _AsyncWaiter(asyncio.get_running_loop(), deadline)
         try:
-            while True:
+            try:
+                while (fut := self._slot_step(w)) is not None:
+                    await fut
+            except BaseException:  # cancelled (a timeout has left the queue already)
                 with self._lock:
-                    if p.done:
+                    self._unslot(w)
+                raise
+            try:
+                cid, [p] = self._send([obj], deadline, wall)
+                try:
+                    while (fut := self._reply_step(p, w)) is not None:
+                        await (self._read_async(w) if fut is _READ else fut)
+                finally:  # answered, timed out or cancelled: nobody waits for it any more
+                    with self._lock:
                         self._pending.pop(cid, None)
-                        return self._result(p.status, p.value)
-                    take = not self._reading
-                    if take:
-                        self._reading = True
-                    else:
-                        p.event.clear()  # no await before waiting: a set cannot slip in between
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    if take:
-                        self._release_role([])
-                    raise self._timeout(1)
-                if take:
-                    items = []
-                    try:
-                        try:
-                            wait = RECHECK_S if left is None else min(left, RECHECK_S)
-                            items = [await self._replies.get_async(timeout=wait)]
-                            items += self._read(0)
-                        except Empty:
-                            pass
-                        if time.monotonic() >= self._next_look:
-                            self._look()
-                    finally:
-                        self._release_role(items)
-                else:
-                    try:
-                        await asyncio.wait_for(p.event.wait(), left)
-                    except asyncio.TimeoutError:
-                        pass
-        finally:  # answered, timed out or cancelled: nobody waits for it any more
-            with self._lock:
-                self._pending.pop(cid, None)
+                        self._leave(w)
+            finally:
+                self._give_slots(1)
+        finally:
+            self._disarm(w)
+        return self._result(p.status, p.value)
+
+    def _reply_step(self, p, w):
+        """The next step of coroutine ``w`` waiting for call ``p``: None once ``p`` is
+        answered; :data:`_READ` if ``w`` holds the reading role (taken now if free);
+        else the future to await (woken by the reply, the role, or the deadline).
+
+        :raises shmq.Timeout: the deadline passed.
+        """
+        with self._lock:
+            if p.done:
+                return None
+            if p.waiter is None:
+                p.waiter, w.left = w, 1
+            if w.deadline is not None and time.monotonic() >= w.deadline:
+                expired = True
+            else:
+                expired = False
+                if self._take_role(w):
+                    return _READ
+                w.fut = w.loop.create_future()  # a wake from now on sets this one
+        if expired:
+            raise self._timeout(1)
+        self._arm(w)
+        return w.fut
+
+    async def _read_async(self, w):
+        """Role held by coroutine ``w``: read the replies that arrive within RECHECK_S
+        (or until its deadline), deliver them, look for lost calls when due."""
+        wait = RECHECK_S if w.deadline is None else max(0.0, min(w.deadline - time.monotonic(),
+                                                                 RECHECK_S))
+        items = []
+        try:
+            try:
+                items = [await self._replies.get_async(timeout=wait)]
+                items += self._read(0)
+            except Empty:
+                pass
+            if time.monotonic() >= self._next_look:
+                self._look()
+        finally:
+            self._hand_over(items, w)
+
+
+#: :meth:`Client._reply_step`: this coroutine reads the replies now.
+_READ = object()
+
+
+def _flush(far):
+    """After the client's lock is released: wake the coroutines :meth:`Client._wake`
+    gathered in ``far``, one ``call_soon_threadsafe`` per loop."""
+    for loop, futs in far.items():
+        _post(loop, futs)
