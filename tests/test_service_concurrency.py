@@ -223,10 +223,12 @@ def test_a_look_reads_every_waiting_reply_not_one_windows_worth(svc_path):
     """A call answered behind more replies than one read takes (late replies of
     abandoned calls) is found answered by the look for lost calls, not sent again."""
     with shmq.Service(svc_path) as svc, shmq.Client(svc_path, window=2) as cl:
+        from shmq.rpc.client import _Waiter
+
         cl._check()
-        first, gone = cl._send(["x1", "x2", "x3", "x4"], None, 0)  # abandoned at once
+        first, gone = cl._send(["x1", "x2", "x3", "x4"], None, 0, _Waiter())  # abandoned at once
         cl._abandon(first, gone)
-        cid, [p] = cl._send(["live"], None, 0)
+        cid, [p] = cl._send(["live"], None, 0, _Waiter())
         calls = svc.get_many(5, timeout=bound(T))
         calls = calls + svc.get_many(5, timeout=bound(T)) if len(calls) < 5 else calls
         assert sorted(str(c.request) for c in calls) == ["live", "x1", "x2", "x3", "x4"]

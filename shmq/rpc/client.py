@@ -138,25 +138,44 @@ class _Waiter:
     """A thread waiting in a call: it parks on a lock of its own, which only a wake
     meant for it releases (its calls answered, its slots granted, the reading role
     handed to it).  ``left``: how many of the things it waits for are not done;
-    ``n``, ``granted``, ``gone``: its place in the window's queue (:meth:`Client._grant`)."""
+    ``n``, ``granted``, ``gone``: its place in the window's queue (:meth:`Client._grant`).
+
+    The lock is made when the thread first parks (:meth:`prepare`, under the
+    client's lock): a call whose thread reads its own reply never needs one.
+    A wake before then only marks ``woken``, and the state it announces is
+    what the thread checks, under the client's lock, before it parks.
+    """
 
     __slots__ = ("lock", "woken", "left", "n", "granted", "gone")
     loop = None
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.lock.acquire()  # released by a wake (at most one outstanding: ``woken``)
+        self.lock = None
         self.woken = self.granted = self.gone = False
         self.left = self.n = 0
+
+    def prepare(self):
+        """Client's lock held, state checked: the thread parks next."""
+        if self.lock is None:
+            self.lock = threading.Lock()
+            self.lock.acquire()  # released by a wake (at most one outstanding: ``woken``)
+            self.woken = False  # a wake before now announced what was just checked
 
     def park(self, timeout):
         """Sleep until woken or ``timeout`` (None: forever) passes; then, with the
         client's lock, :meth:`settle` what it returned."""
         return self.lock.acquire(True, -1 if timeout is None else max(0.0, timeout))
 
+    def wake(self):
+        """Client's lock held."""
+        if not self.woken:
+            self.woken = True
+            if self.lock is not None:
+                self.lock.release()
+
     def settle(self, got):
-        """Client's lock held: consume a wake that came after the park timed out, so
-        that the next park sleeps."""
+        """Client's lock held, after :meth:`park`: consume a wake that came after the
+        park timed out, so that the next park sleeps."""
         if self.woken:
             if not got:
                 self.lock.acquire()  # released by that wake: returns at once
@@ -368,18 +387,16 @@ class Client:
             # No doorbell exists before the file does: look again in a moment.
             time.sleep(0.02 if left is None else min(0.02, left))
 
-    def _send(self, objs, deadline, wall_deadline):
+    def _send(self, objs, deadline, wall_deadline, w):
         """Register and enqueue calls: several in bundles (:class:`_Group`), else one
-        :class:`_Pending` each.  Returns what waits for their replies, in order."""
+        :class:`_Pending` each, all waited for by ``w`` (its ``left`` set to how
+        many).  Returns the first call id and what waits for their replies, in order."""
         ring = self._attach(deadline)
         n = len(objs)
-        with self._lock:
-            if not self._pending and not self._groups:  # the first look for lost calls:
-                self._next_look = time.monotonic() + RECHECK_S  # when these are RECHECK_S old
-            first = self._next_id
-            self._next_id += n
         parts = None
         if n > 1:
+            with self._lock:
+                first = self._ids(n)
             k = self._bundle
             groups = [_Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
             parts = encode_bundles([(g.first, self._reply_path, self._me, wall_deadline, 1, g.objs,
@@ -388,11 +405,15 @@ class Client:
             with self._lock:
                 for g in groups:
                     self._groups[g.first] = g
+                    g.waiter = w
+                w.left = len(groups)
             waiting = groups
         else:
             waiting = [_Pending(obj, wall_deadline) for obj in objs]
             with self._lock:
-                self._pending.update(zip(range(first, first + n), waiting))
+                if n == 1:
+                    first = self._ids(1)
+                self._register(first, waiting, w)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             with self._put_lock:
@@ -401,7 +422,7 @@ class Client:
                     self._abandon(first, waiting)
                     waiting = [_Pending(obj, wall_deadline) for obj in objs]
                     with self._lock:
-                        self._pending.update(zip(range(first, first + n), waiting))
+                        self._register(first, waiting, w)
                 if seqs is None:
                     seqs = send(ring, [(first + i, self._reply_path, self._me, wall_deadline, 1, obj)
                                        for i, obj in enumerate(objs)], left)
@@ -412,9 +433,24 @@ class Client:
         except BaseException:
             self._abandon(first, waiting)
             raise
-        for w, seq in zip(waiting, seqs):
-            w.seq = seq
+        for x, seq in zip(waiting, seqs):
+            x.seq = seq
         return first, waiting
+
+    def _ids(self, n):
+        """Lock held: the first of ``n`` new call ids."""
+        if not self._pending and not self._groups:  # the first look for lost calls:
+            self._next_look = time.monotonic() + RECHECK_S  # when these are RECHECK_S old
+        first = self._next_id
+        self._next_id += n
+        return first
+
+    def _register(self, first, waiting, w):
+        """Lock held: calls ``first`` onwards (:class:`_Pending` each) wait for replies."""
+        for p in waiting:
+            p.waiter = w
+        self._pending.update(zip(range(first, first + len(waiting)), waiting))
+        w.left = len(waiting)
 
     def _abandon(self, first, waiting):
         with self._lock:
@@ -493,7 +529,8 @@ class Client:
                 # sent again once a second while it runs, not twice
                 if p.strikes >= (2 if p.attempt == 1 else 4):
                     lost.append((cid, p))
-        _flush(far)
+        if far:
+            _flush(far)
         # Never wait here for another thread's put (it may wait for room for as long
         # as its timeout, and we hold the reader role): the next look tries again.
         if not lost or not self._put_lock.acquire(blocking=False):
@@ -570,9 +607,7 @@ class Client:
         after the lock is released (a batch of replies: one wake-up per loop).
         """
         if w.loop is None:
-            if not w.woken:
-                w.woken = True
-                w.lock.release()
+            w.wake()
             return
         fut = w.fut
         if fut is None or fut.done():
@@ -654,14 +689,17 @@ class Client:
 
     def _hand_over(self, items, w):
         """Role held by ``w``: deliver what it read; if its own calls are answered,
-        pass the role on."""
+        pass the role on and return True."""
         far = {}
         with self._lock:
             if items:
                 self._deliver(items, far)
-            if w.left == 0:
+            done = w.left == 0
+            if done:
                 self._pass_role()
-        _flush(far)
+        if far:
+            _flush(far)
+        return done
 
     def _leave(self, w):
         """Lock held: ``w`` stops waiting (answered, timed out, cancelled, interrupted)."""
@@ -671,15 +709,10 @@ class Client:
 
     def _wait(self, first, waiting, deadline, w):
         """Block until every call :meth:`_send` returned has its reply, or raise Timeout
-        (thread ``w``: a :class:`_Waiter`).  The calls are forgotten on the way out."""
+        (thread ``w``: a :class:`_Waiter`).  On the way out the calls are forgotten and
+        ``w``'s slots of the window given back."""
         lock = self._lock
         try:
-            with lock:
-                w.left = 0
-                for x in waiting:
-                    if not x.done:
-                        x.waiter = w
-                        w.left += 1
             while True:
                 with lock:
                     if w.left == 0:
@@ -687,6 +720,8 @@ class Client:
                     left = None if deadline is None else deadline - time.monotonic()
                     expired = left is not None and left <= 0
                     reading = not expired and self._take_role(w)
+                    if not (expired or reading):
+                        w.prepare()
                 if expired:
                     raise self._timeout(sum(len(x.objs) if type(x) is _Group else 1
                                             for x in waiting))
@@ -697,7 +732,9 @@ class Client:
                         if time.monotonic() >= self._next_look:
                             self._look()
                     finally:
-                        self._hand_over(items, w)
+                        done = self._hand_over(items, w)
+                    if done:
+                        return
                 else:
                     got = w.park(left)
                     with lock:
@@ -707,6 +744,7 @@ class Client:
             with lock:
                 self._forget(first, waiting)
                 self._leave(w)
+                self._unslot(w)
 
     def _take_slots(self, n, deadline, w):
         """Take ``n`` slots of the window, waiting in order (thread ``w``) for them.
@@ -714,15 +752,17 @@ class Client:
         :raises shmq.Timeout: not within ``deadline``.
         """
         with self._lock:
-            w.n, w.granted, w.gone = n, False, False
+            w.n, w.gone = n, False
             if not self._slot_queue and self._free >= n:
                 self._free -= n
+                w.granted = True
                 return
+            w.granted = False
             self._slot_queue.append(w)
             self._grant()  # drops those who left the queue ahead of w; may grant w
             if w.granted:
-                w.settle(False)  # granted by ourselves: no wake to wait for
                 return
+            w.prepare()
         try:
             while True:
                 got = w.park(None if deadline is None else deadline - time.monotonic())
@@ -783,22 +823,16 @@ class Client:
             self._wake(w)
 
     def _unslot(self, w):
-        """Lock held: ``w`` stops waiting for slots: granted, it gives them back; still
-        queued, it leaves the queue (lazily: :meth:`_grant` drops it)."""
+        """Lock held: ``w`` is done with the window: granted, it gives its slots back;
+        still queued, it leaves the queue (lazily: :meth:`_grant` drops it)."""
+        if w.gone:
+            return
+        w.gone = True
         if w.granted:
             w.granted = False
             self._free += w.n
-        elif w.gone:
-            return
-        w.gone = True
-        self._grant()
-
-    def _give_slots(self, n):
-        """A call is over (answered, timed out, cancelled): its slots go to the next in line."""
-        with self._lock:
-            self._free += n
-            if self._slot_queue:
-                self._grant()
+        if self._slot_queue:
+            self._grant()
 
     def _arm(self, w):
         """In ``w``'s loop: wake it at its deadline (the first park of its call arms it)."""
@@ -899,11 +933,14 @@ class Client:
             chunk = objs[i:i + self.window]
             self._take_slots(len(chunk), deadline, w)
             try:
-                # Ctrl-C or a timeout: _wait forgets the calls, late replies are dropped
-                first, ws = self._send(chunk, deadline, wall)
-                self._wait(first, ws, deadline, w)
-            finally:
-                self._give_slots(len(chunk))
+                first, ws = self._send(chunk, deadline, wall, w)
+            except BaseException:
+                with self._lock:
+                    self._unslot(w)
+                raise
+            # Ctrl-C or a timeout: _wait forgets the calls (late replies are dropped)
+            # and gives the slots back, as it does once they are answered
+            self._wait(first, ws, deadline, w)
             waiting += ws
             i += len(chunk)
         return self._results(waiting)
@@ -936,21 +973,20 @@ class Client:
             try:
                 while (fut := self._slot_step(w)) is not None:
                     await fut
-            except BaseException:  # cancelled (a timeout has left the queue already)
+                # a slot is held from here: every way out gives it back (_unslot)
+                cid, [p] = self._send([obj], deadline, wall, w)
+            except BaseException:  # cancelled (a timeout in line has left it already)
                 with self._lock:
                     self._unslot(w)
                 raise
             try:
-                cid, [p] = self._send([obj], deadline, wall)
-                try:
-                    while (fut := self._reply_step(p, w)) is not None:
-                        await (self._read_async(w) if fut is _READ else fut)
-                finally:  # answered, timed out or cancelled: nobody waits for it any more
-                    with self._lock:
-                        self._pending.pop(cid, None)
-                        self._leave(w)
-            finally:
-                self._give_slots(1)
+                while (fut := self._reply_step(p, w)) is not None:
+                    await (self._read_async(w) if fut is _READ else fut)
+            finally:  # answered, timed out or cancelled: nobody waits for it any more
+                with self._lock:
+                    self._pending.pop(cid, None)
+                    self._leave(w)
+                    self._unslot(w)
         finally:
             self._disarm(w)
         return self._result(p.status, p.value)
@@ -965,8 +1001,6 @@ class Client:
         with self._lock:
             if p.done:
                 return None
-            if p.waiter is None:
-                p.waiter, w.left = w, 1
             if w.deadline is not None and time.monotonic() >= w.deadline:
                 expired = True
             else:
