@@ -28,9 +28,11 @@ Three measurements, each against the same handler behind its peers
   calling ``call()`` on one ``Client`` (``--thread-calls`` in all).  The
   service has 2 workers (``--concurrency-workers``); each run is a fresh
   service and a fresh client process (forked), which checks every reply
-  against its request and reports its peak RSS and the event loop's
-  ``call_soon_threadsafe`` calls (self-pipe writes: wake-ups from outside
-  the loop's own callbacks) per reply.
+  against its request and reports its CPU time per call, its peak RSS
+  and the event loop's ``call_soon_threadsafe`` calls (self-pipe writes:
+  wake-ups from outside the loop's own callbacks) per reply.  On a
+  shared host the calls/s move with the other load; the client's CPU per
+  call is the steadier figure.
 
     python stress/bench_service.py --quick
     python stress/bench_service.py --repeats 5 --json out.json
@@ -485,6 +487,7 @@ def _concurrency_client(path, kind, n, out):
         with shmq.Client(path) as cl:
             cl.call(small_request(0), timeout=60)  # set up: reply queue, ring attached
             wakes = 0
+            cpu = time.process_time()
             if kind == "threads":
                 elapsed, bad = _many_threads(cl, THREADS, n)
             else:
@@ -496,8 +499,9 @@ def _concurrency_client(path, kind, n, out):
                     wakes = loop.threadsafe
                 finally:
                     loop.close()
+            cpu = time.process_time() - cpu
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-            out.put((n / elapsed, bad, rss, wakes / n))
+            out.put((n / elapsed, bad, rss, wakes / n, cpu / n * 1e6))
     except BaseException as exc:  # noqa: BLE001  (reported by the parent)
         out.put(repr(exc))
         raise
@@ -508,7 +512,8 @@ THREADS = 64
 
 
 def concurrency(kind, d, n, workers):
-    """One run: (calls/s, mismatched replies, client peak RSS in MiB, wake-ups per reply)."""
+    """One run: (calls/s, mismatched replies, client peak RSS in MiB, wake-ups per reply,
+    the client process's CPU time per call in us)."""
     path = os.path.join(d, "conc")
     shmq.Service(path).close()
     server = FORK.Process(target=service_server, args=(path, small_handler, workers))
@@ -598,14 +603,16 @@ def main(argv=None):
             if "concurrency" in only:
                 for kind, n in [("threads", a.thread_calls)] + [("async", n) for n in sweep]:
                     name = f"{THREADS} threads" if kind == "threads" else f"async {n}"
-                    v, bad, rss, wakes = concurrency(kind, d, n, a.concurrency_workers)
+                    v, bad, rss, wakes, cpu = concurrency(kind, d, n, a.concurrency_workers)
                     if bad:
                         raise SystemExit(f"concurrency {name}: {bad} replies did not match their call")
                     add(("concurrency", name, "calls/s"), v)
                     add(("concurrency", name, "rss MiB"), rss)
+                    add(("concurrency", name, "cpu us/call"), cpu)
                     if kind == "async":
                         add(("concurrency", name, "wakes/reply"), wakes)
-                    print(f"  [{r}] concurrency {name:14s} {v:9.0f} calls/s  peak RSS {rss:6.1f} MiB"
+                    print(f"  [{r}] concurrency {name:14s} {v:9.0f} calls/s  client CPU {cpu:5.1f} us/call"
+                          f"  peak RSS {rss:6.1f} MiB"
                           + (f"  {wakes:.4f} wake-ups/reply" if kind == "async" else ""), flush=True)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -633,11 +640,13 @@ def main(argv=None):
     if "concurrency" in only:
         th = med[("concurrency", f"{THREADS} threads", "calls/s")]
         lines.append(f"concurrency, one Client, {a.concurrency_workers} workers: {THREADS} threads "
-                     f"on call() {th:,.0f} calls/s (peak RSS "
+                     f"on call() {th:,.0f} calls/s (client CPU "
+                     f"{med[('concurrency', f'{THREADS} threads', 'cpu us/call')]:.1f} us/call, peak RSS "
                      f"{med[('concurrency', f'{THREADS} threads', 'rss MiB')]:.0f} MiB)")
         for n in sweep:
             v = med[("concurrency", f"async {n}", "calls/s")]
             lines.append(f"  {n:>7,} concurrent call_async {v:9,.0f} calls/s ({v / th:.2f}x the threads), "
+                         f"client CPU {med[('concurrency', f'async {n}', 'cpu us/call')]:.1f} us/call, "
                          f"peak RSS {med[('concurrency', f'async {n}', 'rss MiB')]:.0f} MiB, "
                          f"{med[('concurrency', f'async {n}', 'wakes/reply')]:.4f} wake-ups/reply")
         lo, hi = sweep[0], sweep[1]

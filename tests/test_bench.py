@@ -140,7 +140,7 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
         f"small/{k}/{q}" for k in ("shmq", "socket", "pyzmq", "mp.connection") for q in ("p50", "p99")
     } | {"pipelined/shmq/calls/s", "pipelined/socket/calls/s", "arrow/shmq/calls/s",
          "arrow/shmq copy=False/calls/s", "arrow/socket+arrow-ipc/calls/s"} | {
-        f"concurrency/{k}/{q}" for k in conc for q in ("calls/s", "rss MiB")
+        f"concurrency/{k}/{q}" for k in conc for q in ("calls/s", "rss MiB", "cpu us/call")
     } | {f"concurrency/{k}/wakes/reply" for k in conc[1:]}
     assert all(v > 0 for k, v in data["medians"].items() if not k.endswith("wakes/reply"))
     text = "\n".join(data["summary"])

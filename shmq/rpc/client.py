@@ -955,12 +955,14 @@ class Client:
     async def call_async(self, obj: Any, timeout: float | None = None) -> Any:
         """``await`` the reply to ``obj`` (as :meth:`call`).
 
-        The event loop is never blocked waiting: the call awaits a slot of the
-        window (in order, woken when one is free), then its reply; one waiting
+        The call awaits a slot of the window (in order, woken when one is
+        free), then its reply, without blocking the event loop; one waiting
         caller at a time reads the reply queue (parked on its inotify doorbell)
         and wakes only the callers whose replies it read.  Cancelled (task
         cancel, ``asyncio.wait_for``) or timed out, the call frees its slot at
-        once and its late reply is dropped (``duplicates``).
+        once and its late reply is dropped (``duplicates``).  Its put into a
+        full request ring, and the wait for a service not there yet, do block
+        the loop's thread (up to ``timeout``).
 
         :raises shmq.Timeout: no reply within ``timeout`` seconds (or no room in
             the window within it).
