@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import pytest
 
@@ -51,8 +52,9 @@ def served(svc_path):
 
 def settled(cl):
     """Nothing of the client's is left waiting: no call, no slot taken, no reader."""
-    return (not cl._pending and not cl._groups and cl._free == cl.window and cl._reader is None
-            and all(w.gone for w in cl._slot_queue) and not any(cl._idle.values()))
+    waits = cl._waits
+    return (not cl._pending and not cl._groups and waits.free == cl.window and waits.reader is None
+            and all(w.gone for w in waits.queue) and not any(waits.idle.values()))
 
 
 def frames(path):
@@ -82,7 +84,7 @@ def test_calls_beyond_the_window_are_sent_in_order_as_slots_free(svc_path):
     async def main(cl, svc):
         tasks = [asyncio.create_task(cl.call_async(i, timeout=bound(T))) for i in range(10)]
         await parked(*tasks)
-        assert cl._free == 0 and len(cl._slot_queue) == 7
+        assert cl._waits.free == 0 and len(cl._waits.queue) == 7
         seen = []
         for _ in range(10):
             call = await take(svc)
@@ -96,28 +98,37 @@ def test_calls_beyond_the_window_are_sent_in_order_as_slots_free(svc_path):
         assert settled(cl)
 
 
-@pytest.mark.parametrize("how", ["cancel", "wait_for", "timeout"])
+@pytest.mark.parametrize("how", ["cancel", "asyncio.timeout", "timeout"])
 def test_a_cancelled_or_timed_out_calls_slot_is_reused_and_its_late_reply_dropped(svc_path, how):
     """window=1: call A is in the service's hands, B waits for its slot.  A is
-    cancelled (task cancel, asyncio.wait_for) or times out: B is sent at once.  A's
-    late reply is dropped and counted."""
+    cancelled (task cancel; an ``asyncio.timeout`` moved to now) or times out (its
+    own 1 s timeout): B is sent at once.  A's late reply is dropped and counted."""
     async def main(cl, svc):
-        if how == "cancel":
-            a = asyncio.create_task(cl.call_async("a", timeout=bound(T)))
-        elif how == "wait_for":
-            a = asyncio.create_task(asyncio.wait_for(cl.call_async("a", timeout=bound(T)), 0.2))
-        else:
-            a = asyncio.create_task(cl.call_async("a", timeout=0.2))
+        loop = asyncio.get_running_loop()
+        scope = asyncio.timeout(None)
+
+        async def call_a():
+            if how == "asyncio.timeout":
+                async with scope:
+                    return await cl.call_async("a", timeout=bound(T))
+            return await cl.call_async("a", timeout=1.0 if how == "timeout" else bound(T))
+
+        a = asyncio.create_task(call_a())
         call_a = await take(svc)
         b = asyncio.create_task(cl.call_async("b", timeout=bound(T)))
         await parked(b)
-        assert cl._free == 0 and [w.gone for w in cl._slot_queue] == [False]  # B waits for A's slot
+        assert not a.done(), "A timed out before the test could look (a heavily loaded host?)"
+        assert cl._waits.free == 0 and [w.gone for w in cl._waits.queue] == [False]  # B waits for A's slot
         if how == "cancel":
             a.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await a
+        elif how == "asyncio.timeout":
+            scope.reschedule(loop.time())
+            with pytest.raises(TimeoutError):
+                await a
         else:
-            with pytest.raises((shmq.Timeout, asyncio.TimeoutError)):
+            with pytest.raises(shmq.Timeout):
                 await a
         call_b = await take(svc)  # B was sent as soon as A gave up its slot
         assert call_b.request == "b"
@@ -178,11 +189,13 @@ def test_a_thread_and_coroutines_wait_for_the_window_in_one_line(svc_path):
         t = threading.Thread(target=thread)
         t.start()
         assert await asyncio.to_thread(queued.wait, bound(T))
-        while not cl._slot_queue:  # the thread is about to queue: a loop turn each look
+        deadline = time.monotonic() + bound(T)
+        while not cl._waits.queue:  # the thread is about to queue: a loop turn each look
+            assert time.monotonic() < deadline, "the thread's call_many never queued"
             await asyncio.sleep(0)
         c = asyncio.create_task(cl.call_async("c", timeout=bound(T)))
         await parked(c)
-        assert [w.n for w in cl._slot_queue] == [2, 1]
+        assert [w.n for w in cl._waits.queue] == [2, 1]
         call_a.reply("A")  # one slot free: not enough for the thread, and C waits behind it
         assert await a == "A"
         call_b.reply("B")
@@ -223,22 +236,22 @@ def test_a_look_reads_every_waiting_reply_not_one_windows_worth(svc_path):
     """A call answered behind more replies than one read takes (late replies of
     abandoned calls) is found answered by the look for lost calls, not sent again."""
     with shmq.Service(svc_path) as svc, shmq.Client(svc_path, window=2) as cl:
-        from shmq.rpc.client import _Waiter
+        from shmq.rpc.waiters import Waiter
 
         cl._check()
-        first, gone = cl._send(["x1", "x2", "x3", "x4"], None, 0, _Waiter())  # abandoned at once
+        first, gone = cl._send(["x1", "x2", "x3", "x4"], None, 0, Waiter())  # abandoned at once
         cl._abandon(first, gone)
-        cid, [p] = cl._send(["live"], None, 0, _Waiter())
+        cid, [p] = cl._send(["live"], None, 0, Waiter())
         calls = svc.get_many(5, timeout=bound(T))
         calls = calls + svc.get_many(5, timeout=bound(T)) if len(calls) < 5 else calls
         assert sorted(str(c.request) for c in calls) == ["live", "x1", "x2", "x3", "x4"]
         for c in sorted(calls, key=lambda c: c.request == "live"):  # live's reply last
             c.reply(c.request)
         sent = frames(svc_path)
-        cl._reader = "test"  # the role (nobody else waits)
+        cl._waits.reader = "test"  # the role (nobody else waits)
         cl._look()
         cl._look()  # a second look would send a call found nowhere twice
-        cl._reader = None
+        cl._waits.reader = None
         assert p.done and p.value == "live" and p.attempt == 1
         assert frames(svc_path) == sent  # nothing sent again
         assert cl.duplicates == 4

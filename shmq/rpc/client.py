@@ -12,20 +12,16 @@ worker's take and its board update; a call sent twice is answered twice,
 and the second answer is dropped here by call id.
 
 ``call_many`` sends bundles (:mod:`shmq.rpc.requests`) and waits for each as
-one :class:`_Group`; a bundle found lost as above is split, and its calls
+one :class:`Group`; a bundle found lost as above is split, and its calls
 are sent again one by one (each with its own attempts from then on).
 
 Waiting (threads and coroutines alike, on one handle): a call first takes
 a slot of the client's window (``window`` calls in flight; beyond it,
-calls wait in order, each parked until a finished call hands it its
-slot).  Then one waiter holds the *reading role*: it reads the reply
-queue and hands each reply to its caller, waking that caller alone (a
-thread on a lock of its own, a coroutine through a future: set directly
-on the reader's own event loop, else one ``call_soon_threadsafe`` per
-loop per batch of replies).  The others park; when the reader's own calls
-are answered it hands the role to one of them, waking that one only.  So
-a reply costs a constant number of wake-ups, however many calls are in
-flight.
+calls wait in order), then waits for its reply while one waiter, holding
+the *reading role*, reads the reply queue, hands each reply to its call
+and wakes that call's caller alone; its own calls answered, it hands the
+role to one parked waiter.  Who waits, and how each is woken alone, is
+:mod:`shmq.rpc.waiters`.
 
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 """
@@ -33,12 +29,10 @@ See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import multiprocessing.util
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
@@ -48,6 +42,7 @@ from ..errors import Empty, Full, RemoteError, ShmqError, Timeout, UntrustedSpoo
 from ..queue import Queue
 from .board import held_ranges, service_status
 from .requests import encode_bundles, open_ring, put_bundles, send, taken_up_to
+from .waiters import EXPIRED, AsyncWaiter, Group, Pending, Waiter, Waiters, flush
 from .wire import BATCH_S, BUNDLE_MAX, NS, OK, label
 
 if TYPE_CHECKING:
@@ -56,214 +51,11 @@ if TYPE_CHECKING:
 __all__ = ["Client"]
 
 _SETUP_LOCK = threading.Lock()
-#: The loop running in this thread, or None (asyncio's own C accessor: a waker on
-#: that loop's thread sets a future directly instead of writing to its self-pipe).
-_running_loop = asyncio._get_running_loop
 #: How often a waiting caller looks for calls lost with a dead worker (and how long
 #: a lost call waits before it is sent again: two looks).
 RECHECK_S = 0.25
 #: Calls per bundle before a bundle's reply has said how long the handler takes.
 BUNDLE_START = 8
-
-
-class _Pending:
-    """A call waiting for its reply; its ``waiter`` is woken when it is answered.
-
-    ``obj``, ``wall`` and ``attempt`` are what sending it again needs; ``seq`` is
-    where it sits in the request ring, ``strikes`` how many looks in a row found it
-    nowhere (2 send it again the first time, 4 after that).
-    """
-
-    __slots__ = ("done", "status", "value", "waiter", "obj", "wall", "attempt", "seq",
-                 "strikes", "group", "index")
-
-    def __init__(self, obj=None, wall=0):
-        self.done = False
-        self.status = self.value = self.waiter = None
-        self.obj, self.wall, self.attempt, self.seq, self.strikes = obj, wall, 1, -1, 0
-        self.group = self.index = None  # a bundle's call sent again alone: its place there
-
-    def answer(self, status, value):
-        """Record the reply; return what it completed (this call, or its bundle once
-        all the bundle's calls are answered; None if not yet)."""
-        self.status, self.value, self.done = status, value, True
-        g = self.group
-        if g is None:
-            return self
-        return g if g.answer(self.index, status, value) else None
-
-
-class _Group:
-    """The calls of one bundle (ids ``first`` .. ``first + n - 1``), pending under
-    ``first``: one bundle reply answers them all at once, without a :class:`_Pending`
-    per call.  A bundle lost with its worker is *split*: each unanswered call gets a
-    :class:`_Pending` of its own (``parts``) and is sent again alone."""
-
-    __slots__ = ("first", "objs", "wall", "seq", "strikes", "statuses", "values", "done", "left",
-                 "parts", "waiter")
-    attempt = 1
-
-    def __init__(self, first, objs, wall):
-        self.first, self.objs, self.wall = first, objs, wall
-        self.seq, self.strikes, self.done = -1, 0, False
-        self.statuses = self.values = self.parts = self.waiter = None
-        self.left = len(objs)
-
-    def answer_all(self, statuses, values):
-        self.statuses, self.values, self.done, self.left = statuses, values, True, 0
-
-    def split(self):
-        """Each call as a _Pending of its own, for the caller to register (none is answered
-        yet: a bundle's reply answers all of them at once)."""
-        n = len(self.objs)
-        if self.values is None:
-            self.statuses, self.values = bytearray(n), [None] * n
-        self.parts = {}
-        for i, obj in enumerate(self.objs):
-            p = _Pending(obj, self.wall)
-            p.group, p.index, p.seq = self, i, self.seq
-            self.parts[self.first + i] = p
-        return self.parts
-
-    def answer(self, i, status, value):
-        """A split bundle's call ``i`` answered alone; True once all of them are."""
-        self.statuses[i], self.values[i] = status, value
-        self.left -= 1
-        if self.left == 0:
-            self.done = True
-        return self.done
-
-
-class _Waiter:
-    """A thread waiting in a call: it parks on a lock of its own, which only a wake
-    meant for it releases (its calls answered, its slots granted, the reading role
-    handed to it).  ``left``: how many of the things it waits for are not done;
-    ``n``, ``granted``, ``gone``: its place in the window's queue (:meth:`Client._grant`).
-
-    The lock is made when the thread first parks (:meth:`prepare`, under the
-    client's lock): a call whose thread reads its own reply never needs one.
-    A wake before then only marks ``woken``, and the state it announces is
-    what the thread checks, under the client's lock, before it parks.
-    """
-
-    __slots__ = ("lock", "woken", "left", "n", "granted", "gone")
-    loop = None
-
-    def __init__(self):
-        self.lock = None
-        self.woken = self.granted = self.gone = False
-        self.left = self.n = 0
-
-    def prepare(self):
-        """Client's lock held, state checked: the thread parks next."""
-        if self.lock is None:
-            self.lock = threading.Lock()
-            self.lock.acquire()  # released by a wake (at most one outstanding: ``woken``)
-            self.woken = False  # a wake before now announced what was just checked
-
-    def park(self, timeout):
-        """Sleep until woken or ``timeout`` (None: forever) passes; then, with the
-        client's lock, :meth:`settle` what it returned."""
-        return self.lock.acquire(True, -1 if timeout is None else max(0.0, timeout))
-
-    def wake(self):
-        """Client's lock held."""
-        if not self.woken:
-            self.woken = True
-            if self.lock is not None:
-                self.lock.release()
-
-    def settle(self, got):
-        """Client's lock held, after :meth:`park`: consume a wake that came after the
-        park timed out, so that the next park sleeps."""
-        if self.woken:
-            if not got:
-                self.lock.acquire()  # released by that wake: returns at once
-            self.woken = False
-
-
-class _AsyncWaiter:
-    """A coroutine's call in :meth:`Client.call_async`: it parks on ``fut``, a future
-    of its ``loop`` made for each park (see :meth:`Client._wake`); the other fields
-    as :class:`_Waiter`'s, and ``deadline`` (monotonic; None: none), ``armed``: in
-    its loop's :class:`_Deadlines`."""
-
-    __slots__ = ("loop", "fut", "left", "n", "granted", "gone", "deadline", "armed")
-
-    def __init__(self, loop, deadline):
-        self.loop, self.deadline, self.fut = loop, deadline, None
-        self.left = self.n = 0
-        self.granted = self.gone = self.armed = False
-
-
-class _Deadlines:
-    """The deadlines of one event loop's parked calls, behind one timer of that loop.
-
-    Not a timer each: thousands of calls waiting for the window would each add
-    one to the loop's heap, whose order is kept by Python-level comparisons,
-    and one more object to collect.  Here a call is a tuple in a heap ordered
-    in C, added at its first park and woken once its deadline has passed;
-    a call that ends first leaves its tuple behind (``armed`` false), dropped
-    when the heap holds over twice as many as the calls still armed.  Used
-    from the loop's thread only.
-    """
-
-    __slots__ = ("loop", "heap", "timer", "at", "live", "seq")
-
-    def __init__(self, loop):
-        self.loop, self.heap, self.timer, self.at, self.live, self.seq = loop, [], None, None, 0, 0
-
-    def add(self, w):
-        self.seq += 1
-        heapq.heappush(self.heap, (w.deadline, self.seq, w))
-        w.armed = True
-        self.live += 1
-        if len(self.heap) > 2 * self.live + 64:
-            self.heap = [e for e in self.heap if e[2].armed]
-            heapq.heapify(self.heap)
-        if self.at is None or w.deadline < self.at:
-            self._arm(w.deadline)
-
-    def finish(self, w):
-        """``w``'s call is over: its deadline no longer matters."""
-        if w.armed:
-            w.armed = False
-            self.live -= 1
-
-    def _arm(self, when):
-        if self.timer is not None:
-            self.timer.cancel()
-        self.at = when
-        self.timer = self.loop.call_later(max(0.0, when - time.monotonic()), self._fire)
-
-    def _fire(self):
-        self.timer = self.at = None
-        heap = self.heap
-        now = time.monotonic()
-        while heap and heap[0][0] <= now:
-            w = heapq.heappop(heap)[2]
-            if w.armed:
-                self.finish(w)
-                fut = w.fut
-                if fut is not None and not fut.done():
-                    fut.set_result(None)  # it sees its deadline passed
-        if heap:
-            self._arm(heap[0][0])
-
-
-def _resolve(futs):
-    """In the futures' loop: wake their coroutines (a cancelled one is done already)."""
-    for fut in futs:
-        if not fut.done():
-            fut.set_result(None)
-
-
-def _post(loop, futs):
-    """From another thread: wake ``futs`` (of ``loop``) with one ``call_soon_threadsafe``."""
-    try:
-        loop.call_soon_threadsafe(_resolve, futs)
-    except RuntimeError:  # the loop is closed: nothing of it waits any more
-        pass
 
 
 class Client:
@@ -307,17 +99,11 @@ class Client:
 
     def _setup(self):
         """Per-process state, made on first use (and again in a forked child)."""
-        self._lock = threading.Lock()       # guards what follows, and the role
+        self._waits = Waiters(self.window)  # the window, the reading role, the waiters
+        self._lock = self._waits.lock       # guards what follows, and the waits
         self._put_lock = threading.Lock()   # one writer at a time on our work queue handle
-        self._pending = {}  # call id -> _Pending: single calls, and split bundles' calls
-        self._groups = {}   # first call id -> _Group: bundles
-        self._reader = None  # the waiter holding the reading role (None: nobody reads)
-        # parked waiters that may be handed the role, by event loop (None: threads);
-        # a dict per loop, popped from its end (the newest waiter, the last answered)
-        self._idle = {}
-        self._free = self.window  # slots of the window not taken
-        self._slot_queue = deque()  # waiters for room in the window, in order
-        self._timers = {}  # event loop -> _Deadlines of its parked calls
+        self._pending = {}  # call id -> Pending: single calls, and split bundles' calls
+        self._groups = {}   # first call id -> Group: bundles
         self._hint = (0.0, "")  # (when, what) of the last Timeout's look at the service
         self._next_id = 1
         self._ring = None
@@ -388,8 +174,8 @@ class Client:
             time.sleep(0.02 if left is None else min(0.02, left))
 
     def _send(self, objs, deadline, wall_deadline, w):
-        """Register and enqueue calls: several in bundles (:class:`_Group`), else one
-        :class:`_Pending` each, all waited for by ``w`` (its ``left`` set to how
+        """Register and enqueue calls: several in bundles (:class:`Group`), else one
+        :class:`Pending` each, all waited for by ``w`` (its ``left`` set to how
         many).  Returns the first call id and what waits for their replies, in order."""
         ring = self._attach(deadline)
         n = len(objs)
@@ -398,7 +184,7 @@ class Client:
             with self._lock:
                 first = self._ids(n)
             k = self._bundle
-            groups = [_Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
+            groups = [Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
             parts = encode_bundles([(g.first, self._reply_path, self._me, wall_deadline, 1, g.objs,
                                      len(g.objs)) for g in groups])
         if parts is not None:
@@ -409,7 +195,7 @@ class Client:
                 w.left = len(groups)
             waiting = groups
         else:
-            waiting = [_Pending(obj, wall_deadline) for obj in objs]
+            waiting = [Pending(obj, wall_deadline) for obj in objs]
             with self._lock:
                 if n == 1:
                     first = self._ids(1)
@@ -420,7 +206,7 @@ class Client:
                 seqs = put_bundles(ring, parts, left) if parts is not None else None
                 if parts is not None and seqs is None:  # larger than the ring: one by one
                     self._abandon(first, waiting)
-                    waiting = [_Pending(obj, wall_deadline) for obj in objs]
+                    waiting = [Pending(obj, wall_deadline) for obj in objs]
                     with self._lock:
                         self._register(first, waiting, w)
                 if seqs is None:
@@ -446,7 +232,7 @@ class Client:
         return first
 
     def _register(self, first, waiting, w):
-        """Lock held: calls ``first`` onwards (:class:`_Pending` each) wait for replies."""
+        """Lock held: calls ``first`` onwards (:class:`Pending` each) wait for replies."""
         for p in waiting:
             p.waiter = w
         self._pending.update(zip(range(first, first + len(waiting)), waiting))
@@ -460,7 +246,7 @@ class Client:
         """Lock held: forget calls (``first`` and ``waiting`` as :meth:`_send` returned
         them); their late replies are dropped."""
         pending = self._pending
-        if waiting and type(waiting[0]) is _Group:
+        if waiting and type(waiting[0]) is Group:
             for g in waiting:
                 self._groups.pop(g.first, None)
                 for cid in g.parts or ():
@@ -530,7 +316,7 @@ class Client:
                 if p.strikes >= (2 if p.attempt == 1 else 4):
                     lost.append((cid, p))
         if far:
-            _flush(far)
+            flush(far)
         # Never wait here for another thread's put (it may wait for room for as long
         # as its timeout, and we hold the reader role): the next look tries again.
         if not lost or not self._put_lock.acquire(blocking=False):
@@ -550,7 +336,7 @@ class Client:
 
     def _deliver(self, items, far):
         """Lock held: hand replies to their calls, waking each completed call's waiter
-        (``far``: see :meth:`_wake`); drop those nobody waits for."""
+        (``far``: see :meth:`Waiters.wake`); drop those nobody waits for."""
         pending = self._pending
         for item in items:
             try:
@@ -563,14 +349,14 @@ class Client:
                         continue
                     if g.parts is None:
                         g.answer_all(statuses, values)
-                        self._done(g, far)
+                        self._waits.answered(g, far)
                     else:  # split: some of its calls may be answered already, alone
                         for i, cid in enumerate(range(first, first + len(values))):
                             p = pending.get(cid)
                             if p is None or p.done:
                                 self.duplicates += 1
                             else:
-                                self._done(p.answer(statuses[i], values[i]), far)
+                                self._waits.answered(p.answer(statuses[i], values[i]), far)
                     self._learn(service_ns / len(values))
                     continue
                 cid, status, value = item
@@ -582,45 +368,10 @@ class Client:
             if p is None or p.done:
                 self.duplicates += 1  # a redelivered call's second answer, or a timed-out call
                 continue
-            self._done(p.answer(status, value), far)
-
-    def _done(self, item, far):
-        """Lock held: ``item`` (a call or bundle, or None) is answered: wake its waiter
-        once everything it waits for is (the reader itself needs no wake)."""
-        w = None if item is None else item.waiter
-        if w is None:
-            return
-        w.left -= 1
-        if w.left == 0 and w is not self._reader:
-            idle = self._idle.get(w.loop)
-            if idle:
-                idle.pop(w, None)
-            self._wake(w, far)
-
-    def _wake(self, w, far=None):
-        """Lock held: wake waiter ``w`` (it re-checks its state under the lock).
-
-        A thread: its lock is released.  A coroutine: on its own loop's thread,
-        its future is set directly (no self-pipe write); from elsewhere, one
-        ``call_soon_threadsafe`` wakes it, or, when ``far`` (a dict) is given,
-        it joins ``far[loop]`` for :func:`_flush` to wake with one call per loop
-        after the lock is released (a batch of replies: one wake-up per loop).
-        """
-        if w.loop is None:
-            w.wake()
-            return
-        fut = w.fut
-        if fut is None or fut.done():
-            return
-        if w.loop is _running_loop():
-            fut.set_result(None)
-        elif far is not None:
-            far.setdefault(w.loop, []).append(fut)
-        else:
-            _post(w.loop, [fut])
+            self._waits.answered(p.answer(status, value), far)
 
     def _split_for(self, cid):
-        """Lock held: the _Pending of call ``cid`` of a bundle answered call by call (a
+        """Lock held: the Pending of call ``cid`` of a bundle answered call by call (a
         service driven with ``get``/``Call.reply``), splitting the bundle; None if none."""
         for g in self._groups.values():
             if g.first <= cid < g.first + len(g.objs):
@@ -647,46 +398,6 @@ class Client:
         except Empty:
             return []
 
-    def _take_role(self, w):
-        """Lock held: True if ``w`` holds the reading role (taken now if nobody held
-        it); else ``w`` is recorded as idle, for the role to be handed to it."""
-        if self._reader is None:
-            self._reader = w
-        elif self._reader is not w:
-            idle = self._idle.get(w.loop)
-            if idle is None:
-                idle = self._idle[w.loop] = {}
-            idle[w] = None
-            return False
-        return True
-
-    def _unidle(self, w):
-        """Lock held: ``w`` no longer waits parked."""
-        idle = self._idle.get(w.loop)
-        if idle:
-            idle.pop(w, None)
-
-    def _pass_role(self):
-        """Lock held: the reader is done; hand the role to one idle waiter and wake it
-        alone: one of this thread's loop first (no self-pipe write), then a thread,
-        then one of another loop."""
-        self._reader = None
-        idle = self._idle
-        if not idle:
-            return
-        for key in (_running_loop(), None, *idle):
-            waiters = idle.get(key)
-            if waiters is None:
-                continue
-            if key is not None and key.is_closed():  # its coroutines will never run
-                del idle[key]
-                continue
-            if waiters:
-                w, _ = waiters.popitem()
-                self._reader = w
-                self._wake(w)
-                return
-
     def _hand_over(self, items, w):
         """Role held by ``w``: deliver what it read; if its own calls are answered,
         pass the role on and return True."""
@@ -696,22 +407,16 @@ class Client:
                 self._deliver(items, far)
             done = w.left == 0
             if done:
-                self._pass_role()
+                self._waits.pass_role()
         if far:
-            _flush(far)
+            flush(far)
         return done
-
-    def _leave(self, w):
-        """Lock held: ``w`` stops waiting (answered, timed out, cancelled, interrupted)."""
-        self._unidle(w)
-        if self._reader is w:
-            self._pass_role()
 
     def _wait(self, first, waiting, deadline, w):
         """Block until every call :meth:`_send` returned has its reply, or raise Timeout
-        (thread ``w``: a :class:`_Waiter`).  On the way out the calls are forgotten and
+        (thread ``w``: a :class:`Waiter`).  On the way out the calls are forgotten and
         ``w``'s slots of the window given back."""
-        lock = self._lock
+        lock, waits = self._lock, self._waits
         try:
             while True:
                 with lock:
@@ -719,11 +424,11 @@ class Client:
                         return
                     left = None if deadline is None else deadline - time.monotonic()
                     expired = left is not None and left <= 0
-                    reading = not expired and self._take_role(w)
+                    reading = not expired and waits.take_role(w)
                     if not (expired or reading):
                         w.prepare()
                 if expired:
-                    raise self._timeout(sum(len(x.objs) if type(x) is _Group else 1
+                    raise self._timeout(sum(len(x.objs) if type(x) is Group else 1
                                             for x in waiting))
                 if reading:
                     items = []
@@ -739,116 +444,12 @@ class Client:
                     got = w.park(left)
                     with lock:
                         w.settle(got)
-                        self._unidle(w)
+                        waits.unidle(w)
         finally:
             with lock:
                 self._forget(first, waiting)
-                self._leave(w)
-                self._unslot(w)
-
-    def _take_slots(self, n, deadline, w):
-        """Take ``n`` slots of the window, waiting in order (thread ``w``) for them.
-
-        :raises shmq.Timeout: not within ``deadline``.
-        """
-        with self._lock:
-            w.n, w.gone = n, False
-            if not self._slot_queue and self._free >= n:
-                self._free -= n
-                w.granted = True
-                return
-            w.granted = False
-            self._slot_queue.append(w)
-            self._grant()  # drops those who left the queue ahead of w; may grant w
-            if w.granted:
-                return
-            w.prepare()
-        try:
-            while True:
-                got = w.park(None if deadline is None else deadline - time.monotonic())
-                with self._lock:
-                    w.settle(got)
-                    if w.granted:
-                        return
-                    if deadline is not None and time.monotonic() >= deadline:
-                        self._unslot(w)
-                        break
-        except BaseException:  # Ctrl-C: the slots go back (or to the next in line)
-            with self._lock:
-                self._unslot(w)
-            raise
-        raise self._slot_timeout(n)
-
-    def _slot_step(self, w):
-        """A coroutine's way to a slot of the window (``w``: its :class:`_AsyncWaiter`):
-        None once it has one, else the future to await before the next step (woken when
-        granted, or at its deadline).  The first step takes a free slot at once if
-        nobody waits for one, else queues ``w`` in order.
-
-        :raises shmq.Timeout: its deadline passed first (it left the queue).
-        """
-        with self._lock:
-            if w.granted:
-                return None
-            if w.n == 0:
-                w.n = 1
-                if not self._slot_queue and self._free >= 1:
-                    self._free -= 1
-                    w.granted = True
-                    return None
-                self._slot_queue.append(w)
-                self._grant()
-                if w.granted:
-                    return None
-            elif w.deadline is not None and time.monotonic() >= w.deadline:
-                self._unslot(w)
-                raise self._slot_timeout(1)
-            w.fut = w.loop.create_future()
-        self._arm(w)
-        return w.fut
-
-    def _grant(self):
-        """Lock held: grant slots to the waiters in the queue, in order."""
-        q = self._slot_queue
-        while q:
-            w = q[0]
-            if w.gone:
-                q.popleft()
-                continue
-            if w.n > self._free:
-                return
-            q.popleft()
-            self._free -= w.n
-            w.granted = True
-            self._wake(w)
-
-    def _unslot(self, w):
-        """Lock held: ``w`` is done with the window: granted, it gives its slots back;
-        still queued, it leaves the queue (lazily: :meth:`_grant` drops it)."""
-        if w.gone:
-            return
-        w.gone = True
-        if w.granted:
-            w.granted = False
-            self._free += w.n
-        if self._slot_queue:
-            self._grant()
-
-    def _arm(self, w):
-        """In ``w``'s loop: wake it at its deadline (the first park of its call arms it)."""
-        if w.deadline is None or w.armed:
-            return
-        timers = self._timers.get(w.loop)
-        if timers is None:
-            for old in [lp for lp in self._timers if lp.is_closed()]:
-                del self._timers[old]
-            timers = self._timers[w.loop] = _Deadlines(w.loop)
-        timers.add(w)
-
-    def _disarm(self, w):
-        """In ``w``'s loop: its call is over."""
-        if w.armed:
-            self._timers[w.loop].finish(w)
+                waits.leave(w)
+                waits.unslot(w)
 
     def _slot_timeout(self, n):
         what = "the call" if n == 1 else f"{n} calls"
@@ -883,7 +484,7 @@ class Client:
         """The replies, in order; raises the first error (:meth:`_result`)."""
         out: list[Any] = []
         for w in waiting:
-            if type(w) is not _Group:
+            if type(w) is not Group:
                 out.append(self._result(w.status, w.value))
             elif not any(w.statuses):  # all OK
                 out += w.values
@@ -926,17 +527,18 @@ class Client:
         self._check()
         objs = list(objs)
         deadline, wall = self._deadlines(timeout)
-        w = _Waiter()
+        w = Waiter()
         waiting = []
         i = 0
         while i < len(objs):
             chunk = objs[i:i + self.window]
-            self._take_slots(len(chunk), deadline, w)
+            if not self._waits.take_slots(len(chunk), deadline, w):
+                raise self._slot_timeout(len(chunk))
             try:
                 first, ws = self._send(chunk, deadline, wall, w)
             except BaseException:
                 with self._lock:
-                    self._unslot(w)
+                    self._waits.unslot(w)
                 raise
             # Ctrl-C or a timeout: _wait forgets the calls (late replies are dropped)
             # and gives the slots back, as it does once they are answered
@@ -970,16 +572,24 @@ class Client:
         """
         self._check()
         deadline, wall = self._deadlines(timeout)
-        w = _AsyncWaiter(asyncio.get_running_loop(), deadline)
+        waits = self._waits
+        w = AsyncWaiter(asyncio.get_running_loop(), deadline)
         try:
             try:
-                while (fut := self._slot_step(w)) is not None:
+                while True:
+                    with self._lock:
+                        fut = waits.slot_step(w)
+                    if fut is None:
+                        break
+                    if fut is EXPIRED:
+                        raise self._slot_timeout(1)
+                    waits.arm(w)
                     await fut
-                # a slot is held from here: every way out gives it back (_unslot)
+                # a slot is held from here: every way out gives it back (unslot)
                 cid, [p] = self._send([obj], deadline, wall, w)
             except BaseException:  # cancelled (a timeout in line has left it already)
                 with self._lock:
-                    self._unslot(w)
+                    waits.unslot(w)
                 raise
             try:
                 while (fut := self._reply_step(p, w)) is not None:
@@ -987,10 +597,10 @@ class Client:
             finally:  # answered, timed out or cancelled: nobody waits for it any more
                 with self._lock:
                     self._pending.pop(cid, None)
-                    self._leave(w)
-                    self._unslot(w)
+                    waits.leave(w)
+                    waits.unslot(w)
         finally:
-            self._disarm(w)
+            waits.disarm(w)
         return self._result(p.status, p.value)
 
     def _reply_step(self, p, w):
@@ -1007,12 +617,12 @@ class Client:
                 expired = True
             else:
                 expired = False
-                if self._take_role(w):
+                if self._waits.take_role(w):
                     return _READ
                 w.fut = w.loop.create_future()  # a wake from now on sets this one
         if expired:
             raise self._timeout(1)
-        self._arm(w)
+        self._waits.arm(w)
         return w.fut
 
     async def _read_async(self, w):
@@ -1035,10 +645,3 @@ class Client:
 
 #: :meth:`Client._reply_step`: this coroutine reads the replies now.
 _READ = object()
-
-
-def _flush(far):
-    """After the client's lock is released: wake the coroutines :meth:`Client._wake`
-    gathered in ``far``, one ``call_soon_threadsafe`` per loop."""
-    for loop, futs in far.items():
-        _post(loop, futs)
