@@ -56,22 +56,6 @@ typedef PyObject *shmq_fast_items;
 #define SHMQ_FAST_ITEMS(seq) (seq)
 #define SHMQ_FAST_AT(items, k) PySequence_Fast_GET_ITEM((items), (k))
 
-/* The limited API declares these as functions of PyObject * without the
- * casting macros the full API wraps them in (Include/object.h, "Py_LIMITED_API+0
- * < 0x030b0000"); the core passes its own struct pointers. */
-#ifndef Py_TYPE
-#define Py_TYPE(ob) Py_TYPE((PyObject *)(ob))
-#endif
-#ifndef Py_INCREF
-#define Py_INCREF(op) Py_INCREF((PyObject *)(op))
-#endif
-#ifndef Py_XINCREF
-#define Py_XINCREF(op) Py_XINCREF((PyObject *)(op))
-#endif
-#ifndef Py_XDECREF
-#define Py_XDECREF(op) Py_XDECREF((PyObject *)(op))
-#endif
-
 /* Py_SETREF / Py_XSETREF, as Include/cpython/object.h defines them. */
 #define Py_SETREF(dst, src)                                                                        \
     do {                                                                                           \
