@@ -141,7 +141,7 @@ static int Lock_init(Lock *l, PyObject *args, PyObject *kw) {
 }
 
 static int Lock_traverse(Lock *l, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(l)); /* a heap type: its instances keep it alive */
+    Py_VISIT(Py_TYPE((PyObject *)l)); /* a heap type: its instances keep it alive */
     Py_VISIT(l->on_stuck);
     return 0;
 }
@@ -155,7 +155,7 @@ static void Lock_dealloc(Lock *l) {
     PyObject_GC_UnTrack(l);
     lock_release_res(l);
     Lock_clear(l);
-    PyTypeObject *tp = Py_TYPE(l);
+    PyTypeObject *tp = Py_TYPE((PyObject *)l);
     SHMQ_TP_FREE(tp)((PyObject *)l);
     Py_DECREF(tp);
 }
@@ -227,7 +227,7 @@ static PyObject *Waiting_close(Waiting *w, PyObject *unused) {
 
 static void Waiting_dealloc(Waiting *w) {
     if (w->sem) sem_close(w->sem);
-    PyTypeObject *tp = Py_TYPE(w);
+    PyTypeObject *tp = Py_TYPE((PyObject *)w);
     SHMQ_TP_FREE(tp)((PyObject *)w);
     Py_DECREF(tp);
 }

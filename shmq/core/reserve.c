@@ -135,8 +135,8 @@ static void Reservation_dealloc(Reservation *rv) {
         reservation_unlock(rv);
     }
     Py_XDECREF(rv->view);
-    Py_XDECREF(rv->ring);
-    PyTypeObject *tp = Py_TYPE(rv);
+    Py_XDECREF((PyObject *)rv->ring);
+    PyTypeObject *tp = Py_TYPE((PyObject *)rv);
     SHMQ_TP_FREE(tp)((PyObject *)rv);
     Py_DECREF(tp);
 }

@@ -359,7 +359,7 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
                           &policy, &checksum, &wname, &rname, &fname, &fd, &holder, &lock_wait))
         return -1;
     ring_release(r);
-    r->st = PyType_GetModuleState(Py_TYPE(r));
+    r->st = PyType_GetModuleState(Py_TYPE((PyObject *)r));
     if (!r->st) return -1;
     if (PyObject_GetBuffer(mm, &r->buf, PyBUF_WRITABLE) < 0) return -1;
     r->have_buf = 1;
@@ -407,7 +407,7 @@ static void Ring_dealloc(Ring *r) {
     Py_XDECREF(r->path);
     Py_XDECREF(r->owner);
     Py_XDECREF(r->put_slow);
-    PyTypeObject *tp = Py_TYPE(r);
+    PyTypeObject *tp = Py_TYPE((PyObject *)r);
     SHMQ_TP_FREE(tp)((PyObject *)r);
     Py_DECREF(tp);
 }

@@ -85,6 +85,7 @@ int hx_sem_clockwait(sem_t *s, clockid_t clk, const struct timespec *dl);
 #ifndef HX_CORE_FILE
 /* ---- the harness's side: the core's internal header, the shims' bodies, the hx_* API ---- */
 #include "core.h"
+#include "reports.h"
 
 static __thread char hx_err[512]; /* the error the core raised in this thread ("" none) */
 
@@ -265,13 +266,20 @@ static int hx_resv_abandon(hx_resv *rv) {
 }
 
 /* The harness's Sink: the payload into the cursor's scratch buffer. */
+/* Each copy is logged (reports.h) with the frame's bytes, header included, and
+ * what the core then did with it: dropped (overwritten while copied) or returned. */
 static const char *hx_copy(void *ctx, const char *src, const FrameHeader *h) {
     hx_cursor *hc = ctx;
+    rep_copy_begin(src - FRAME_BYTES, src + h->length);
     memcpy(hc->scratch, src, h->length); /* the core's copy out of the ring; length < ring (header_sane) */
+    rep_copy_done();
     hc->len = h->length;
     return hc->scratch;
 }
-static void hx_drop(void *ctx) { ((hx_cursor *)ctx)->len = 0; }
+static void hx_drop(void *ctx) {
+    ((hx_cursor *)ctx)->len = 0;
+    rep_copy_dropped();
+}
 static int hx_taken(void *ctx, const FrameHeader *h) {
     ((hx_cursor *)ctx)->h = *h;
     return 0;
@@ -303,6 +311,7 @@ static int hx_take(hx_cursor *hc, uint64_t *seq, char *buf, size_t cap, size_t *
     }
     if (got < 0 || hx_error()) return -100;
     if (got == 0) return 0;
+    rep_copy_accepted();
     *seq = hc->h.seq;
     *len = hc->len;
     memcpy(buf, hc->scratch, *len < cap ? *len : cap);

@@ -115,6 +115,10 @@ static uint32_t frame_base[MAX_THREADS]; /* global frame id = frame_base[w] + n 
 
 static pthread_barrier_t go;
 
+/* A bound on one reader's copy attempts: each returns a frame or is dropped
+ * because the frame was overwritten, which loses at least that frame. */
+static uint64_t max_copies(void) { return 2 * total_frames + 64; }
+
 #define FAIL(res, ...) do { snprintf((res)->error, sizeof (res)->error, __VA_ARGS__); return NULL; } while (0)
 
 static void *writer_main(void *arg) {
@@ -124,6 +128,7 @@ static void *writer_main(void *arg) {
     char *bufs[8];
     for (int k = 0; k < 8; k++) bufs[k] = malloc(MAX_PAYLOAD);
     uint32_t n = 0;
+    rep_register(w, REP_WRITER, w, 0);
     pthread_barrier_wait(&go);
     for (int i = 0; i < ops; i++) {
         op_plan *p = &plans[w][i];
@@ -174,6 +179,7 @@ static void *named_main(void *arg) {
     char *buf = malloc(MAX_PAYLOAD + 8);
     uint32_t next_n[MAX_THREADS] = {0};
     uint64_t expect = start_seq, idle = 0;
+    rep_register(n_writers + i, REP_NAMED, i, max_copies());
     pthread_barrier_wait(&go);
     while (res->got < total_frames) {
         uint64_t seq;
@@ -212,6 +218,7 @@ static void *group_main(void *arg) {
     res->seen = calloc(total_frames ? total_frames : 1, 1);
     uint64_t last = 0, idle = 0;
     int any = 0;
+    rep_register(n_writers + n_named + i, REP_GROUP, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
         uint64_t seq;
@@ -247,6 +254,7 @@ static void *anon_main(void *arg) {
     char *buf = malloc(MAX_PAYLOAD + 8);
     uint64_t last = 0, end = start_seq + total_frames;
     int any = 0;
+    rep_register(n_writers + n_named + n_group + i, REP_ANON, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
         uint64_t seq;
@@ -336,6 +344,7 @@ int main(int argc, char **argv) {
         return 3;
     }
     hx_init();
+    rep_init(base, (uint64_t)st.st_size);
     if (waiters) hx_register_waiters(&geo);
     make_plans();
     for (int w = 1; w < n_writers; w++) frame_base[w] = frame_base[w - 1] + frames_of[w - 1];
@@ -343,6 +352,7 @@ int main(int argc, char **argv) {
     int nthreads = n_writers + n_named + n_group + n_anon;
     pthread_t th[4 * MAX_THREADS];
     pthread_barrier_init(&go, NULL, (unsigned)nthreads);
+    rep_threads_used(nthreads);
     int t = 0;
     for (int w = 0; w < n_writers; w++) pthread_create(&th[t++], NULL, writer_main, (void *)(intptr_t)w);
     for (int i = 0; i < n_named; i++) pthread_create(&th[t++], NULL, named_main, (void *)(intptr_t)i);
@@ -398,6 +408,7 @@ int main(int argc, char **argv) {
                 (unsigned long long)(tot.next_seq - start_seq), (unsigned long long)total_frames);
         bad = 1;
     }
+    rep_print(stdout); /* what happened at each TSan report (reports.h) */
     printf("harness: %d writers, %d named, %d group members, %d anonymous%s; %llu frames, %.1f laps of the ring, "
            "%llu evicted, %llu segment growths, %llu full-ring retries, anonymous got %llu lost %llu; "
            "invariants %s\n",
