@@ -116,11 +116,12 @@ def ring_geometry(capacity: int, slots: int, leases: int):
 
 
 def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
-                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns,
+                  flags=0) -> bytes:
     body = GEOMETRY.pack(
         MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
         slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
-        POLICIES.index(policy), int(bool(checksum)), 0, 0,
+        POLICIES.index(policy), int(bool(checksum)), 0, flags,
         sem_prefix.encode("ascii"), created_ns, b"", 0,
     )
     crc = zlib.crc32(body[:GEOMETRY_CRC_SPAN])
@@ -133,6 +134,12 @@ def with_geometry_flags(raw: bytes, flags: int) -> bytes:
     fields[15] |= flags  # magic, version, ..., policy, checksum, reserved, flags
     body = GEOMETRY.pack(*fields)
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:GEOMETRY_CRC_SPAN]))
+
+
+def handles_lock(geo: dict) -> bool:
+    """True if every handle of the spool with this decoded geometry holds
+    :data:`HANDLE_LOCK_BYTE` (it was created by a shmq that takes it)."""
+    return bool(geo.get("flags", 0) & GEO_FLAG_HANDLE_LOCKS)
 
 
 def from_network(geo: dict) -> bool:

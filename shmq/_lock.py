@@ -25,7 +25,8 @@ import os
 import time
 
 from . import _core
-from .errors import Timeout
+from ._format import HANDLE_LOCK_BYTE
+from .errors import ShmqError, Timeout
 
 #: Linux's largest possible pid (PID_MAX_LIMIT, include/linux/threads.h).
 PID_MAX_LIMIT = 4 * 1024 * 1024
@@ -108,6 +109,37 @@ def ofd_unlock(fd: int, byte: int) -> None:
 def ofd_locked_by_other(fd: int, byte: int) -> bool:
     """True if some other open file description holds any lock on ``byte``."""
     return _core.ofd_locked_by_other(fd, byte)
+
+
+#: How long opening a spool waits while its handle lock is held exclusively: only a
+#: process removing an orphaned anonymous queue holds it so, for the few unlinks
+#: that takes (milliseconds), so a wait this long means a hostile holder.
+HANDLE_LOCK_WAIT_S = 5.0
+
+
+def hold_handle_lock(fd: int, path: str) -> None:
+    """Take the handle lock (:data:`shmq._format.HANDLE_LOCK_BYTE`, shared) on ``fd``:
+    every handle holds it while it has the spool mapped, so an exclusive attempt
+    elsewhere fails while any handle exists.  Never released explicitly: the kernel
+    drops it when the last descriptor of ``fd``'s open file description closes
+    (a fork child sharing it keeps it), at the latest when the process dies.  The
+    engine's (shmq/engine/lock.c), which the C API's ``shmq_open`` takes too.
+
+    Blocks only while another process holds it exclusively, at most
+    :data:`HANDLE_LOCK_WAIT_S` (polling, the GIL released; a removal holds it for
+    milliseconds; Ctrl-C interrupts it).  On a filesystem without fcntl locks (some
+    network mounts) there is none to hold; the anonymous queues that rely on it live
+    on ``/dev/shm``, which has them.
+
+    :raises shmq.ShmqError: still held exclusively after that.
+    :raises OSError: fcntl failed otherwise.
+    """
+    if not _core.hold_handle_lock(fd, HANDLE_LOCK_WAIT_S):
+        raise ShmqError(f"{path}: another process has held this spool's handle lock "
+                        f"(fcntl byte {HANDLE_LOCK_BYTE}) exclusively for over "
+                        f"{HANDLE_LOCK_WAIT_S} s; only shmq removing an orphaned queue "
+                        "takes it so, for milliseconds: find the holder with 'fuser' or "
+                        "/proc/locks")
 
 
 # --- recoverable semaphore lock ------------------------------------------

@@ -24,9 +24,11 @@ import secrets
 import stat
 import struct
 import time
+import weakref
 
 from . import _core
 from . import _format as F
+from ._lock import hold_handle_lock
 from ._space import no_space_for_file
 from .errors import NotASpool, ShmqError, SpoolFormatError
 
@@ -394,7 +396,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             file_bytes=file_bytes, ring_offset=ring_offset, ring_bytes=ring_bytes,
             slot_offset=slot_offset, slot_count=slots, lease_offset=lease_offset,
             lease_count=leases, policy=policy, checksum=checksum, sem_prefix=prefix,
-            created_ns=time.time_ns())
+            created_ns=time.time_ns(), flags=F.GEO_FLAG_HANDLE_LOCKS)  # handles hold HANDLE_LOCK_BYTE
         sem_mode = mode & 0o666  # whoever may open the spool must be able to lock it
         for which, initial in ((SEM_WRITER, 1), (SEM_READ_WAITERS, 0), (SEM_SPACE_WAITERS, 0)):
             create_semaphore(sem_name(prefix, which), initial, sem_mode)
@@ -437,13 +439,19 @@ class Mapping:
         self.path = path
         fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
-        self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
-        self.st_uid = st.st_uid
-        self.st_mode = st.st_mode
-        self.size = st.st_size
         self.write = write
         self.mm: mmap.mmap | None = None
         try:
+            # Held while this handle lives: removing an orphaned queue takes it exclusively
+            # first, so an opener that gets it after finds the file unlinked (shmq.anonymous).
+            hold_handle_lock(fd, path)
+            if os.fstat(fd).st_nlink == 0:
+                raise FileNotFoundError(errno.ENOENT, "the spool was removed while being opened",
+                                        path)
+            self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
+            self.st_uid = st.st_uid
+            self.st_mode = st.st_mode
+            self.size = st.st_size
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
             if geometry:
                 self.map(F.unpack_geometry(self.head, st.st_size, path))
@@ -478,7 +486,13 @@ class Mapping:
         The inherited descriptor shares the parent's OFD locks; keeping it
         would keep the parent's named readers marked alive after it dies.
         """
-        new = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        new = os.open(f"/proc/self/fd/{self.fd}", (os.O_RDWR if self.write else os.O_RDONLY)
+                      | os.O_CLOEXEC)
+        try:
+            hold_handle_lock(new, self.path)  # before the inherited one (the parent's) goes
+        except BaseException:
+            os.close(new)
+            raise
         os.close(self.fd)
         self.fd = new
 
@@ -513,7 +527,11 @@ class Mapping:
                 self._view.release()
                 self.mm.close()
             except BufferError:
-                pass  # a caller still holds a view; the kernel unmaps at exit
+                # A caller still holds a view: the pages stay mapped until the mmap
+                # object goes.  So does the descriptor, and with it the handle lock:
+                # a mapped file is never taken for an orphan.
+                weakref.finalize(self.mm, os.close, self.fd)
+                self.fd = None
             self.mm = None
         if self.fd is not None:
             os.close(self.fd)
@@ -593,32 +611,6 @@ def destroy_file(path: str) -> None:
         os.close(fd)
     for prefix in dict.fromkeys(prefixes):
         unregister_spool(prefix)
-
-
-def open_by(path: str, include_self: bool = False) -> list[int]:
-    """Pids of other live processes (this one too with ``include_self``) that have the
-    file at ``path`` mapped (every open shmq handle maps its spool), from
-    /proc/PID/maps; [] if none or not readable."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return []
-    me, pids = (-1 if include_self else os.getpid()), []
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    ino = str(st.st_ino)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) >= 5 and parts[4] == ino and parts[3] == dev:
-                        pids.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return pids
 
 
 def mark_from_network(path: str) -> None:

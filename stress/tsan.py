@@ -3,7 +3,9 @@
 
 Builds ``stress/tsan_harness/harness.c`` and the engine's C files
 (``shmq/engine/*.c``, the sources libshmq is made of, each compiled
-unchanged: no adapter, no Python) with ``-fsanitize=thread -O1 -g``, then,
+unchanged: no adapter, no Python) with ``-fsanitize=thread -O1 -g`` (and
+``-DSHMQ_TRACE_COPIES``, which makes the C API's sink report its copies to
+the harness: see "Classifying reports"), then,
 for each iteration and scenario, creates a spool with shmq and runs the
 harness on it: writers (batched puts and zero-copy reservations, committed
 or abandoned, patient ones waiting on the space doorbell), named readers,
@@ -29,8 +31,24 @@ read path; see docs/guarantees.md for what TSan reports there and why).
     python stress/tsan.py -n 20 --seed 7 --ops 5000 --scenario block
 
 Prints the number of TSan reports per run and in total; exits 1 if any run
-had a report (outside what ``is_seqlock`` explains) or broke an invariant,
+had a report that ``lapped_reader`` does not explain or broke an invariant,
 2 if the toolchain is missing and cannot be installed.
+
+Classifying reports: the harness records what happened at each report
+itself (``stress/tsan_harness/reports.h``: TSan's ``__tsan_on_report`` hook
+and its report query functions, never the printed stacks) and prints one
+``tsan-report`` line per report on its stdout after the joins: each access's
+thread role, read or write, atomic or not, spool file offset and size, and
+for a reader's read the copy attempt holding it and what the reader did with
+that copy.  ``parse_events`` reads those lines and ``lapped_reader`` decides
+(docs/guarantees.md, "ThreadSanitizer").  The stderr text is parsed only to
+show stacks and to check that the harness recorded every report.  A
+retargeted harness keeps this interface: register each thread's role before
+the start barrier, log each copy from its sink (begin, dropped, returned):
+this harness drives the engine through ``shmq.h``, so the sink is the C
+API's own (``shmq/engine/api.c``), which calls the harness's
+``eng_trace_copy_*`` functions when built with ``SHMQ_TRACE_COPIES``, and the
+harness finds the spool's mapping in ``/proc/self/maps``.
 
 Toolchain: gcc (or ``CC``) with its TSan runtime (Debian/Ubuntu: ``libtsan2``,
 pulled in by ``gcc``); no Python headers.  When the runtime is missing and we
@@ -62,8 +80,10 @@ ENGINE_DIR = os.path.join(ROOT, "shmq", "engine")
 MISSING_TOOLCHAIN = 2
 # SHMQ_SEM_TIMEDWAIT: the engine waits for a contended lock with sem_timedwait, which the
 # TSan runtime intercepts (gcc 12's does not intercept sem_clockwait: it would miss the
-# acquire, and report the writer's stores under the lock as races).
-TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std=gnu11", "-DSHMQ_SEM_TIMEDWAIT"]
+# acquire, and report the writer's stores under the lock as races).  SHMQ_TRACE_COPIES: the
+# C API's sink reports each copy out of the ring to the harness (engine.h), for the classifier.
+TSAN_FLAGS = ["-fsanitize=thread", "-O1", "-g", "-fno-omit-frame-pointer", "-std=gnu11", "-DSHMQ_SEM_TIMEDWAIT",
+              "-DSHMQ_TRACE_COPIES"]
 #: Orderings --self-test weakens, one build each, in a scratch copy of the core: with any
 #: of them relaxed, TSan must report a reader's copy racing with a writer's stores.
 WEAKENINGS = {
@@ -74,10 +94,14 @@ WEAKENINGS = {
     # the writer would overwrite bytes a reader may still be copying
     "consumed": (r"st_rel\(&s\[SHMQ_S_POS\],", "st_rlx(&s[SHMQ_S_POS],"),
 }
+#: Where the self-test runs: no lock-free reader there, so no report is explained and none of the
+#: weakened build's races can hide behind an explained one with the same stacks (TSan reports each
+#: pair of stacks once).
+SELF_TEST_SCENARIO = "block"
 REPORT_RE = re.compile(r"^WARNING: ThreadSanitizer: (.*?)(?: \(pid=\d+\))?$", re.M)
+#: The harness's record of one TSan report (stress/tsan_harness/reports.h), on its stdout.
+EVENT_RE = re.compile(r"^tsan-report (\d+) kind=(\S+) cur=(\d+)((?: access=\S+)*)(?: copy=(\S+))?$", re.M)
 RUN_TIMEOUT_S = 600
-#: Scenarios whose lock-free readers get lapped: their seqlock reports are expected (is_seqlock).
-SEQLOCK_SCENARIOS = ("overwrite",)
 
 SCENARIOS = {
     # name: (spool kwargs, harness threads)
@@ -258,28 +282,32 @@ def one_run(binary, scenario, seed, ops, state):
             args, start_seq = prepare(path, spool_kw, threads)
             r = run_harness(binary, path, args, seed, ops, True)
         reports = parse_reports(r.stderr)
-        ring_offset = read_geometry(path)["ring_offset"]
-        for rep in reports:
-            rep["seqlock"] = scenario in SEQLOCK_SCENARIOS and is_seqlock(rep, ring_offset)
+        events = parse_events(r.stdout)
+        geo = read_geometry(path)
+        ring = (geo["ring_offset"], geo["ring_offset"] + geo["ring_bytes"])
         problems = [ln for ln in r.stderr.splitlines() if ln.startswith("FAIL")]
+        if len(events) != len(reports):  # the hook missed some: none of them can be explained
+            problems.append(f"the harness recorded {len(events)} of the {len(reports)} TSan reports "
+                            "(is __tsan_on_report still called?)")
+            events = []
+        for i, rep in enumerate(reports):
+            rep["event"] = events[i] if events else None
+            rep["why"] = lapped_reader(rep["event"], ring) if events else None
+            rep["ring"] = ring
         if r.returncode not in (0, 66, 1) or "harness:" not in r.stdout:
             problems.append(f"harness exited with status {r.returncode}: {r.stderr[-2000:]}")
         if not problems:
             problems += check_after(path, threads, start_seq)
         state.setdefault("logs", []).append(r.stderr)
-        return reports, problems, r.stdout.strip()
+        state.setdefault("events", []).append(r.stdout)
+        summary = [ln for ln in r.stdout.splitlines() if ln.startswith("harness:")]
+        return reports, problems, summary[-1] if summary else r.stdout.strip()[-500:]
     finally:
         try:
             shmq.Spool.destroy(path)
         except FileNotFoundError:
             pass
         shutil.rmtree(d, ignore_errors=True)
-
-
-#: A lock-free reader's speculative reads of ring bytes (read_loop, inlined into the takes; the
-#: sink's copy runs under it), and the writers' stores to the ring.
-SEQLOCK_READERS = ("read_loop", "read_frame", "first_cursor", "resync")
-RING_WRITERS = ("write_locked", "write_pads", "reserve_locked", "commit_reserved", "writer_main")
 
 
 def parse_reports(stderr):
@@ -309,47 +337,107 @@ def parse_reports(stderr):
 
 
 def describe(rep, depth=3):
-    return " / ".join(f"{what}: {' < '.join(frames[:depth]) or '(stack not kept)'}"
-                      for what, frames in rep["accesses"])
+    """One line: what the harness recorded (threads, offsets, the copy), then TSan's stacks (display only)."""
+    ev = rep.get("event")
+    what = ""
+    if ev:
+        what = "; ".join(f"{'write' if a['write'] else 'read'}{' (atomic)' if a['atomic'] else ''} by "
+                         f"{a['role']} {a['index']} at file offset {a['off']:#x}" for a in ev["accesses"])
+        if ev["copy"]:
+            c = ev["copy"]
+            what += (f"; copy {c['id']} [{c['lo']:#x}, {c['hi']:#x}) {c['at_report']} at the report, "
+                     f"then {c['outcome']}")
+        what += " | "
+    return what + " / ".join(f"{what}: {' < '.join(frames[:depth]) or '(stack not kept)'}"
+                             for what, frames in rep["accesses"])
 
 
-def is_seqlock(rep, ring_offset):
-    """The expected report of a lapped lock-free reader: a reader's plain read of ring bytes
-    (read_loop / first_cursor / resync) against a writer's store to the same bytes, with no
-    happens-before between them (docs/guarantees.md, "ThreadSanitizer")."""
-    if rep["kind"] != "data race" or rep["offset"] is None or rep["offset"] < ring_offset:
-        return False  # control words and slots are atomics: a race there is never expected
-    sides = {"read": 0, "write": 0}
-    for what, frames in rep["accesses"]:
-        w = what.lower()
-        if "atomic" in w:
-            return False
-        side = "write" if "write" in w else "read"
-        names = " ".join(frames)
-        if frames and not any(f in names for f in (SEQLOCK_READERS if side == "read" else RING_WRITERS)):
-            return False  # a known stack outside the reader's copy / the writer's stores
-        sides[side] += 1
-    return sides == {"read": 1, "write": 1}
+def parse_events(stdout):
+    """The harness's record of each TSan report, in report order (stress/tsan_harness/reports.h):
+    its kind, the index of the reporting thread's access, each access (role and index of the
+    harness thread that made it, write or read, atomic, spool file offset, size) and, for a
+    reader's read, the copy attempt holding it (id, state when reported, final outcome, and
+    the file range [lo, hi) of the frame's header and payload)."""
+    events = []
+    for m in EVENT_RE.finditer(stdout):
+        accesses = []
+        for a in m.group(4).split():
+            _, role, index, rw, atomic, off, size = a[len("access="):].split(":")
+            accesses.append({"role": role, "index": int(index), "write": rw == "w", "atomic": atomic == "1",
+                             "off": int(off), "size": int(size)})
+        copy = None
+        if m.group(5):
+            cid, at_report, outcome, lo, hi = m.group(5).split(":")
+            copy = {"id": int(cid), "at_report": at_report, "outcome": outcome, "lo": int(lo), "hi": int(hi)}
+        events.append({"kind": m.group(2), "cur": int(m.group(3)), "accesses": accesses, "copy": copy})
+    return events
+
+
+def lapped_reader(ev, ring):
+    """Why a report is the documented race of a lapped lock-free reader, or None.
+
+    Decided from what the harness recorded at the report (`parse_events`), never from
+    stack text: a data race between two plain accesses on ring bytes (`ring`: the file
+    offsets [start, end) of the ring), one a read by an anonymous (lock-free) reader, the
+    other a store by a writer, where the read belongs to a copy attempt of that reader
+    covering the byte, and either
+      - "finished": the writer's store is the later access (it fired the report) and the
+        reader was already done with that copy (returned or dropped it) before the store:
+        the writer lapped the reader over bytes it had copied and validated, or
+      - "discarded": the copy was still being made or checked when the race fired and the
+        reader then dropped it as overwritten (the seqlock re-check of FIRST_POS).
+    A racing copy that the reader went on to return, a read outside a logged copy (a header
+    the engine read and rejected without copying), a control word or slot, or any other
+    thread or report kind is not explained (docs/guarantees.md, "ThreadSanitizer")."""
+    if not ev or ev["kind"] != "data-race" or len(ev["accesses"]) != 2:
+        return None
+    acc = ev["accesses"]
+    reads = [a for a in acc if not a["write"]]
+    writes = [a for a in acc if a["write"]]
+    if any(a["atomic"] for a in acc) or len(reads) != 1 or len(writes) != 1:
+        return None
+    read, write = reads[0], writes[0]
+    if read["role"] != "anon" or write["role"] != "writer":
+        return None
+    if not all(ring[0] <= a["off"] < ring[1] for a in acc):
+        return None  # control words and slots are atomics: a race there is never expected
+    c = ev["copy"]
+    if not c or not c["id"] or not c["lo"] <= read["off"] < c["hi"]:
+        return None
+    if acc[ev["cur"]] is write and c["at_report"] in ("accepted", "dropped"):
+        return "finished"
+    if c["at_report"] in ("copying", "copied") and c["outcome"] == "dropped":
+        return "discarded"
+    return None
+
+
+def reader_vs_writer(rep):
+    """True if the report is a reader's (any kind) plain read of ring bytes racing a writer's store."""
+    ev, ring = rep.get("event"), rep["ring"]
+    if not ev or ev["kind"] != "data-race":
+        return False
+    roles = {(a["role"], a["write"]) for a in ev["accesses"] if ring[0] <= a["off"] < ring[1] and not a["atomic"]}
+    return ("writer", True) in roles and any((r, False) in roles for r in ("anon", "named", "group"))
 
 
 # --------------------------------------------------------------- main
 
 def self_test(cc, workdir, seed, ops, state, which=None):
-    """TSan must report once an ordering is weakened: the harness is not vacuous."""
+    """TSan must report once an ordering is weakened: the harness is not vacuous, and the
+    classifier does not explain the weakened race away."""
     failed = 0
     for weaken in which or list(WEAKENINGS):
         binary = build(cc, workdir, weaken=weaken)
-        reports, problems, out = one_run(binary, "block", seed, ops, state)
+        reports, problems, out = one_run(binary, SELF_TEST_SCENARIO, seed, ops, state)
         log(f"tsan: self-test '{weaken}': {len(reports)} report(s); {out}")
-        racing = [r for r in reports if any("read_loop" in " ".join(f) for _, f in r["accesses"]) and
-                  any(w in " ".join(f) for _, f in r["accesses"] for w in RING_WRITERS)]
+        racing = [r for r in reports if reader_vs_writer(r) and not r["why"]]
         if not racing:
-            log(f"tsan: SELF-TEST FAILED: with '{weaken}' relaxed, TSan reported no race between a "
-                "reader's copy and a writer's stores: the harness would not catch that missing release")
+            log(f"tsan: SELF-TEST FAILED: with '{weaken}' relaxed, no unexplained race between a reader's "
+                "copy and a writer's stores: the harness would not catch that missing release")
             failed += 1
             continue
-        log(f"tsan: self-test '{weaken}' ok: {len(racing)} report(s) of a reader's copy racing with a "
-            f"writer's stores, e.g.\n    {describe(racing[0])}")
+        log(f"tsan: self-test '{weaken}' ok: {len(racing)} unexplained report(s) of a reader's copy racing "
+            f"with a writer's stores, e.g.\n    {describe(racing[0])}")
     return 1 if failed else 0
 
 
@@ -389,18 +477,20 @@ def main(argv=None):
                 t = time.monotonic()
                 reports, problems, out = one_run(binary, scenario, seed, a.ops, state)
                 runs += 1
-                seq = [r for r in reports if r["seqlock"]]
-                other = [r for r in reports if not r["seqlock"]]
+                lapped = [r for r in reports if r["why"]]
+                other = [r for r in reports if not r["why"]]
                 total += len(reports)
-                explained += len(seq)
+                explained += len(lapped)
                 log(f"tsan: {scenario} seed {seed}: {len(reports)} TSan report(s)"
-                    + (f" ({len(seq)} seqlock, explained)" if seq else "")
+                    + (f" ({len(lapped)} lapped lock-free reader, explained: " + ", ".join(
+                        f"{sum(r['why'] == w for r in lapped)} {w}" for w in ("finished", "discarded")) + ")"
+                       if lapped else "")
                     + f" in {time.monotonic() - t:.1f} s; {out}")
                 for r in other:
                     log(f"  UNEXPLAINED {r['kind']}: {describe(r)}")
-                if seq and a.show:
-                    for r in seq:
-                        log(f"  seqlock: {describe(r)}")
+                if lapped and a.show:
+                    for r in lapped:
+                        log(f"  lapped reader ({r['why']}): {describe(r)}")
                 if a.show and other:
                     log(state["logs"][-1])
                 for p in problems:
@@ -408,13 +498,15 @@ def main(argv=None):
                 if other or problems:
                     failed += 1
         log(f"tsan: {runs} run(s), {total} TSan report(s): {total - explained} unexplained, {explained} "
-            f"seqlock reports of lapped lock-free readers (expected: docs/guarantees.md); {failed} failed run(s) "
+            f"reports of lapped lock-free readers (expected: docs/guarantees.md); {failed} failed run(s) "
             f"in {time.monotonic() - t0:.1f} s")
         return 1 if failed else 0
     finally:
         if a.keep:
             with open(os.path.join(workdir, "tsan.log"), "w") as f:
                 f.write("\n".join(state.get("logs", [])))
+            with open(os.path.join(workdir, "events.log"), "w") as f:
+                f.write("\n".join(state.get("events", [])))
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 

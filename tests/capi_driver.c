@@ -8,6 +8,7 @@
  *                                          frames' count from the payload gaps
  *   driver holdlock SPOOL                 take the writer lock (a reservation) and say
  *                                          "held", then wait to be SIGKILLed
+ *   driver open SPOOL                     shmq_open: its code and message
  *   driver put SPOOL COUNT TIMEOUT        put COUNT frames "i=<i>;", report the seqs
  *   driver group SPOOL NAME TOTAL         a member of group NAME: take until the group's
  *                                          position reaches TOTAL; print every seq taken
@@ -88,6 +89,14 @@ static int holdlock(const char *path) {
     printf("held pid=%d\n", (int)getpid());
     fflush(stdout);
     for (;;) pause(); /* until SIGKILLed: the lock stays held */
+}
+
+static int open_only(const char *path) {
+    shmq_spool *sp;
+    int rc = shmq_open(path, 0, &sp);
+    printf("code=%d msg=%s\n", rc, rc < 0 ? shmq_errmsg() : "");
+    if (rc == 0) shmq_close(sp);
+    return 0;
 }
 
 static int put(const char *path, long long count, double timeout) {
@@ -273,6 +282,7 @@ int main(int argc, char **argv) {
     const char *cmd = argv[1], *path = argv[2];
     if (!strcmp(cmd, "slowread") && argc == 5) return slowread(path, atoll(argv[3]), atol(argv[4]));
     if (!strcmp(cmd, "holdlock") && argc == 3) return holdlock(path);
+    if (!strcmp(cmd, "open") && argc == 3) return open_only(path);
     if (!strcmp(cmd, "put") && argc == 5) return put(path, atoll(argv[3]), atof(argv[4]));
     if (!strcmp(cmd, "group") && argc == 5) return group(path, argv[3], strtoull(argv[4], NULL, 10));
     if (!strcmp(cmd, "errors") && argc == 3) return errors(path);

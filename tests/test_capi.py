@@ -8,8 +8,11 @@ writer lapping a slow C reader of an overwrite spool with the loss counted
 exactly; a C writer SIGKILLed holding the writer lock recovered by a Python
 writer within the recovery timeout, and a Python writer's by a C writer; C
 and Python members of one group sharing a stream; many threads of one C
-process putting and getting on one handle with no loss or duplicate; the
-examples in examples/c; the failure codes.
+process putting and getting on one handle with no loss or duplicate; a C
+handle holding the handle lock (shmq.anonymous's orphan check) until its
+process dies, and a C open waiting out a removal in progress; the examples
+in examples/c (a spool shmq_create made carries the handle-lock flag); the
+failure codes.
 
 The C side is tests/capi_driver.c and examples/c/*.c, compiled here with
 the engine's sources.  Skipped where there is no C compiler.
@@ -26,6 +29,8 @@ import time
 import pytest
 
 import shmq
+from shmq import _format as F
+from shmq import _lock
 from shmq.verify import verify
 
 from conftest import bound
@@ -172,6 +177,67 @@ def test_a_sigkilled_c_writers_lock_is_recovered_by_a_python_writer(programs, sp
     assert verify(path).ok
 
 
+def test_a_c_handle_holds_the_handle_lock_while_open(programs, spool_dir):
+    """A C handle (shmq_open) holds the handle lock, as every Python handle does, so an
+    anonymous queue's orphan check sees it; the kernel drops it when its process dies."""
+    path = os.path.join(spool_dir, "chandle")
+    shmq.Spool.create(path, capacity="64KiB").close()
+    holder = subprocess.Popen([programs["driver"], "holdlock", path], stdout=subprocess.PIPE, text=True)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert holder.stdout.readline().startswith("held")
+        assert not _lock.ofd_lock(fd, F.HANDLE_LOCK_BYTE)  # exclusive, no wait: a handle exists
+        holder.kill()
+        holder.wait()
+        assert _lock.ofd_lock(fd, F.HANDLE_LOCK_BYTE)  # its process died: no handle is left
+    finally:
+        os.close(fd)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def _has_open(pid, path):
+    st = os.stat(path)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:  # it exited meanwhile
+        return False
+    for fd in fds:
+        try:
+            fst = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def test_a_c_open_waits_for_a_removal_in_progress_then_finds_it_gone(programs, spool_dir):
+    """shmq_open meets the handle lock held exclusively (shmq.anonymous removing an orphan),
+    waits, and once the removal is done reports the spool gone (-ENOENT), not a lock error."""
+    path = os.path.join(spool_dir, "cremoved")
+    shmq.Spool.create(path, capacity="64KiB").close()
+    remover = os.open(path, os.O_RDWR)
+    opener = None
+    try:
+        assert _lock.ofd_lock(remover, F.HANDLE_LOCK_BYTE)
+        opener = subprocess.Popen([programs["driver"], "open", path], stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + bound(10)
+        # Nothing the C side could signal while it waits inside shmq_open: watch /proc
+        # until it has the file open (then it is at or in the wait for the lock).
+        while not _has_open(opener.pid, path):
+            assert opener.poll() is None and time.monotonic() < deadline, "the C open did not wait"
+            time.sleep(0.001)
+        shmq.Spool.destroy(path)
+    finally:
+        os.close(remover)  # the removal ends
+    out, _ = opener.communicate(timeout=bound(10))
+    got = _fields(out)
+    assert got["code"] == "-2", out  # -ENOENT
+    assert "removed while being opened" in out, out
+
+
 def _hold_the_writer_lock(path, ready):
     sp = shmq.Spool.open(path)
     rv = sp.reserve(64)  # holds the writer lock until committed
@@ -293,7 +359,8 @@ def test_the_c_examples_build_with_only_cc_and_work_with_python(spool_dir, tmp_p
     out = _run(work / "producer", path, 1000)
     assert "put 1000 frames" in out
     with shmq.Spool.open(path) as sp:
-        assert sp.on_full == "block"  # the producer created it
+        assert sp.on_full == "block"  # the producer created it ...
+        assert F.handles_lock(sp.geometry)  # ... with the flag that its handles hold the handle lock
         with sp.reader("python") as r:
             frames = r.get_many(2000, timeout=bound(5))
         assert [f.seq for f in frames] == list(range(1000))

@@ -353,7 +353,7 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
     PyObject *ring, *cur, *queue, *put_slow, *get_slow, *port_of = NULL;
     long long backlog;
     int fast;
-    CoreState *st = PyType_GetModuleState(Py_TYPE(q));
+    CoreState *st = PyType_GetModuleState(Py_TYPE((PyObject *)q));
     if (!st) return -1;
     if (!PyArg_ParseTuple(args, "O!O!OOOLp|O", st->RingType, &ring, st->CursorType, &cur, &queue, &put_slow,
                           &get_slow, &backlog, &fast, &port_of))
@@ -377,7 +377,7 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
 }
 
 static int QueuePort_traverse(QueuePort *q, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(q));
+    Py_VISIT(Py_TYPE((PyObject *)q));
     Py_VISIT(q->ring);
     Py_VISIT(q->cur);
     Py_VISIT(q->owner);
@@ -397,12 +397,12 @@ static void QueuePort_dealloc(QueuePort *q) {
     PyObject_GC_UnTrack(q);
     Py_XDECREF(q->keep);
     Py_XDECREF(q->port_of);
-    Py_XDECREF(q->ring);
-    Py_XDECREF(q->cur);
+    Py_XDECREF((PyObject *)q->ring);
+    Py_XDECREF((PyObject *)q->cur);
     Py_XDECREF(q->owner);
     Py_XDECREF(q->put_slow);
     Py_XDECREF(q->get_slow);
-    PyTypeObject *tp = Py_TYPE(q);
+    PyTypeObject *tp = Py_TYPE((PyObject *)q);
     SHMQ_TP_FREE(tp)((PyObject *)q);
     Py_DECREF(tp);
 }

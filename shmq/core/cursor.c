@@ -386,7 +386,7 @@ static int Cursor_init(Cursor *c, PyObject *args, PyObject *kw) {
     long long slot;
     unsigned long long seq, pos;
     PyObject *gname;
-    CoreState *st = PyType_GetModuleState(Py_TYPE(c));
+    CoreState *st = PyType_GetModuleState(Py_TYPE((PyObject *)c));
     if (!st) return -1;
     if (!PyArg_ParseTuple(args, "O!iLKKppO", st->RingType, &ring, &kind, &slot, &seq, &pos, &autocommit, &verify,
                           &gname))
@@ -418,12 +418,12 @@ static int Cursor_init(Cursor *c, PyObject *args, PyObject *kw) {
 
 static void Cursor_dealloc(Cursor *c) {
     if (c->eng.gsem) sem_close(c->eng.gsem);
-    Py_XDECREF(c->ring);
+    Py_XDECREF((PyObject *)c->ring);
     Py_XDECREF(c->closed_msg);
     Py_XDECREF(c->last);
     Py_XDECREF(c->owner);
     Py_XDECREF(c->get_slow);
-    PyTypeObject *tp = Py_TYPE(c);
+    PyTypeObject *tp = Py_TYPE((PyObject *)c);
     SHMQ_TP_FREE(tp)((PyObject *)c);
     Py_DECREF(tp);
 }

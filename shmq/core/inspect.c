@@ -176,6 +176,20 @@ static PyObject *core_ofd_locked_by_other(PyObject *m, PyObject *args) {
     return PyBool_FromLong(rc);
 }
 
+static PyObject *core_hold_handle_lock(PyObject *m, PyObject *args) {
+    /* hold_handle_lock(fd, wait_s) -> False if still held exclusively after wait_s */
+    int fd;
+    double wait_s;
+    if (!PyArg_ParseTuple(args, "id", &fd, &wait_s)) return NULL;
+    int rc = eng_hold_handle_lock(fd, wait_s, &binding_gil_hooks); /* the GIL dropped while it polls */
+    if (rc == SHMQ_ECALLBACK) return NULL;                           /* a signal handler raised */
+    if (rc < 0) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBool_FromLong(rc == 0);
+}
+
 PyMethodDef inspect_methods[] = {
     {"header_at", core_header_at, METH_VARARGS,
      "header_at(buf, base, size, pos, checked=True) -> the frame header at/after ring position pos, or None"},
@@ -191,6 +205,8 @@ PyMethodDef inspect_methods[] = {
     {"sem_unlink", core_sem_unlink, METH_O, "sem_unlink(name): unlink a named semaphore (missing: fine)"},
     {"ofd_lock", core_ofd_lock, METH_VARARGS, "ofd_lock(fd, byte, exclusive, wait) -> False on a conflict"},
     {"ofd_unlock", core_ofd_unlock, METH_VARARGS, "ofd_unlock(fd, byte)"},
+    {"hold_handle_lock", core_hold_handle_lock, METH_VARARGS,
+     "hold_handle_lock(fd, wait_s) -> False if another process held it exclusively all along"},
     {"ofd_locked_by_other", core_ofd_locked_by_other, METH_VARARGS,
      "ofd_locked_by_other(fd, byte) -> True if another open file description locks it"},
     {NULL}};

@@ -211,7 +211,7 @@ static int Lock_init(Lock *l, PyObject *args, PyObject *kw) {
 }
 
 static int Lock_traverse(Lock *l, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(l)); /* a heap type: its instances keep it alive */
+    Py_VISIT(Py_TYPE((PyObject *)l)); /* a heap type: its instances keep it alive */
     Py_VISIT(l->on_stuck);
     return 0;
 }
@@ -225,7 +225,7 @@ static void Lock_dealloc(Lock *l) {
     PyObject_GC_UnTrack(l);
     lock_release_res(l);
     Lock_clear(l);
-    PyTypeObject *tp = Py_TYPE(l);
+    PyTypeObject *tp = Py_TYPE((PyObject *)l);
     SHMQ_TP_FREE(tp)((PyObject *)l);
     Py_DECREF(tp);
 }
@@ -299,7 +299,7 @@ static PyObject *Waiting_close(Waiting *w, PyObject *unused) {
 
 static void Waiting_dealloc(Waiting *w) {
     if (w->sem) sem_close(w->sem);
-    PyTypeObject *tp = Py_TYPE(w);
+    PyTypeObject *tp = Py_TYPE((PyObject *)w);
     SHMQ_TP_FREE(tp)((PyObject *)w);
     Py_DECREF(tp);
 }
@@ -354,7 +354,7 @@ static int Semaphore_init(Semaphore *s, PyObject *args, PyObject *kw) {
     sem = eng_sem_open(cname, initial, mode, owner, group, how, &err);
     Py_END_ALLOW_THREADS
     if (sem == SEM_FAILED) {
-        CoreState *st = PyType_GetModuleState(Py_TYPE(s));
+        CoreState *st = PyType_GetModuleState(Py_TYPE((PyObject *)s));
         if (err == SHMQ_ESQUATTED) {
             engine_error(st, NULL, err);
         } else {
@@ -419,7 +419,7 @@ static PyObject *Semaphore_get_name(Semaphore *s, void *x) { return Py_NewRef(s-
 static void Semaphore_dealloc(Semaphore *s) {
     if (s->sem) sem_close(s->sem);
     Py_XDECREF(s->name);
-    PyTypeObject *tp = Py_TYPE(s);
+    PyTypeObject *tp = Py_TYPE((PyObject *)s);
     SHMQ_TP_FREE(tp)((PyObject *)s);
     Py_DECREF(tp);
 }

@@ -39,7 +39,7 @@ static int Deferred_init(Deferred *d, PyObject *args, PyObject *kw) {
 }
 
 static int Deferred_traverse(Deferred *d, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(d));
+    Py_VISIT(Py_TYPE((PyObject *)d));
     Py_VISIT(d->fill);
     return 0;
 }
@@ -52,7 +52,7 @@ static int Deferred_clear(Deferred *d) {
 static void Deferred_dealloc(Deferred *d) {
     PyObject_GC_UnTrack(d);
     Py_XDECREF(d->fill);
-    PyTypeObject *tp = Py_TYPE(d);
+    PyTypeObject *tp = Py_TYPE((PyObject *)d);
     SHMQ_TP_FREE(tp)((PyObject *)d);
     Py_DECREF(tp);
 }

@@ -80,8 +80,8 @@ static PyObject *Reservation_exit(Reservation *rv, PyObject *args) {
 static void Reservation_dealloc(Reservation *rv) {
     eng_resv_abandon(&rv->eng); /* dropped without commit: abandoned */
     Py_XDECREF(rv->view);
-    Py_XDECREF(rv->ring);
-    PyTypeObject *tp = Py_TYPE(rv);
+    Py_XDECREF((PyObject *)rv->ring);
+    PyTypeObject *tp = Py_TYPE((PyObject *)rv);
     SHMQ_TP_FREE(tp)((PyObject *)rv);
     Py_DECREF(tp);
 }

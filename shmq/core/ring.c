@@ -406,7 +406,7 @@ static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Ring is in use by another thread");
         return -1;
     }
-    r->st = PyType_GetModuleState(Py_TYPE(r));
+    r->st = PyType_GetModuleState(Py_TYPE((PyObject *)r));
     if (!r->st) return -1;
     const char *cpath = PyUnicode_AsUTF8(path);
     if (!cpath) return -1;
@@ -438,7 +438,7 @@ static void Ring_dealloc(Ring *r) {
     Py_XDECREF(r->path);
     Py_XDECREF(r->owner);
     Py_XDECREF(r->put_slow);
-    PyTypeObject *tp = Py_TYPE(r);
+    PyTypeObject *tp = Py_TYPE((PyObject *)r);
     SHMQ_TP_FREE(tp)((PyObject *)r);
     Py_DECREF(tp);
 }

@@ -49,6 +49,22 @@ int shmq_open(const char *path, double recovery_timeout, shmq_spool **out) {
     if (rc < 0) goto fail;
     struct stat st;
     if ((rc = sp->fd = eng_open_file(sp->path, &st)) < 0) goto fail;
+    /* Held while this handle lives: removing an orphaned queue takes it exclusively
+     * first, so an opener that gets it after finds the file unlinked. */
+    if ((rc = eng_hold_handle_lock(sp->fd, ENG_HANDLE_LOCK_WAIT_S, NULL)) != 0) {
+        if (rc == 1)
+            rc = eng_fail(SHMQ_ELOCKED, "%s: another process has held this spool's handle lock (fcntl byte %d) "
+                          "exclusively for over %g s; only shmq removing an orphaned queue takes it so, for "
+                          "milliseconds: find the holder with 'fuser' or /proc/locks", sp->path,
+                          SHMQ_HANDLE_LOCK_BYTE, ENG_HANDLE_LOCK_WAIT_S);
+        else
+            rc = eng_fail(rc, "%s: the handle lock: %s", sp->path, strerror(-rc));
+        goto fail;
+    }
+    if (fstat(sp->fd, &st) != 0 || st.st_nlink == 0) {
+        rc = eng_fail(-ENOENT, "%s: the spool was removed while being opened", sp->path);
+        goto fail;
+    }
     shmq_geometry g;
     if (pread(sp->fd, &g, sizeof g, 0) != (ssize_t)sizeof g) {
         rc = eng_fail(SHMQ_EFORMAT, "%s: not a shmq spool (file too small)", sp->path);
@@ -456,14 +472,20 @@ static const char *copy_c(void *ctx, const char *src, const shmq_frame_header *h
         k->need = h->length;
         return NULL;
     }
+    TRACE_COPY_BEGIN(src - SHMQ_FRAME_BYTES, src + h->length);
     memcpy(k->buf + at, src, h->length);
+    TRACE_COPY_DONE();
     return k->buf + at;
 }
 
-static void drop_c(void *ctx) { (void)ctx; /* a torn copy is overwritten by the next */ }
+static void drop_c(void *ctx) {
+    (void)ctx; /* a torn copy is overwritten by the next */
+    TRACE_COPY_DROPPED();
+}
 
 static int taken_c(void *ctx, const shmq_frame_header *h) {
     CSink *k = ctx;
+    TRACE_COPY_ACCEPTED();
     size_t at = (k->used + 7) & ~(size_t)7;
     k->frames[k->n] = (shmq_frame){h->seq, h->ts, k->buf + at, h->length, h->codec};
     k->used = at + h->length;

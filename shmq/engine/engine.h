@@ -11,7 +11,7 @@
  *   take.h        the lock-free read loop and the takes, inline (a caller's sink known)
  *   crc.c         CRC-32; error codes, messages
  *   sem.c         named semaphores: create, open (refusing squatted names), unlink
- *   lock.c        semaphore locks with a deadline, holder words, dead-holder recovery
+ *   lock.c        semaphore locks with a deadline, holder words, the handle lock, dead-holder recovery
  *   wait.c        doorbells, the writer's wait for a catching-up consumer, parked reads
  *   write.c       placement, eviction and commit: put, put_many, reserve
  *   zone.c        growable rings: the hot zone's pages (allocate, punch, trim)
@@ -113,6 +113,27 @@ static inline unsigned long this_thread(void) { return (unsigned long)pthread_se
 /* ---- errors: codes are shmq.h's; the detail is the thread's message ---- */
 int eng_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3))); /* sets the message, returns code */
 void eng_clear_error(void);
+
+/* ---- tracing a C take's copies: the ThreadSanitizer harness only ----
+ * Built with -DSHMQ_TRACE_COPIES, the C API's sink (api.c) reports every copy
+ * it makes out of the ring and what became of it to four functions the
+ * program defines (stress/tsan_harness/harness.c, whose report classifier
+ * needs them: reports.h).  Without it -- libshmq, the binding -- nothing. */
+#ifdef SHMQ_TRACE_COPIES
+void eng_trace_copy_begin(const void *frame, const void *end); /* about to copy the frame at [frame, end) */
+void eng_trace_copy_done(void);                                /* copied, not yet checked */
+void eng_trace_copy_dropped(void);                             /* overwritten meanwhile: discarded */
+void eng_trace_copy_accepted(void);                            /* passed the check: returned */
+#define TRACE_COPY_BEGIN(frame, end) eng_trace_copy_begin((frame), (end))
+#define TRACE_COPY_DONE() eng_trace_copy_done()
+#define TRACE_COPY_DROPPED() eng_trace_copy_dropped()
+#define TRACE_COPY_ACCEPTED() eng_trace_copy_accepted()
+#else
+#define TRACE_COPY_BEGIN(frame, end) ((void)0)
+#define TRACE_COPY_DONE() ((void)0)
+#define TRACE_COPY_DROPPED() ((void)0)
+#define TRACE_COPY_ACCEPTED() ((void)0)
+#endif
 
 /* ---- hooks of a caller that holds a lock of its own (the binding: the GIL) ---- */
 typedef struct eng_hooks {
@@ -328,6 +349,8 @@ int eng_process_alive(int pid, uint64_t start, int check_start);
 int eng_ofd_lock(int fd, uint64_t byte, int exclusive, int wait);
 int eng_ofd_unlock(int fd, uint64_t byte);
 int eng_ofd_locked_by_other(int fd, uint64_t byte);
+#define ENG_HANDLE_LOCK_WAIT_S 5.0 /* the C API's wait for the handle lock (shmq._lock.HANDLE_LOCK_WAIT_S) */
+int eng_hold_handle_lock(int fd, double wait_s, const eng_hooks *hooks);
 typedef struct {
     sem_t *sem;
     uint64_t *holder, *token, *breaks; /* shared words; breaks may be NULL */

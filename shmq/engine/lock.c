@@ -203,9 +203,43 @@ int eng_ofd_unlock(int fd, uint64_t byte) { return ofd(fd, F_OFD_SETLK, F_UNLCK,
 /* 1 if another open file description holds any lock on `byte`; 0; -errno. */
 int eng_ofd_locked_by_other(int fd, uint64_t byte) { return ofd(fd, F_OFD_GETLK, F_WRLCK, byte); }
 
-/* ---- recovering a dead holder's lock ---- */
-
 static double mono_s(void) { return (double)mono_ns() / 1e9; }
+
+/* ---- the handle lock ---- */
+
+/* Take the handle lock (SHMQ_HANDLE_LOCK_BYTE, shared) on `fd`: every handle,
+ * Python's or the C API's, holds it while it has the spool mapped, so an
+ * exclusive attempt elsewhere (shmq.anonymous's orphan check) fails while any
+ * handle exists.  Never released explicitly: the kernel drops it when the
+ * last descriptor of fd's open file description closes (a fork child sharing
+ * it keeps it), at the latest when the process dies.
+ *
+ * Waits only while another process holds it exclusively -- shmq removing an
+ * orphaned queue, for the milliseconds its unlinks take -- polling (0.5 ms,
+ * doubling to 50 ms) with the caller's lock dropped, for at most wait_s.  A
+ * filesystem without fcntl locks (some network mounts) has none to hold: 0.
+ * 0: held; 1: still held exclusively after wait_s; SHMQ_ECALLBACK: the
+ * caller's interrupt check failed (Ctrl-C); -errno. */
+int eng_hold_handle_lock(int fd, double wait_s, const eng_hooks *hooks) {
+    double deadline = -1.0;
+    long delay_ns = 500000L;
+    for (;;) {
+        int rc = eng_ofd_lock(fd, SHMQ_HANDLE_LOCK_BYTE, 0, 0);
+        if (rc == -ENOLCK || rc == -EINVAL || rc == -EOPNOTSUPP) return 0;
+        if (rc <= 0) return rc;
+        double now = mono_s();
+        if (deadline < 0) deadline = now + wait_s;
+        else if (now > deadline) return 1;
+        void *saved = hooks_unlock(hooks);
+        struct timespec ts = {0, delay_ns};
+        nanosleep(&ts, NULL);
+        hooks_relock(hooks, saved);
+        if (hooks_interrupted(hooks)) return SHMQ_ECALLBACK;
+        delay_ns = delay_ns >= 25000000L ? 50000000L : 2 * delay_ns;
+    }
+}
+
+/* ---- recovering a dead holder's lock ---- */
 
 /* Take over a dead holder's lock (holder word `word` seen): under the
  * recovery byte's OFD lock (one process at a time; the per-handle mutex

@@ -89,7 +89,11 @@ typedef struct {
 
 /* Open the spool at `path` (a bare name: the caller's private directory
  * /dev/shm/shmq-<euid>/, as Python's).  `recovery_timeout`: seconds a lock
- * holder is trusted between checks of whether it is alive (<= 0: 1.0). */
+ * holder is trusted between checks of whether it is alive (<= 0: 1.0).
+ * The handle holds the handle lock (SHMQ_HANDLE_LOCK_BYTE, shared) until
+ * closed; while shmq removes the file as an orphaned queue (the lock held
+ * exclusively) this waits up to 5 s: -ENOENT once removed, SHMQ_ELOCKED if
+ * still held. */
 SHMQ_API int shmq_open(const char *path, double recovery_timeout, shmq_spool **out);
 /* Create a spool (Spool.create's options; NULL: the defaults) and open it. */
 SHMQ_API int shmq_create(const char *path, const shmq_create_options *opts, shmq_spool **out);

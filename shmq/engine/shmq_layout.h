@@ -31,6 +31,7 @@
 #define SHMQ_GEOMETRY_BYTES 128
 #define SHMQ_GEOMETRY_CRC_SPAN 124 /* the CRC-32 of bytes [0, 124) sits at 124 */
 #define SHMQ_GEO_FLAG_NETWORK 0x1  /* geometry flags: fed from another host (shmq sub): untrusted */
+#define SHMQ_GEO_FLAG_HANDLE_LOCKS 0x2 /* ... every handle holds HANDLE_LOCK_BYTE while mapped */
 #define SHMQ_SEM_PREFIX_BYTES 12   /* hex digits of the semaphore prefix (in a 16-byte field) */
 
 /* The immutable geometry block at offset 0 (policy: SHMQ_POLICY_*). */
@@ -93,6 +94,12 @@
 #define SHMQ_RECOVERY_LOCK_BYTE 4064 /* one process recovers the writer lock */
 #define SHMQ_TABLE_LOCK_BYTE 4065    /* reader-table allocation */
 #define SHMQ_REPLAY_LOCK_BYTE 4066   /* one replayer of a dead-letter spool */
+/* Held SHARED by every handle while it has the file mapped (dropped by the kernel
+ * when the handle's open file description closes, at the latest when its process
+ * dies): an exclusive attempt that succeeds proves no handle exists anywhere (an
+ * anonymous queue's orphan check, shmq.anonymous).  Meaningful only on files whose
+ * geometry carries SHMQ_GEO_FLAG_HANDLE_LOCKS (an older shmq's handles never took it). */
+#define SHMQ_HANDLE_LOCK_BYTE 4067
 
 /* ---- the reader / group table ---- */
 #define SHMQ_SLOT_OFFSET SHMQ_HEADER_BYTES

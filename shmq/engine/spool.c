@@ -196,6 +196,7 @@ static void geometry_pack(shmq_geometry *g, uint64_t ring_bytes, unsigned slots,
     g->file_bytes = g->ring_offset + ring_bytes;
     g->policy = (uint8_t)policy;
     g->checksum = checksum ? 1 : 0;
+    g->flags = SHMQ_GEO_FLAG_HANDLE_LOCKS; /* shmq_open holds SHMQ_HANDLE_LOCK_BYTE while mapped */
     memcpy(g->sem_prefix, prefix, SHMQ_SEM_PREFIX_BYTES);
     g->created_ns = now_ns();
     g->crc = eng_crc(0, (const unsigned char *)g, SHMQ_GEOMETRY_CRC_SPAN);

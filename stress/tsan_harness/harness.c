@@ -20,6 +20,13 @@
  * intact; the group members together got every frame exactly once;
  * anonymous readers of an overwrite run counted exactly what they lost.
  *
+ * Each thread registers its role before the start barrier, and the engine,
+ * built with -DSHMQ_TRACE_COPIES, reports every copy its C sink makes out of
+ * the ring (and whether it was dropped or returned) to the eng_trace_copy_*
+ * functions below: reports.h records, at each TSan report, who made the
+ * racing accesses and what became of the copy, for stress/tsan.py's
+ * classifier (printed as tsan-report lines after the joins).
+ *
  * usage: harness SPOOL KEY=VALUE...   (stress/tsan.py builds and runs it)
  *   writers=N named=N group=N anon=N ops=N seed=N waiters=0|1
  * waiters=1: readers that find nothing wait on the doorbell (a blocking get
@@ -33,6 +40,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
+#include "reports.h"
 #include "shmq.h"
 
 #define MAX_THREADS 16
@@ -116,6 +127,45 @@ static uint32_t frame_base[MAX_THREADS]; /* global frame id = frame_base[w] + n 
 
 static pthread_barrier_t go;
 
+/* The C API sink's copies (engine.h, SHMQ_TRACE_COPIES), logged for the
+ * calling reader thread (reports.h). */
+void eng_trace_copy_begin(const void *frame, const void *end);
+void eng_trace_copy_done(void);
+void eng_trace_copy_dropped(void);
+void eng_trace_copy_accepted(void);
+void eng_trace_copy_begin(const void *frame, const void *end) { rep_copy_begin(frame, end); }
+void eng_trace_copy_done(void) { rep_copy_done(); }
+void eng_trace_copy_dropped(void) { rep_copy_dropped(); }
+void eng_trace_copy_accepted(void) { rep_copy_accepted(); }
+
+/* Where this process mapped the spool at `path` (shmq.h hands out no
+ * addresses; reports.h turns addresses into file offsets): the mapping of
+ * that file's offset 0 in /proc/self/maps.  0, or -1. */
+static int spool_mapping(const char *path, const char **base, uint64_t *len) {
+    struct stat st;
+    if (stat(path, &st) != 0) return -1;
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return -1;
+    char line[4096];
+    int found = -1;
+    while (found < 0 && fgets(line, sizeof line, f)) {
+        unsigned long long lo, hi, off, ino;
+        unsigned maj, mnr;
+        if (sscanf(line, "%llx-%llx %*s %llx %x:%x %llu", &lo, &hi, &off, &maj, &mnr, &ino) == 6 && off == 0 &&
+            ino == (unsigned long long)st.st_ino && maj == major(st.st_dev) && mnr == minor(st.st_dev)) {
+            *base = (const char *)(uintptr_t)lo;
+            *len = hi - lo;
+            found = 0;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* A bound on one reader's copy attempts: each returns a frame or is dropped
+ * because the frame was overwritten, which loses at least that frame. */
+static uint64_t max_copies(void) { return 2 * total_frames + 64; }
+
 #define FAIL(res, ...) do { snprintf((res)->error, sizeof (res)->error, __VA_ARGS__); return NULL; } while (0)
 
 /* A read: the next frame, or SHMQ_EEMPTY (after a short wait on the doorbell with waiters). */
@@ -131,6 +181,7 @@ static void *writer_main(void *arg) {
     char *bufs[8];
     for (int k = 0; k < 8; k++) bufs[k] = malloc(MAX_PAYLOAD);
     uint32_t n = 0;
+    rep_register(w, REP_WRITER, w, 0);
     pthread_barrier_wait(&go);
     for (int i = 0; i < ops; i++) {
         op_plan *p = &plans[w][i];
@@ -181,6 +232,7 @@ static void *named_main(void *arg) {
     uint32_t next_n[MAX_THREADS] = {0};
     uint64_t expect = start_seq, idle = 0;
     shmq_frame f;
+    rep_register(n_writers + i, REP_NAMED, i, max_copies());
     pthread_barrier_wait(&go);
     while (res->got < total_frames) {
         int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
@@ -217,6 +269,7 @@ static void *group_main(void *arg) {
     uint64_t last = 0, idle = 0;
     int any = 0;
     shmq_frame f;
+    rep_register(n_writers + n_named + i, REP_GROUP, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
         int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
@@ -251,6 +304,7 @@ static void *anon_main(void *arg) {
     uint64_t last = 0, end = start_seq + total_frames;
     int any = 0;
     shmq_frame f;
+    rep_register(n_writers + n_named + n_group + i, REP_ANON, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
         int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
@@ -330,12 +384,20 @@ int main(int argc, char **argv) {
         if (open_reader("tsan-group", SHMQ_READER_GROUP, &group_r[i]) < 0) return 3;
     for (int i = 0; i < n_anon; i++)
         if (open_reader(NULL, 0, &anon_r[i]) < 0) return 3;
+    const char *base;
+    uint64_t map_len;
+    if (spool_mapping(argv[1], &base, &map_len) < 0) {
+        fprintf(stderr, "FAIL cannot find the spool's mapping in /proc/self/maps\n");
+        return 3;
+    }
+    rep_init(base, map_len);
     make_plans();
     for (int w = 1; w < n_writers; w++) frame_base[w] = frame_base[w - 1] + frames_of[w - 1];
 
     int nthreads = n_writers + n_named + n_group + n_anon;
     pthread_t th[4 * MAX_THREADS];
     pthread_barrier_init(&go, NULL, (unsigned)nthreads);
+    rep_threads_used(nthreads);
     int t = 0;
     for (int w = 0; w < n_writers; w++) pthread_create(&th[t++], NULL, writer_main, (void *)(intptr_t)w);
     for (int i = 0; i < n_named; i++) pthread_create(&th[t++], NULL, named_main, (void *)(intptr_t)i);
@@ -394,6 +456,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n_named; i++) shmq_reader_close(named_r[i]);
     for (int i = 0; i < n_group; i++) shmq_reader_close(group_r[i]);
     for (int i = 0; i < n_anon; i++) shmq_reader_close(anon_r[i]);
+    rep_print(stdout); /* what happened at each TSan report (reports.h) */
     printf("harness: %d writers, %d named, %d group members, %d anonymous%s; %llu frames, %.1f laps of the ring, "
            "%llu evicted, %llu segment growths, %llu full-ring retries, anonymous got %llu lost %llu; "
            "invariants %s\n",
