@@ -1,4 +1,4 @@
-"""Interleaved A/B of the compiled core: full C API against the stable ABI (issue 27).
+"""Interleaved A/B of the compiled core: full C API against the stable ABI.
 
 Builds shmq twice from this checkout with the running interpreter (CPython >= 3.12,
 with shmq's dependencies installed, e.g. a checkout's ``.venv``): once as the

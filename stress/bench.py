@@ -5,7 +5,7 @@ Each scenario runs every contender in fresh producer/consumer processes
 (fork); repeats are interleaved (A, B, C, A, B, C, ...) so the drift of this
 shared machine hits every contender alike.  Reported: medians of the
 repeats and ratios against each peer measured in the same run, then the
-targets (issue 14's first) with where each stands.
+targets (stress/bench_targets.py) with where each stands.
 
     python stress/bench.py --quick            # a short run: well under two minutes
     python stress/bench.py --smoke            # CI: every row and target, tiny counts

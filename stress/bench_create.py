@@ -50,7 +50,7 @@ from shmq import anonymous
 from shmq.anonymous import queue_creator
 
 STATES = ("clean", "held", "busy")
-#: The issue's targets: creation on the busy host within this factor of the clean one ...
+#: Targets: creation on the busy host within this factor of the clean one ...
 TARGET_RATIO = 1.5
 #: ... and below this many milliseconds.
 TARGET_MS = 2.0

@@ -241,8 +241,8 @@ def run(quick=False, cc=None, fuzz_cases=None, out_dir=None, out=sys.stdout):
     # -s: every process's stderr reaches this pipe, where UBSan reports are
     # looked for (gcc's libubsan ignores log_path when ASan is loaded)
     # Bounded: a test hung under the sanitizers dumps its tracebacks (faulthandler)
-    # and the run reports FAILED with them instead of waiting forever (one run
-    # on 2026-11-26 hung in a parked Reader.get and did not reproduce in four more).
+    # and the run reports FAILED with them instead of waiting forever (a rare,
+    # unreproduced hang in a parked Reader.get has been seen here).
     if os.path.exists(junit):
         os.remove(junit)  # a run killed at the timeout writes none: never count an old one
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",

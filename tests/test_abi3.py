@@ -1,4 +1,4 @@
-"""The stable-ABI variant of the compiled core keeps building (issue 27).
+"""The stable-ABI variant of the compiled core keeps building.
 
 The released wheels use the full C API.  ``SHMQ_LIMITED_API=1`` (setup.py) builds
 ``_core.abi3.so`` with ``-DPy_LIMITED_API=0x030c0000`` through shmq/core/abi.h, so

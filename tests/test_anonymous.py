@@ -31,7 +31,7 @@ from shmq.anonymous import queue_creator
 from conftest import START_METHODS, bound
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEADLINE_S = 10.0  # the bound: gone this soon after the last holder exits
+DEADLINE_S = 10.0  # the guarantee's bound: gone this soon after the last holder exits
 
 
 def _sem_files(prefix):

@@ -82,7 +82,7 @@ def test_targets_table_lists_every_issue_14_target(smoke_run):
         assert fragment in label
         line = next(line for line in table.splitlines() if label in line)
         assert line.lstrip().startswith(("[         met]", "[     NOT MET]", "[not measured]")), line
-    # issue 15's target: growth measured against the fixed spool in the same rows
+    # the growable queues' target (group 15): growth measured against the fixed spool in the same rows
     grow, grown = [t for t in data["targets"] if t["issue"] == 15]
     assert "growable spool" in grow["target"] and grow["value"] > 0 and grow["target"] in stdout
     assert "grown spool" in grown["target"] and grown["value"] > 0 and grown["target"] in stdout

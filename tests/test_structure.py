@@ -1,6 +1,6 @@
 """The structure check (stress/structure.py): its rules, and the figures of the house.
 
-Targets of the issue "A house a newcomer can read", over all of shmq/:
+Targets, over all of shmq/ (a package a newcomer can read):
 cross-file private reaches <= 20, import cycles 0, largest file <= 700 lines.
 They hold for the whole package; the parts split first (shmq/dispatch/,
 shmq/spark/, shmq/dedupe.py) are held to the stricter zero reaches and

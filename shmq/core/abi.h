@@ -3,14 +3,15 @@
  * (Py_LIMITED_API, an abi3 extension) as well as against the full C API.
  *
  * Without Py_LIMITED_API (the default build and the wheels) this header
- * only defines the few SHMQ_* accessors below as exactly what the sources
- * used before, so the compiled code is unchanged.  With
+ * only defines the few SHMQ_* accessors below as the plain struct reads and
+ * macros of the full API, so the compiled code is what it would be without
+ * this header.  With
  * -DPy_LIMITED_API=0x030c0000 (SHMQ_LIMITED_API=1, see setup.py and
  * docs/install.md, "Stable ABI (abi3)") it maps the macros the core uses
  * that the limited API lacks onto their limited-API functions, so the
- * other files need no #ifdef.  The variant exists to be measured (issue 27):
- * the macros become calls with argument checks, and struct fields are read
- * through PyType_GetSlot.
+ * other files need no #ifdef.  The variant is built to be measured against
+ * the full API (stress/abi3_ab.py): the macros become calls with argument
+ * checks, and struct fields are read through PyType_GetSlot.
  *
  * Why 3.12 and not 3.11: the entry points forward to Python with
  * PyObject_Vectorcall, which (with vectorcallfunc and
