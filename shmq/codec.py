@@ -23,17 +23,18 @@ decoded whatever the trust.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import stat
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 from . import _format as F
+from ._lazy import TYPE_CHECKING
 from .errors import ShmqError, UntrustedSpool
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from _typeshed import ReadableBuffer
 
     from .spool import Spool
@@ -240,6 +241,8 @@ def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
     if codec == F.CODEC_UTF8:
         return bytes(data).decode("utf-8")
     if codec == F.CODEC_JSON:
+        import json
+
         return json.loads(bytes(data))
     if codec == F.CODEC_NUMPY:
         from .columnar import decode_array

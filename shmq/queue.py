@@ -23,12 +23,11 @@ import os
 import pickle
 import weakref
 from collections.abc import Callable, Iterable
-from multiprocessing import util as _mp_util
-from typing import Any
 
 from . import _core
 from . import _format as F
 from . import codec as _codec
+from ._lazy import TYPE_CHECKING, LazyModule
 from .anonymous import (  # noqa: F401  (anonymous_paths, queue_creator, is_orphan: shmq.queue's API)
     ANONYMOUS_DIR, ANONYMOUS_PREFIX, anonymous_path, anonymous_paths, destroy_owned, is_orphan,
     queue_creator, reclaim, reclaim_orphans, track,
@@ -38,7 +37,13 @@ from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool
 from .waiting import check_block_timeout, retry_async
 
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "anonymous_paths"]
+
+# Loaded by the first Queue() (or unpickled queue), not by ``import shmq``.
+_mp_util = LazyModule("multiprocessing.util")
 
 _EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
