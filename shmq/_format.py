@@ -30,7 +30,7 @@ from .errors import NotASpool, SpoolFormatError
 # block, the frame header and a work queue message's header.
 from ._layout import *  # noqa: F401,F403
 from ._layout import (
-    CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_WORKQ,
+    CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_VALUES, CODEC_WORKQ,
     FRAME_FORMAT, GEOMETRY_FORMAT, MAGIC_STRING, POLICY_BLOCK, POLICY_ERROR, POLICY_OVERWRITE,
     WQ_HEADER_FORMAT,
 )
@@ -57,6 +57,7 @@ CODEC_NAMES = {
     CODEC_UTF8: "utf8",
     CODEC_PICKLE_OOB: "pickle-oob",
     CODEC_WORKQ: "workqueue",
+    CODEC_VALUES: "values",
 }
 
 #: on_full policies, each at its code's index (the geometry's policy byte)

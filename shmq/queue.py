@@ -1,9 +1,10 @@
 """Drop-in replacements for multiprocessing.Queue, JoinableQueue and SimpleQueue.
 
 A queue is a spool with ``on_full="block"`` and one group named "queue":
-``put`` pickles (protocol 5) outside any lock and appends one frame; ``get``
-takes the next frame under the group's lock and unpickles after releasing
-it.  Out-of-band pickle buffers (numpy arrays, PickleBuffer) are written
+``put`` encodes the item outside any lock (exact builtin values in the
+values codec, anything else pickled with protocol 5: shmq.codec) and
+appends one frame; ``get`` takes the next frame under the group's lock and
+decodes it after releasing it.  Out-of-band pickle buffers (numpy arrays, PickleBuffer) are written
 straight into the ring and read back with one copy.  There is no feeder
 thread: ``put`` returns once the item is in shared memory, so a producer
 killed after ``put`` returned loses nothing, and one killed inside ``put``
@@ -298,13 +299,13 @@ class Queue:
 
     def put_many(self, items: Iterable[Any], block: bool = True, timeout: float | None = None) -> None:
         """Put several objects as one batch: atomic (consumers see all or none) when
-        the items are of one kind (all ``bytes``, or all pickled in-band, or all
-        with out-of-band buffers); a mixed batch is put item by item."""
+        the items are of one kind (all ``bytes``, or all objects without
+        out-of-band buffers, or all with them); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if not isinstance(items, (list, tuple)):
             items = list(items)  # an iterator is read once: by whichever encoder takes it
-        batch = _core.encode_batch(items)  # all bytes or all in-band pickles, in one call
+        batch = _core.encode_batch(items, True)  # all bytes, or all values or in-band pickles, in one call
         if batch is not None:
             parts, codec = batch
             appends = [(parts, codec)] if parts else []

@@ -74,6 +74,20 @@ void release_items(Item *items, Py_ssize_t k) {
     }
 }
 
+/* n bytes at p (a values-codec payload: no Python object) as engine item *e. */
+void load_raw_item(Item *it, eng_item *e, const char *p, uint64_t n, int checksum) {
+    e->segs = it->segs;
+    e->crc = 0;
+    e->fill = NULL;
+    it->hold = NULL; /* no Python object: release_items has nothing to release */
+    it->nviews = 0;
+    it->segs[0].buf = p;
+    it->segs[0].len = (size_t)n;
+    e->nsegs = 1;
+    e->n = n;
+    if (checksum) eng_item_crc(e);
+}
+
 /* A bytes-like object, or a tuple of them (segments), as engine item *e,
  * its buffers held in *it (release_items). */
 int load_item(Item *it, eng_item *e, PyObject *o, int checksum) {

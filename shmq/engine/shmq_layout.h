@@ -176,6 +176,7 @@
 #define SHMQ_CODEC_UTF8 5
 #define SHMQ_CODEC_PICKLE_OOB 6 /* pickle protocol 5 with out-of-band buffers */
 #define SHMQ_CODEC_WORKQ 7      /* a work queue message */
+#define SHMQ_CODEC_VALUES 8     /* exact builtin values, without pickle (the binding's shmq/core/values.c) */
 
 /* ---- growable rings ---- */
 #define SHMQ_MIN_SEGMENT (64 << 10)
