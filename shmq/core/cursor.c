@@ -148,7 +148,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     long got = group_take_in(e, max, &sink, &pos, &lost);
     group_unlock(e, &s[SHMQ_S_LOCK_HOLDER]);
     if (got > 0 || (got == 0 && lost)) release_behind(r, &e->released, pos);
-    if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
+    if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_space(r); /* outside the lock: wake writers waiting for room */
     return take_result(&k, got);
 }
 

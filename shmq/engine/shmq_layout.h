@@ -74,6 +74,11 @@
 /* 40..47: a cache line the writer stores to only when it evicts (format version 3) */
 #define SHMQ_W_FIRST_SEQ 40     /* oldest frame still in the ring */
 #define SHMQ_W_FIRST_POS 41     /* its byte position (stored before FIRST_SEQ) */
+/* A writer blocked on a full block spool: ring me once the slowest cursor's
+ * position (or seq) reaches this; 0 none, SHMQ_ROOM_RANG rung (wait.c).  On
+ * the line consumers read FIRST_POS from anyway. */
+#define SHMQ_W_ROOM_WANT_POS 42
+#define SHMQ_W_ROOM_WANT_SEQ 43
 /* 48..63: shmq.WorkQueue */
 #define SHMQ_W_WQ_LEASE_SLOTS 48 /* lease records at the start of the lease region (0: no work queue) */
 #define SHMQ_W_WQ_KEY_SLOTS 49   /* key-index entries after them */
@@ -189,6 +194,9 @@
 #define SHMQ_MAX_COUNTER (1ull << 62)
 /* S_POS of a pin slot that pins nothing: above every valid position. */
 #define SHMQ_NO_PIN SHMQ_MAX_COUNTER
+/* W_ROOM_WANT_* once a consumer has rung for it: above every valid position,
+ * so no later commit rings again until a writer publishes a new want. */
+#define SHMQ_ROOM_RANG (SHMQ_MAX_COUNTER + 1)
 /* What every "the ring is corrupt" error ends with. */
 #define SHMQ_RING_ADVICE "see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'"
 

@@ -66,12 +66,41 @@ void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin) {
  * not per handle, since threads sharing a handle wait for room each on their
  * own. */
 static _Thread_local uint64_t full_floor, full_pin;
+_Thread_local eng_room eng_room_of_thread;
 
 void take_full_marker(eng_ring *r) {
     uint64_t f;
     if (!slot_floor(r, SHMQ_S_POS, &f)) f = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
     full_floor = f;
     full_pin = pin_floor(r);
+    eng_room_of_thread = (eng_room){0, 0, 0, 0}; /* none: a pin, or not known (take_room_need) */
+}
+
+/* What a write that found no room needs (writer lock held, after
+ * take_full_marker): the slowest cursor at `need_pos` (bytes: block policy)
+ * or its seq at `need_seq` (items: a queue's maxsize `backlog`), and what a
+ * burst needs, the "want": a meaningful amount of room past the cursor's
+ * `floor_pos` / `floor_seq` now, an eighth of the ring (at most
+ * ROOM_BURST_MAX bytes) or of the backlog, never past everything written.
+ * A blocked writer asks consumers to ring it once the want is there
+ * (wait.c, room_state), not for every frame they free. */
+#define ROOM_BURST_MAX (64u << 10)
+void take_room_need(eng_ring *r, uint64_t need_pos, uint64_t floor_pos, uint64_t need_seq, uint64_t floor_seq,
+                    uint64_t backlog) {
+    eng_room *m = &eng_room_of_thread;
+    m->need_pos = need_pos;
+    m->need_seq = need_seq;
+    if (need_pos) {
+        uint64_t burst = r->ring_bytes / 8 < ROOM_BURST_MAX ? r->ring_bytes / 8 : ROOM_BURST_MAX;
+        uint64_t want = floor_pos + burst, top = ld_rlx(&r->ctl[SHMQ_W_NEXT_POS]);
+        if (want > top) want = top;
+        m->want_pos = want > need_pos ? want : need_pos;
+    }
+    if (need_seq) {
+        uint64_t want = floor_seq + backlog / 8, top = ld_rlx(&r->ctl[SHMQ_W_NEXT_SEQ]);
+        if (want > top) want = top;
+        m->want_seq = want > need_seq ? want : need_seq;
+    }
 }
 
 void eng_full_marker(uint64_t *floor, uint64_t *pin) {
@@ -134,6 +163,7 @@ int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos
         if (pin < floor) floor = pin;
         if (floor < limit && floor < next_pos) {
             take_full_marker(r);
+            take_room_need(r, limit, floor, 0, 0, 0);
             return SHMQ_EFULL; /* unconsumed frames in the way */
         }
         if (floor >= next_pos) {
@@ -225,6 +255,7 @@ int place_batch(eng_ring *r, size_t count, const uint64_t *needs, uint64_t total
         uint64_t floor;
         if (slot_floor(r, SHMQ_S_SEQ, &floor) && seq0 - floor + (uint64_t)count > (uint64_t)max_backlog) {
             take_full_marker(r);
+            take_room_need(r, 0, 0, seq0 + (uint64_t)count - (uint64_t)max_backlog, floor, (uint64_t)max_backlog);
             return SHMQ_EBACKLOG;
         }
     }
