@@ -330,6 +330,7 @@ class Doorbell:
         futs = watcher().attach_loop(loop)
         with self._waiting:
             while True:
+                self._core.bell_seen(self._space)  # arms the data doorbell before the look
                 if ready():
                     return True
                 wait = _next_sleep(deadline, loop.time())

@@ -56,6 +56,7 @@
 #define SHMQ_W_ALLOC_MIN 20     /* growable rings: the writer wraps early only past this offset */
 #define SHMQ_W_ALLOC 21         /* growable rings: offsets at or above it have no pages */
 #define SHMQ_W_LOCK_HOLDER 22   /* writer lock holder: pid | start time low 32 bits << 32 */
+#define SHMQ_W_DATA_ARMED 23    /* 1: a reader armed the data doorbell since its last ring (wait.c's ring_bell) */
 #define SHMQ_W_LOCK_TOKEN 24    /* fencing token, bumped whenever a dead holder's lock is broken */
 #define SHMQ_W_PUT_BYTES 26     /* payload bytes ever committed (puts: NEXT_SEQ itself) */
 #define SHMQ_W_LAST_PUT_NS 27

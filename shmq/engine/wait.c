@@ -46,11 +46,38 @@ static void bell_now(eng_ring *r, int word) {
     (void)rc; /* a failed doorbell costs an asyncio waiter its safety-net timeout, nothing more */
 }
 
+/* The data doorbell rings once per sleep.  A reader about to sleep arms it
+ * (W_DATA_ARMED = 1, seq_cst) after reading the futex word and before its
+ * last look for a frame; a writer with waiters registered rings only if it
+ * takes the arm back (exchange to 0).  Without it, a reader that had parked
+ * made every put ring (a futex wake and a pwrite, microseconds each) until it
+ * ran again and unregistered: under load, or with a consumer as fast as its
+ * producer, most puts of a stream.  No lost wake-up: if the writer's exchange
+ * comes before the reader's arm, the reader's look after arming sees the
+ * frame the writer committed before it (a Dekker pair: commit, fence,
+ * exchange | arm, look); if after, the writer rings, and the futex word it
+ * bumps makes the reader's sleep return at once.  A reader woken by a ring
+ * that is not its own arms again before it sleeps again.  Readers of an
+ * older shmq do not arm: they are woken by the safety net (use one shmq
+ * version per spool).  The space doorbell has its own rule (ring_space). */
+static void bell_arm(eng_ring *r) {
+    atomic_store_explicit(AW(&r->ctl[SHMQ_W_DATA_ARMED]), 1, memory_order_seq_cst);
+}
+
+static int bell_disarm(eng_ring *r) {
+    _Atomic uint64_t *a = AW(&r->ctl[SHMQ_W_DATA_ARMED]);
+    return atomic_load_explicit(a, memory_order_relaxed) && atomic_exchange_explicit(a, 0, memory_order_seq_cst);
+}
+
 void ring_bell(eng_ring *r, sem_t *waiters) {
     int v = 0;
     atomic_thread_fence(memory_order_seq_cst);
-    if (sem_getvalue(waiters, &v) == 0 && v > 0)
-        bell_now(r, waiters == r->rsem ? SHMQ_W_DATA_BELL : SHMQ_W_SPACE_BELL);
+    if (sem_getvalue(waiters, &v) != 0 || v <= 0) return;
+    if (waiters != r->rsem) {
+        bell_now(r, SHMQ_W_SPACE_BELL);
+    } else if (bell_disarm(r)) {
+        bell_now(r, SHMQ_W_DATA_BELL);
+    }
 }
 
 /* ---- room for a writer blocked on a full block spool ----
@@ -151,9 +178,14 @@ void ring_space(eng_ring *r) {
 }
 
 /* The doorbell word's value: read it after registering as a waiter and
- * before re-checking, then pass it to eng_bell_wait. */
+ * before re-checking, then pass it to eng_bell_wait.  The data doorbell is
+ * armed here too (ring_bell): call it before every re-check that may be
+ * followed by a sleep. */
 uint32_t eng_bell_seen(eng_ring *r, int space) {
-    return atomic_load_explicit(bell_word(r, space ? SHMQ_W_SPACE_BELL : SHMQ_W_DATA_BELL), memory_order_acquire);
+    uint32_t seen =
+        atomic_load_explicit(bell_word(r, space ? SHMQ_W_SPACE_BELL : SHMQ_W_DATA_BELL), memory_order_acquire);
+    if (!space) bell_arm(r);
+    return seen;
 }
 
 /* Sleep, the caller's lock dropped, until the doorbell word is no longer
@@ -268,6 +300,7 @@ int eng_park(eng_cursor *c, eng_take_fn take, void *ctx, uint64_t deadline) {
     int got;
     for (;;) {
         uint32_t seen = atomic_load_explicit(w, memory_order_acquire);
+        bell_arm(r); /* before the look below (ring_bell's pair) */
         if (ring_closing(r)) {
             got = eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
             break;
