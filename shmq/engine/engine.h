@@ -170,6 +170,7 @@ typedef struct eng_ring {
     uint64_t rate_until;
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
+    uint64_t hot_skip;             /* fixed: 1 + a lap in which this handle's early wrap waited in vain (hot_place) */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
     /* Guarded by pop_busy (one thread pre-faults at a time, see eng_write): */
     uint64_t pop_start;            /* ring positions this handle pre-faulted: [pop_start, pop_pos) */
@@ -375,6 +376,7 @@ void ring_space(eng_ring *r);
 int room_state(eng_ring *r, int publish);
 void room_unwant(eng_ring *r);
 int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share);
+int wait_floor(eng_ring *r, uint64_t start, uint64_t budget_ns, uint64_t stall_ns);
 int eng_spin_for_frame(eng_cursor *c);
 /* A take for eng_park: 1 got something, 0 nothing, < 0 an error. */
 typedef int (*eng_take_fn)(void *ctx);

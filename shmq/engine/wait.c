@@ -216,15 +216,29 @@ int eng_bell_wait(eng_ring *r, int space, uint32_t seen, double timeout) {
  * its copy at 4 GB/s and `lap_share` (a sixteenth of the lap just written:
  * small frames drain far slower than 4 GB/s, and a zone whose laps are too
  * short for its drains grows until the wait costs at most that share), at
- * most 2 ms, and not past 50 us without progress (a stalled consumer: grow
- * at once).  1 if every consumer caught up; 0 if not in time; SHMQ_ECLOSED
- * if the handle was closed meanwhile. */
+ * most 2 ms, and not past 50 us (or the lag's copy at 2 GB/s, if longer)
+ * without progress (a stalled consumer: grow at once).  1 if every consumer
+ * caught up; 0 if not in time; SHMQ_ECLOSED if the handle was closed
+ * meanwhile. */
 #define CATCH_UP_MAX_NS 2000000ull
 #define CATCH_UP_STALL_NS 50000ull
 int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share) {
-    uint64_t floor = 0, last = 0, budget = 50000 + lag / 4;
+    uint64_t budget = 50000 + lag / 4;
     if (lap_share > budget) budget = lap_share;
     if (budget > CATCH_UP_MAX_NS) budget = CATCH_UP_MAX_NS;
+    /* A consumer's cursor moves only when a frame's copy is done: a 1 MiB
+     * frame takes it longer than CATCH_UP_STALL_NS, which is no stall (it
+     * made 1 MiB frames grow the zone at every lap: a grown spool ran at
+     * 56% of a fixed one).  So the stall limit covers the lag at 2 GB/s. */
+    return wait_floor(r, start, budget, lag / 2 > CATCH_UP_STALL_NS ? lag / 2 : CATCH_UP_STALL_NS);
+}
+
+/* The loop of wait_caught_up (and of a fixed ring's early wrap, write.c's
+ * hot_place): every named cursor at `start` or past it, within `budget` ns,
+ * giving up after `stall` ns without progress, the caller's lock dropped.
+ * 1, 0, or SHMQ_ECLOSED. */
+int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
+    uint64_t floor = 0, last = 0;
     int ok = 0, found = 1;
     void *saved = ring_block(r);
     uint64_t t0 = mono_ns(), moved = t0;
@@ -240,7 +254,7 @@ int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share
                 last = floor;
                 moved = now;
             }
-            if (now - t0 > budget || now - moved > CATCH_UP_STALL_NS) break;
+            if (now - t0 > budget || now - moved > stall) break;
         }
         cpu_relax();
     }
