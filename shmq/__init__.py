@@ -1,9 +1,13 @@
 """shmq: a host-local, multi-process shared-memory message spool and queue.
 
-See docs/guide.md.  This module only re-exports the public names.
+See docs/guide.md.  This module only re-exports the public names.  The
+spool, its readers and the queues load with it; the rest (the work queue,
+the statistics types, the dispatcher, request/reply) load on first use, so
+that ``import shmq`` costs about what ``import multiprocessing`` does
+(stress/import_time.py): every spawned worker pays for it.
 """
 
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
 from ._format import FORMAT_VERSION
 from .errors import (
@@ -14,12 +18,15 @@ from .queue import JoinableQueue, Queue, SimpleQueue
 from .group import GroupReader
 from .reader import NamedReader, Reader
 from .spool import Frame, Reservation, Spool
-from .stats import ReaderStats, SpoolStats
-from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (see shmq._lazy)
 if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them here
+    from typing import Any
+
     from .dispatch import Context, Dispatcher
     from .rpc import Call, Client, Service, ServiceStats
+    from .stats import ReaderStats, SpoolStats
+    from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 __version__ = "0.1.0"
 
@@ -32,15 +39,25 @@ __all__ = [
     "FORMAT_VERSION",
 ]
 
+#: The names loaded on first use, and the submodule of each.
+_LAZY = {
+    "Dispatcher": "dispatch", "Context": "dispatch",  # threads, sockets, multiprocessing
+    "Service": "rpc", "Client": "rpc", "Call": "rpc", "ServiceStats": "rpc",  # asyncio, multiprocessing
+    "WorkQueue": "workqueue", "Message": "workqueue", "DeadLetter": "workqueue", "WorkQueueStats": "workqueue",
+    "SpoolStats": "stats", "ReaderStats": "stats",  # dataclasses
+}
+
 
 def __getattr__(name: str) -> Any:
-    # The dispatcher (threads, sockets, multiprocessing) loads only when used.
-    if name in ("Dispatcher", "Context"):
-        from . import dispatch
+    sub = _LAZY.get(name)
+    if sub is None:
+        raise AttributeError(f"module 'shmq' has no attribute {name!r}")
+    from importlib import import_module
 
-        return getattr(dispatch, name)
-    if name in ("Service", "Client", "Call", "ServiceStats"):  # request/reply (asyncio, multiprocessing): on use
-        from . import rpc
+    value = getattr(import_module(f".{sub}", __name__), name)
+    globals()[name] = value  # the next look-up is a plain attribute
+    return value
 
-        return getattr(rpc, name)
-    raise AttributeError(f"module 'shmq' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,7 +17,6 @@ File layout::
 
 from __future__ import annotations
 
-import hashlib
 import re
 import struct
 import zlib
@@ -31,7 +30,7 @@ from .errors import NotASpool, SpoolFormatError
 # block, the frame header and a work queue message's header.
 from ._layout import *  # noqa: F401,F403
 from ._layout import (
-    CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_WORKQ,
+    CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_VALUES, CODEC_WORKQ,
     FRAME_FORMAT, GEOMETRY_FORMAT, MAGIC_STRING, POLICY_BLOCK, POLICY_ERROR, POLICY_OVERWRITE,
     WQ_HEADER_FORMAT,
 )
@@ -58,13 +57,14 @@ CODEC_NAMES = {
     CODEC_UTF8: "utf8",
     CODEC_PICKLE_OOB: "pickle-oob",
     CODEC_WORKQ: "workqueue",
+    CODEC_VALUES: "values",
 }
 
 #: on_full policies, each at its code's index (the geometry's policy byte)
 POLICIES = tuple(name for _code, name in sorted(
     {POLICY_OVERWRITE: "overwrite", POLICY_BLOCK: "block", POLICY_ERROR: "error"}.items()))
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$"  # (compiled on first use, by re's cache)
 _UNITS = {
     "": 1, "b": 1,
     "k": 1024, "kib": 1024, "kb": 1000,
@@ -88,7 +88,7 @@ def parse_size(value) -> int:
     if isinstance(value, int):
         size = value
     else:
-        m = _SIZE_RE.match(value)
+        m = re.match(_SIZE_RE, value)
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
             raise ValueError(f"cannot parse size {value!r}: use e.g. 65536, '64KiB', '64MiB', '1GiB'")
@@ -352,6 +352,8 @@ def wq_region_records(lease_slots: int, key_slots: int) -> int:
 
 def key_hash(key) -> int:
     """Stable 64-bit hash of a str/bytes key (never 0: 0 marks an empty entry)."""
+    from hashlib import blake2b  # (on first use: hashlib loads OpenSSL)
+
     raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
-    h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    h = int.from_bytes(blake2b(raw, digest_size=8).digest(), "little")
     return h or 1

@@ -17,10 +17,8 @@ created under one of our names is refused (:func:`open_semaphore`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import mmap
 import os
-import secrets
 import stat
 import struct
 import time
@@ -226,6 +224,8 @@ def sem_prefix_of(st: os.stat_result) -> str:
     number while an old one with it is still open.  The header records the
     same prefix (``sem_prefix``), which is what handles open.
     """
+    import hashlib  # (here: with OpenSSL it costs a tenth of ``import shmq``)
+
     return hashlib.sha256(f"shmq:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:12]
 
 
@@ -364,7 +364,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, "no such directory for the spool", parent)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(6)}.creating")
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.urandom(6).hex()}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))
     # Our semaphores with this prefix can only be debris of a spool removed

@@ -33,18 +33,19 @@ inotify instance, asyncio waits fall back to short sleeps (logged once).
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import logging
 import os
 import threading
 import time
 
-import inotify_simple
-
 from . import _core
+from ._lazy import TYPE_CHECKING, logger
 
-log = logging.getLogger("shmq")
+# asyncio and inotify_simple (with ctypes) load on the first asyncio wait:
+# together they cost several times what the rest of ``import shmq`` does, and
+# the blocking waits most processes only ever make need neither.
+if TYPE_CHECKING:
+    import asyncio
 
 #: Upper bound on one sleep: the cost of a wake-up that was somehow missed.
 SAFETY_NET_S = 0.1
@@ -65,6 +66,7 @@ PUBLISH_AFTER_S = 0.001
 FALLBACK_SLEEP_S = 0.002
 
 _READ_BYTES = 64 * 1024
+_IN_MODIFY = 0x2  # inotify_simple.flags.MODIFY (IN_MODIFY, <sys/inotify.h>)
 
 
 class Watcher:
@@ -82,12 +84,14 @@ class Watcher:
     def _instance(self):
         if self._ino is None and self._failed is None:
             try:
+                import inotify_simple
+
                 ino = inotify_simple.INotify()
             except OSError as exc:
                 self._failed = exc
-                log.warning("shmq: no inotify instance (%s); asyncio waits poll every %.0f ms "
-                            "instead: raise fs.inotify.max_user_instances", exc,
-                            FALLBACK_SLEEP_S * 1000)
+                logger().warning("shmq: no inotify instance (%s); asyncio waits poll every %.0f ms "
+                                 "instead: raise fs.inotify.max_user_instances", exc,
+                                 FALLBACK_SLEEP_S * 1000)
                 return None
             os.set_blocking(ino.fileno(), False)
             self._ino = ino
@@ -108,11 +112,11 @@ class Watcher:
             try:
                 # Watch the inode behind our descriptor, not the path: the
                 # path may have been unlinked (destroy) or replaced since.
-                wd = ino.add_watch(f"/proc/self/fd/{fd}", inotify_simple.flags.MODIFY)
+                wd = ino.add_watch(f"/proc/self/fd/{fd}", _IN_MODIFY)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:  # ENOSPC: max_user_watches reached
                     raise
-                log.warning("shmq: inotify watch refused (%s); this spool's waits poll", exc)
+                logger().warning("shmq: inotify watch refused (%s); this spool's waits poll", exc)
                 return None
             self._watches[key] = [wd, 1]
             return key
@@ -318,12 +322,15 @@ class Doorbell:
         """Like :meth:`wait`, for asyncio: parks on the inotify fd via the loop."""
         if ready():
             return True
+        import asyncio
+
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._watch()
         futs = watcher().attach_loop(loop)
         with self._waiting:
             while True:
+                self._core.bell_seen(self._space)  # arms the data doorbell before the look
                 if ready():
                     return True
                 wait = _next_sleep(deadline, loop.time())

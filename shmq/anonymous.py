@@ -32,15 +32,18 @@ every 8 s.
 from __future__ import annotations
 
 import os
-import secrets
 import stat as _stat
 import time
-from multiprocessing import resource_tracker
 
 from . import _format as F
+from ._lazy import LazyModule
 from ._lock import holder_word, ofd_lock, ofd_locked_by_other, process_alive
 from ._mapping import destroy_file, open_file, sem_name, semaphore_file, unlink_semaphores
 from .errors import ShmqError
+
+# Loaded by the first anonymous Queue() (or unpickled queue), not by ``import shmq``.
+resource_tracker = LazyModule("multiprocessing.resource_tracker")
+secrets = LazyModule("secrets")
 
 __all__ = ["anonymous_path", "anonymous_paths", "queue_creator", "probe", "is_orphan", "reclaim",
            "reclaim_orphans", "track", "destroy_owned", "forget_in_tracker"]

@@ -6,10 +6,16 @@ back into objects (:func:`decode`, :func:`decode_item`, :func:`decode_workq`,
 :func:`decode_dead`), for ``Queue``, ``WorkQueue`` (and its dead-letter
 spool), the CLI and everything built on them.
 
+Queue items that are exact builtin values (a dict of str, int, float,
+list ...) are written in the ``values`` codec, without pickle
+(``shmq/core/values.c``: about three times faster each way); anything else
+is pickled.
+
 Pickles are code: whoever can write a spool can make its readers run
 anything when they unpickle.  So pickled codecs (``pickle``,
-``pickle-oob``, ``workqueue``) are decoded only under a :class:`Trust`
-that allows it: the spool file is owned by the effective user and not
+``pickle-oob``, ``workqueue``), and the ``values`` codec with them (queue
+items are objects from one trusted writer or none, whatever their
+encoding), are decoded only under a :class:`Trust` that allows it: the spool file is owned by the effective user and not
 writable by group or others, or the caller opted in (``trusted=True``,
 ``--unsafe-pickle``).  The decision is made from ``fstat`` of the
 descriptor actually mapped, never from a second ``stat`` of the path
@@ -17,36 +23,42 @@ descriptor actually mapped, never from a second ``stat`` of the path
 of the mapping: only the owner (us, if trusted) can chmod the file, and
 only root can chown it.  docs/security.md has the threat model.
 
-Non-pickle codecs (raw, utf8, json, numpy, arrow) never run code and are
-decoded whatever the trust.
+The other codecs (raw, utf8, json, numpy, arrow) are decoded whatever the
+trust.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import stat
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
+from . import _core
 from . import _format as F
+from ._lazy import TYPE_CHECKING
 from .errors import ShmqError, UntrustedSpool
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from _typeshed import ReadableBuffer
 
     from .spool import Spool
 
-__all__ = ["Trust", "TRUSTED", "PICKLED", "trust_of", "require_trust", "encode", "decode",
+__all__ = ["Trust", "TRUSTED", "PICKLED", "OBJECTS", "trust_of", "require_trust", "encode", "decode",
            "decode_item", "encode_workq", "decode_workq", "encode_dead", "decode_dead"]
 
 #: Codecs whose payloads are (or contain) pickles.
 PICKLED = frozenset({F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_WORKQ})
+#: Codecs decoded only under trust: the pickled ones and the values codec.
+OBJECTS = PICKLED | {F.CODEC_VALUES}
 PROTOCOL = 5  # out-of-band buffers (PickleBuffer, numpy) need protocol 5
 
 _dumps = pickle.dumps
 _loads = pickle.loads
+_values_dumps = _core.values_dumps  # None: not only exact builtin values
+_values_loads = _core.values_loads
 
 
 def _user(uid: int) -> str:
@@ -139,7 +151,8 @@ def require_trust(spool: Spool, trusted: bool = False) -> Trust:
 
 
 def encode(obj: object) -> tuple[Any, int]:
-    """``(frame item, codec)`` for a queue item: ``bytes`` as they are (raw), else a pickle.
+    """``(frame item, codec)`` for a queue item: ``bytes`` as they are (raw), exact
+    builtin values in the values codec, else a pickle.
 
     Out-of-band buffers (numpy arrays, PickleBuffer) stay uncopied: the item
     is then a tuple of parts the spool writes one after the other.
@@ -148,6 +161,9 @@ def encode(obj: object) -> tuple[Any, int]:
     """
     if type(obj) is bytes:
         return obj, F.CODEC_RAW
+    data = _values_dumps(obj)
+    if data is not None:
+        return data, F.CODEC_VALUES
     buffers: list[pickle.PickleBuffer] = []
     data = _dumps(obj, PROTOCOL, buffer_callback=buffers.append)
     if not buffers:
@@ -163,9 +179,14 @@ def encode_many(objs: Iterable[object]) -> list[tuple[Any, int]]:
     buffers: list[pickle.PickleBuffer] = []
     collect = buffers.append
     raw, pickled = F.CODEC_RAW, F.CODEC_PICKLE
+    values = F.CODEC_VALUES
     for obj in objs:
         if type(obj) is bytes:
             append((obj, raw))
+            continue
+        data = _values_dumps(obj)
+        if data is not None:
+            append((data, values))
             continue
         data = _dumps(obj, PROTOCOL, buffer_callback=collect)
         if buffers:
@@ -206,6 +227,8 @@ def decode_item(data: ReadableBuffer, codec: int) -> Any:
 
     :raises shmq.ShmqError: a codec a queue never writes.
     """
+    if codec == F.CODEC_VALUES:
+        return _values_loads(data)
     if codec == F.CODEC_PICKLE:
         return _loads(data)
     if codec == F.CODEC_RAW:
@@ -221,14 +244,14 @@ def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
     """Any frame's payload as an object, by its codec tag.
 
     raw: the bytes; utf8: str; json: the parsed value; numpy: a read-only
-    array over ``data``; arrow: a ``pyarrow.Table``; pickle, pickle-oob:
-    the object; workqueue: ``(body, headers, key)``.
+    array over ``data``; arrow: a ``pyarrow.Table``; pickle, pickle-oob,
+    values: the object; workqueue: ``(body, headers, key)``.
 
-    :raises shmq.UntrustedSpool: a pickled codec and ``trust`` does not allow it.
+    :raises shmq.UntrustedSpool: a pickled or values codec and ``trust`` does not allow it.
     :raises shmq.ShmqError: an unknown codec or a damaged payload.
-    :raises ValueError: invalid UTF-8 or JSON.
+    :raises ValueError: invalid UTF-8 or JSON, or a damaged values payload.
     """
-    if codec in PICKLED:
+    if codec in OBJECTS:
         trust.check()
         if codec == F.CODEC_WORKQ:
             return decode_workq(data, trust)
@@ -240,6 +263,8 @@ def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
     if codec == F.CODEC_UTF8:
         return bytes(data).decode("utf-8")
     if codec == F.CODEC_JSON:
+        import json
+
         return json.loads(bytes(data))
     if codec == F.CODEC_NUMPY:
         from .columnar import decode_array

@@ -10,10 +10,9 @@ the columnar reads, the slot's liveness lock) is :mod:`shmq.reader`'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import _format as F
+from ._lazy import TYPE_CHECKING
 from ._lock import RecoverableLock
 from ._mapping import group_sem_name
 from .errors import Empty
@@ -21,6 +20,9 @@ from .reader import K_GROUP, Frame, Reader, SlotReader, check_max_frames, reatta
 from .waiting import check_block_timeout, first_look, retry_stuck
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, NoReturn
+
     from .spool import Spool
 
 __all__ = ["GroupReader"]

@@ -1,9 +1,10 @@
 """Drop-in replacements for multiprocessing.Queue, JoinableQueue and SimpleQueue.
 
 A queue is a spool with ``on_full="block"`` and one group named "queue":
-``put`` pickles (protocol 5) outside any lock and appends one frame; ``get``
-takes the next frame under the group's lock and unpickles after releasing
-it.  Out-of-band pickle buffers (numpy arrays, PickleBuffer) are written
+``put`` encodes the item outside any lock (exact builtin values in the
+values codec, anything else pickled with protocol 5: shmq.codec) and
+appends one frame; ``get`` takes the next frame under the group's lock and
+decodes it after releasing it.  Out-of-band pickle buffers (numpy arrays, PickleBuffer) are written
 straight into the ring and read back with one copy.  There is no feeder
 thread: ``put`` returns once the item is in shared memory, so a producer
 killed after ``put`` returned loses nothing, and one killed inside ``put``
@@ -23,12 +24,11 @@ import os
 import pickle
 import weakref
 from collections.abc import Callable, Iterable
-from multiprocessing import util as _mp_util
-from typing import Any
 
 from . import _core
 from . import _format as F
 from . import codec as _codec
+from ._lazy import TYPE_CHECKING, LazyModule
 from .anonymous import (  # noqa: F401  (anonymous_paths, queue_creator, is_orphan: shmq.queue's API)
     ANONYMOUS_DIR, ANONYMOUS_PREFIX, anonymous_path, anonymous_paths, destroy_owned, is_orphan,
     queue_creator, reclaim, reclaim_orphans, track,
@@ -38,7 +38,13 @@ from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool
 from .waiting import check_block_timeout, retry_async
 
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "anonymous_paths"]
+
+# Loaded by the first Queue() (or unpickled queue), not by ``import shmq``.
+_mp_util = LazyModule("multiprocessing.util")
 
 _EMPTY, _STUCK, _UNDECODED = _core.EMPTY, _core.STUCK, _core.UNDECODED
 
@@ -293,13 +299,13 @@ class Queue:
 
     def put_many(self, items: Iterable[Any], block: bool = True, timeout: float | None = None) -> None:
         """Put several objects as one batch: atomic (consumers see all or none) when
-        the items are of one kind (all ``bytes``, or all pickled in-band, or all
-        with out-of-band buffers); a mixed batch is put item by item."""
+        the items are of one kind (all ``bytes``, or all objects without
+        out-of-band buffers, or all with them); a mixed batch is put item by item."""
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if not isinstance(items, (list, tuple)):
             items = list(items)  # an iterator is read once: by whichever encoder takes it
-        batch = _core.encode_batch(items)  # all bytes or all in-band pickles, in one call
+        batch = _core.encode_batch(items, True)  # all bytes, or all values or in-band pickles, in one call
         if batch is not None:
             parts, codec = batch
             appends = [(parts, codec)] if parts else []

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 from . import _core
 from . import _format as F
+from ._lazy import TYPE_CHECKING, overload
 from .errors import Empty, ReaderBusy
 from .waiting import check_block_timeout, retry_async
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any, Literal, NoReturn, Self
     from numpy.typing import NDArray
-
     from .columnar import PinnedView
     from .spool import Spool
 

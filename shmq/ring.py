@@ -17,33 +17,37 @@ and repair; so are the hot reads.
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import NamedTuple
+from collections import namedtuple
 
 from . import _core
 from . import _format as F
 from ._format import FLAG_PAD, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ, W_NEXT_POS, W_NEXT_SEQ
+from ._lazy import TYPE_CHECKING, logger
 from .errors import FrameLost, SpoolFormatError
 
 __all__ = ["Ring", "HeaderHit", "header_at", "raw_header_at"]
 
-log = logging.getLogger("shmq")
-
 _decode = _core.header_at
 
 
-class HeaderHit(NamedTuple):
-    """A frame header decoded at a ring position (see the module docstring)."""
+if TYPE_CHECKING:
+    from typing import NamedTuple
 
-    seq: int  #: the frame's seq (a pad's: the seq of the frame after it)
-    pos: int  #: byte position of the header (past the short-tail skip)
-    stored: int  #: bytes the frame takes in the ring: header, payload, alignment padding
-    length: int  #: payload bytes
-    ts: int  #: put time, ns since the epoch
-    crc: int  #: CRC-32 of the payload (valid when ``flags & FLAG_CRC``)
-    flags: int  #: ``_format.FLAG_*``
-    codec: int  #: ``_format.CODEC_*``
+    class HeaderHit(NamedTuple):
+        """A frame header decoded at a ring position (see the module docstring)."""
+
+        seq: int  #: the frame's seq (a pad's: the seq of the frame after it)
+        pos: int  #: byte position of the header (past the short-tail skip)
+        stored: int  #: bytes the frame takes in the ring: header, payload, alignment padding
+        length: int  #: payload bytes
+        ts: int  #: put time, ns since the epoch
+        crc: int  #: CRC-32 of the payload (valid when ``flags & FLAG_CRC``)
+        flags: int  #: ``_format.FLAG_*``
+        codec: int  #: ``_format.CODEC_*``
+else:  # the same tuple, without importing typing at run time
+    HeaderHit = namedtuple("HeaderHit", "seq pos stored length ts crc flags codec", module=__name__)
+    HeaderHit.__doc__ = "A frame header decoded at a ring position (see the module docstring)."
 
 
 # A hit is built per frame on the export and columnar paths: tuple.__new__
@@ -180,11 +184,11 @@ class Ring:
         (O(frames resident), recovery only).  An unreadable ring is dropped
         whole (readers count the frames lost).
         """
-        log.warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
-                    self.path, dead_pid, self.ctl[F.W_LOCK_TOKEN])
+        logger().warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
+                         self.path, dead_pid, self.ctl[F.W_LOCK_TOKEN])
         done = self.core.repair_after_writer_death()
         if "unreadable" in done:
-            log.error("shmq: %s: %s", self.path, done)
+            logger().error("shmq: %s: %s", self.path, done)
 
     # -- cursors ------------------------------------------------------------
 

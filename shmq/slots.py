@@ -17,7 +17,6 @@ import time
 from . import _format as F
 from ._lock import ofd_lock, ofd_locked_by_other, ofd_unlock
 from .errors import ReaderBusy, ShmqError
-from .stats import ReaderStats
 
 __all__ = ["SlotTable"]
 
@@ -227,6 +226,8 @@ class SlotTable:
 
     def stats(self) -> list:
         """:class:`shmq.ReaderStats` of every named reader and group (pins excluded)."""
+        from .stats import ReaderStats  # (on first use: dataclasses is a fifth of ``import shmq``)
+
         ctl, words = self._ring.ctl, self.words
         nxt, next_pos = ctl[F.W_NEXT_SEQ], ctl[F.W_NEXT_POS]
         out = []

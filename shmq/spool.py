@@ -27,12 +27,10 @@ pickling, and the statistics snapshot.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, Self, overload
 
 from . import _core
 from . import _format as F
@@ -42,6 +40,7 @@ from ._format import (
     W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES, W_RATE,
 )
 from ._lock import FIRST_LOOK_S, LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word
+from ._lazy import TYPE_CHECKING, logger, overload
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
     destroy_file, resolve_path, sem_name,
@@ -51,23 +50,23 @@ from .errors import Empty, ShmqError, SpoolFormatError
 from .pins import Pins
 from .ring import Ring
 from .slots import SlotTable
-from .stats import ReaderStats, SpoolStats
 from .waiting import check_block_timeout
 from .writer import Deferred, Writer
 from . import writer as _writer
 
 if TYPE_CHECKING:
+    from typing import Any, Literal, NoReturn, Self
+
     from _typeshed import ReadableBuffer, StrPath
     from numpy.typing import NDArray
 
     from .group import GroupReader
     from .reader import NamedReader, Reader
+    from .stats import ReaderStats, SpoolStats
 
 # The engine's errors as this package's exceptions (shmq.Queue hands the binding its
 # pickling: the spool carries bytes).
 _core.setup(SpoolFormatError, Empty, ShmqError)
-
-log = logging.getLogger("shmq")
 
 __all__ = ["Spool", "Frame", "Deferred", "check_block_timeout", "RING_ADVICE"]
 
@@ -620,6 +619,8 @@ class Spool:
             if ctl[b] and now - ctl[b] < RATE_SECONDS:
                 series.append((ctl[b], ctl[b + 1], ctl[b + 2]))
         series.sort()
+        from .stats import SpoolStats  # (on first use: dataclasses is a fifth of ``import shmq``)
+
         return SpoolStats(
             path=self.path, capacity=self.capacity, on_full=self._policy, checksum=self.checksum,
             first_seq=first, next_seq=nxt, frames=max(0, nxt - first), used_bytes=used,
@@ -689,7 +690,7 @@ def _after_fork_in_child() -> None:
             try:
                 sp._after_fork_in_child()
             except Exception:  # a fork hook must never raise
-                log.exception("shmq: could not re-open %s after fork", sp.path)
+                logger().exception("shmq: could not re-open %s after fork", sp.path)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

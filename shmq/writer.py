@@ -31,6 +31,13 @@ __all__ = ["Writer", "Deferred", "set_crash_hook"]
 _LOCK_STUCK, _SLOW, _TOO_LARGE = _core.LOCK_STUCK, _core.SLOW, _core.TOO_LARGE
 _NO_SPACE, _BACKLOG = _core.NO_SPACE, _core.BACKLOG
 
+#: How long a writer blocked on a full spool waits for room for a burst (the
+#: engine's "want": an eighth of the ring, at most 64 KiB, or of a queue's
+#: maxsize; consumers ring it once that is free) before it takes whatever room
+#: there is.  Waking for every frame freed made the writer and its consumer
+#: wake each other once per frame (docs/format.md, "Room for a blocked writer").
+ROOM_BURST_WAIT_S = 0.001
+
 #: A frame payload of known size written by ``fill(memoryview)`` under the
 #: writer lock (the core's type: ``put_many`` recognizes it).  Lets a
 #: serializer (Arrow IPC) write straight into the ring instead of into a
@@ -208,8 +215,12 @@ class Writer:
                       f"{max(self._lock.recovery_timeout, timeout)} s{why}")
 
     def _wait_for_room(self, marker, deadline, timeout, error=True, poll=False):
-        """Raise Full (policy "error", or ``deadline`` passed), else park until the room
-        marker moves from ``marker`` (taken under the lock: no change is missed)."""
+        """Raise Full (policy "error", or ``deadline`` passed), else park until there is
+        room: first, up to :data:`ROOM_BURST_WAIT_S`, for room for a burst (consumers
+        ring once it is free: the engine's room_state); then for any room for this write;
+        then, if a consumer stopped short of even that, until the room marker moves from
+        ``marker`` (taken under the lock: no change is missed).  A zero-copy pin in the
+        way (``poll``) is waited for by the marker alone."""
         if error and self.policy == "error":
             raise Full(f"spool {self.path} is full (on_full='error')")
         left = None if deadline is None else deadline - time.monotonic()
@@ -217,6 +228,16 @@ class Writer:
             raise Full(f"spool {self.path} is still full after {timeout} s")
         if poll:  # a pin's holder may die without a word: re-check its liveness now and then
             left = 0.1 if left is None else min(left, 0.1)
+        else:
+            core, burst = self._core, ROOM_BURST_WAIT_S if left is None else min(left, ROOM_BURST_WAIT_S)
+            try:
+                if self._space_bell.wait(lambda: core.room_state(True) == 2, burst) or core.room_state(False):
+                    return
+            finally:
+                core.room_unwant()  # consumers ring at every commit again while this waits on
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Full(f"spool {self.path} is still full after {timeout} s")
         self._space_bell.wait(lambda: self.room_marker() != marker, left)
 
     def no_space(self) -> OSError:

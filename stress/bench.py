@@ -4,8 +4,9 @@
 Each scenario runs every contender in fresh producer/consumer processes
 (fork); repeats are interleaved (A, B, C, A, B, C, ...) so the drift of this
 shared machine hits every contender alike.  Reported: medians of the
-repeats and ratios against each peer measured in the same run, then the
-targets (stress/bench_targets.py) with where each stands.
+repeats and ratios against each peer measured in the same run, the
+wake-up latency, syscalls, memory and ``import shmq`` time, then the
+targets (the speed targets first) with where each stands.
 
     python stress/bench.py --quick            # a short run: well under two minutes
     python stress/bench.py --smoke            # CI: every row and target, tiny counts
@@ -51,7 +52,7 @@ from bench_contenders import (
     SpoolCProducer,
     SpoolGrowable, SpoolGrown, SpoolRecords, SpoolReserve, SpoolView, SpoolWrapped, Threaded, faster_fifo, nbytes_of, payload,
 )
-from bench_extras import run_idle_and_memory, run_latency, run_syscalls
+from bench_extras import run_idle_and_memory, run_import, run_latency, run_syscalls
 from bench_peers import Iceoryx2, PosixMQ, PyZmq, versions
 from bench_targets import measured, print_targets, targets
 
@@ -115,7 +116,8 @@ SCENARIOS = {
     "records 100 B x1000": S("records", 100, 5_000_000, 1, 1, 1000, False,
                              [SpoolRecords(), NumpyRing(), FasterFifoRecords()]),
     "1->1 1 MiB numpy array": S("numpy", 1 << 20, 2_000, 1, 1, 1, False,
-                                [SpoolView(copy=False), SpoolView(copy=True)] + contenders("shmq.Queue", "faster-fifo")),
+                                [SpoolView(copy=False), SpoolView(copy=True)] + contenders("shmq.Queue", "faster-fifo")
+                                + [Memcpy()]),
     "arrow 64k rows x 10 cols": S("arrow", 0, 400, 1, 1, 1, False, [SpoolArrow(), Memcpy()]),
 }
 
@@ -354,12 +356,13 @@ def main(argv=None):
           f"Spool.reserve: {'yes' if info['reserve_api'] else 'not yet'}", flush=True)
     t_start = time.monotonic()
     results = run_throughput(mode, repeats, args.only, out)
-    lat = sys_ = misc = None
+    lat = sys_ = misc = imp = None
     if not args.skip_extras:
         lat = run_latency(mode, out)
         sys_ = run_syscalls(mode, out)
         misc = run_idle_and_memory(mode, out)
-    rows = targets(results, lat, sys_, misc)
+        imp = run_import(mode, out)
+    rows = targets(results, lat, sys_, misc, imp)
     print_targets(rows, out)
     print(f"\n({mode} run: {time.monotonic() - t_start:.0f} s)", file=out)
     if args.out:
@@ -370,7 +373,8 @@ def main(argv=None):
                 r["samples_us"] = r["samples_us"][:: max(1, len(r["samples_us"]) // 200)]
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"machine": info, "quick": mode != "full", "mode": mode, "repeats": repeats,
-                       "throughput": results, "latency": lat, "syscalls": sys_, "misc": misc, "targets": rows,
+                       "throughput": results, "latency": lat, "syscalls": sys_, "misc": misc, "import": imp,
+                       "targets": rows,
                        "plots": plots}, f, indent=1)
         print(f"\nwrote {args.out}/results.json" + (f" and {len(plots)} plots" if plots else ""), file=out)
     return 0

@@ -624,7 +624,8 @@ class NumpyRing(Ring):
 
 
 class Memcpy(Contender):
-    """Not a channel: one process copying the same bytes, for the bandwidth ceiling."""
+    """Not a channel: one process copying the same bytes (the row's item size, from one
+    buffer into another, both reused), for the bandwidth ceiling."""
 
     name = "memcpy"
 
@@ -632,7 +633,7 @@ class Memcpy(Contender):
         pass
 
     def consumer(self, chan, n, index, sc):
-        src = np.ones(65536 * 10, dtype=np.int64)
+        src = np.ones(nbytes_of(sc.kind, sc.size) // 8, dtype=np.int64)
         dst = np.empty_like(src)
         for _ in range(n):
             np.copyto(dst, src)

@@ -1,7 +1,8 @@
 """stress/bench.py's measurements beyond throughput: wake-up latency of a blocked
 reader (against a pipe and multiprocessing.Queue), syscalls on the uncontended
-fast path (strace -c), CPU of an idle blocked reader, reader memory, and the
-per-frame overhead.  Public shmq API only.
+fast path (strace -c), CPU of an idle blocked reader, reader memory, the
+per-frame overhead, and ``import shmq`` against ``import multiprocessing``
+(stress/import_time.py).  Public shmq API only.
 """
 
 from __future__ import annotations
@@ -191,3 +192,18 @@ def run_idle_and_memory(mode, out):
           f"{res['reader_rss_growth_mb_1gib_spool']:.1f} MB", file=out)
     print(f"per-frame overhead (header + alignment): {res['frame_overhead_bytes']}", file=out)
     return res
+
+
+# --- import time ------------------------------------------------------------------------
+
+#: Fresh interpreters per contender: the issue's "median of 10" (3 in a smoke run).
+IMPORT_RUNS = {"full": 10, "quick": 10, "smoke": 3}
+
+
+def run_import(mode, out):
+    """``import shmq`` against ``import multiprocessing`` (stress/import_time.py)."""
+    import import_time
+
+    runs = IMPORT_RUNS[mode]
+    print("", file=out)
+    return import_time.report(import_time.measure(runs, list(import_time.CONTENDERS)), runs, out)

@@ -1,9 +1,10 @@
 """The targets stress/bench.py checks, computed from one run's own figures.
 
-Three groups, in this order: the compiled ring core's targets, the growable
-queues', and the first targets, still tracked.  Each row: ``{"issue", "target",
-"value", "goal", "met", "shown"}``, where ``issue`` numbers the group (14, 15
-and 4, the keys the printed titles and stress/report.py group by), with ``met`` True, False, or None when the run could not measure it (a peer
+Four groups, in this order: speed where users still wait (group 42), the
+compiled ring core's (14), the growable queues' (15) and the first targets,
+still tracked (4).  Each row: ``{"issue", "target", "value", "goal", "met",
+"shown"}``, where ``issue`` numbers the group (the key the printed titles and
+stress/report.py group by), with ``met`` True, False, or None when the run could not measure it (a peer
 not installed, an API not there yet); ``shown`` says what was measured or why not.
 """
 
@@ -64,7 +65,7 @@ def worst_against(results, peer_prefix):
     return worst
 
 
-def targets(results, lat, sys_, misc):
+def targets(results, lat, sys_, misc, imp=None):
     rows = []
 
     def add(issue, label, value, goal, fmt="{:.2f}x", why="not measured", at_most=False, extra=""):
@@ -76,6 +77,35 @@ def targets(results, lat, sys_, misc):
 
     def add_ratio(label, scen, a, b, goal):
         add(14, label, ratio(results, scen, a, b), goal, why=why_not(results, scen, a, b))
+
+    def add_ratio42(label, scen, a, b, goal, fmt="{:.2f}x"):
+        add(42, label, ratio(results, scen, a, b), goal, fmt, why=why_not(results, scen, a, b))
+
+    # issue 42: speed where users still wait
+    add_ratio42("1 MiB via Spool.reserve >= 1.0x iceoryx2's loaned samples (GB/s)", "1->1 1 MiB reserve",
+                "spool-reserve", "iceoryx2", 1.0)
+    add_ratio42("1 MiB via Spool.put >= 1.0x iceoryx2's loaned samples (GB/s)", "1->1 1 MiB reserve",
+                "spool", "iceoryx2", 1.0)
+    add_ratio42("Arrow 64k x 10 zero-copy read >= 80% of memcpy of the same bytes", "arrow 64k rows x 10 cols",
+                "spool-arrow-view", "memcpy", 0.8, "{:.0%}")
+    add_ratio42("numpy 1 MiB zero-copy read >= 80% of memcpy of the same bytes", "1->1 1 MiB numpy array",
+                "spool-array-view", "memcpy", 0.8, "{:.0%}")
+    add_ratio42("100 B through a full 1 MiB block ring >= 90% of the unbounded spool",
+                "1->1 100 B wrapped 1 MiB", "spool-wrapped", "spool", 0.9, "{:.0%}")
+    add_ratio42("shmq.Queue small dict >= 8x mp.Queue", "1->1 small dict", "shmq.Queue", "mp.Queue", 8)
+    add_ratio42("grown spool, 100 B, >= 90% of a fixed one", "1->1 100 B", "spool-grown", "spool", 0.9, "{:.0%}")
+    if imp:
+        c = imp["contenders"]
+        add(42, f"import shmq <= 2x import multiprocessing (median of {imp['runs']} fresh interpreters each)",
+            imp["ratio"], 2.0, at_most=True,
+            extra=f" ({c['shmq']['median_ms']:.1f} vs {c['multiprocessing']['median_ms']:.1f} ms)")
+    else:
+        add(42, "import shmq <= 2x import multiprocessing", None, 2.0, why="not measured (--skip-extras)")
+    if lat:
+        add(42, "wake-up p99 <= 1.5x a pipe's", lat["spool"]["p99_us"] / lat["pipe"]["p99_us"], 1.5, at_most=True,
+            extra=f" ({lat['spool']['p99_us']:.0f} vs {lat['pipe']['p99_us']:.0f} us)")
+    else:
+        add(42, "wake-up p99 <= 1.5x a pipe's", None, 1.5, why="not measured (--skip-extras)")
 
     add_ratio("Spool 100 B >= 10x mp.Queue", "1->1 100 B", "spool", "mp.Queue", 10)
     add_ratio("Spool 100 B >= 2x the inline pure-Python ring", "1->1 100 B", "spool", "ring", 2)
@@ -166,7 +196,8 @@ def targets(results, lat, sys_, misc):
 
 
 def print_targets(rows, out):
-    for issue, title in ((14, "targets of issue 14 (the ring core in C)"), (15, "targets of issue 15 (growable queues)"),
+    for issue, title in ((42, "targets of issue 42 (speed where users still wait)"),
+                         (14, "targets of issue 14 (the ring core in C)"), (15, "targets of issue 15 (growable queues)"),
                          (4, "earlier targets (issue 4)")):
         print(f"\n{title}", file=out)
         for r in rows:

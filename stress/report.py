@@ -122,6 +122,12 @@ def sections(data):
                      f"{misc['reader_rss_growth_mb_1gib_spool']:.1f} MB")
         extra.append(f"- per-frame overhead (header + 8-byte alignment) by payload size: "
                      f"{misc['frame_overhead_bytes']}")
+    imp = data.get("import")
+    if imp:
+        c = imp["contenders"]
+        extra.append(f"- `import shmq` in a fresh interpreter: {c['shmq']['median_ms']:.1f} ms against "
+                     f"{c['multiprocessing']['median_ms']:.1f} ms for `import multiprocessing` "
+                     f"({imp['ratio']:.2f}x; median of {imp['runs']} each, `stress/import_time.py`)")
     return {
         "machine": machine_line(data),
         "throughput": throughput_table(t),

@@ -11,7 +11,7 @@ against that build, with the compiler's ASan runtime in ``LD_PRELOAD``:
 
 1. the core's tests (``tests/test_spool.py``, ``test_corrupt.py``,
    ``test_verify.py``, ``test_regressions.py``, ``test_queue.py``,
-   ``test_notify.py``, ``test_threads_signals.py``);
+   ``test_notify.py``, ``test_threads_signals.py``, ``test_values.py``);
 2. the corrupt-file fuzz harness ``stress/fuzz.py`` (``--quick``: 200
    damaged spools opened, read through every kind of reader, verified and
    written to).
@@ -23,7 +23,7 @@ report was written.  ``ASAN_OPTIONS=detect_leaks=0`` because CPython keeps
 interned objects alive at exit by design (LeakSanitizer would report them).
 
     python stress/sanitize.py              # both steps (a few minutes)
-    python stress/sanitize.py --quick      # CI: test_corrupt + test_regressions + 60 fuzz cases (< 60 s)
+    python stress/sanitize.py --quick      # CI: test_corrupt, test_regressions, test_values + 60 fuzz cases
     python stress/sanitize.py --build-only # just the sanitized build; prints its environment
 
 Needs a C compiler (gcc or clang; ``CC`` picks one) with its ASan/UBSan
@@ -50,8 +50,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test_notify / test_threads_signals: waits in C, closes under parked threads, signals
 CORE_TESTS = ["test_spool.py", "test_corrupt.py", "test_verify.py", "test_regressions.py", "test_queue.py",
-              "test_notify.py", "test_threads_signals.py"]
-QUICK_TESTS = ["test_corrupt.py", "test_regressions.py"]
+              "test_notify.py", "test_threads_signals.py", "test_values.py"]
+# test_values: the values codec's decoder fed forged, damaged and random payloads
+QUICK_TESTS = ["test_corrupt.py", "test_regressions.py", "test_values.py"]
 TESTS_TIMEOUT_S = 1200  # the core tests take about 90 s under the sanitizers here
 
 

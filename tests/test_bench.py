@@ -20,6 +20,14 @@ ISSUE_14_TARGETS = [
     "1 MiB via Spool.reserve", "8 threads x 2 processes share one shmq.Queue",
     "zero syscalls per uncontended put+get", "wake-up p50 <= 1.5x a pipe's",
 ]
+#: The same for issue 42's targets.
+ISSUE_42_TARGETS = [
+    "1 MiB via Spool.reserve >= 1.0x iceoryx2", "1 MiB via Spool.put >= 1.0x iceoryx2",
+    "Arrow 64k x 10 zero-copy read >= 80% of memcpy", "numpy 1 MiB zero-copy read >= 80% of memcpy",
+    "full 1 MiB block ring >= 90% of the unbounded spool", "shmq.Queue small dict >= 8x mp.Queue",
+    "grown spool, 100 B, >= 90% of a fixed one", "import shmq <= 2x import multiprocessing",
+    "wake-up p99 <= 1.5x a pipe's",
+]
 #: How a contender that did not run explains itself in its row.
 REASONS = ("not installed", "n/a", "failed: ")
 
@@ -82,6 +90,13 @@ def test_targets_table_lists_every_issue_14_target(smoke_run):
         assert fragment in label
         line = next(line for line in table.splitlines() if label in line)
         assert line.lstrip().startswith(("[         met]", "[     NOT MET]", "[not measured]")), line
+    table = stdout[stdout.index("targets of issue 42"):stdout.index("targets of issue 14")]
+    labels = [t["target"] for t in data["targets"] if t["issue"] == 42]
+    assert len(labels) == len(ISSUE_42_TARGETS)
+    for fragment, label in zip(ISSUE_42_TARGETS, labels):
+        assert fragment in label and label in table
+    assert data["import"]["contenders"]["shmq"]["median_ms"] > 0 and not data["import"]["contenders"]["shmq"][
+        "lazy_loaded"]
     # the growable queues' target (group 15): growth measured against the fixed spool in the same rows
     grow, grown = [t for t in data["targets"] if t["issue"] == 15]
     assert "growable spool" in grow["target"] and grow["value"] > 0 and grow["target"] in stdout

@@ -121,6 +121,9 @@ def test_a_c_producers_million_frames_reach_a_python_named_reader_once_in_order(
         with pytest.raises(shmq.Empty):
             r.get(timeout=0.05)  # nothing more: each frame once
         assert r.lost == 0 and sp.stats().next_seq == total
+        # the C writer, blocked again and again on the 4 MiB ring, took back every want of
+        # room it published (docs/format.md, "Room for a blocked writer")
+        assert sp.mapping.ctl[F.W_ROOM_WANT_POS] == 0
     finally:
         if producer.poll() is None:
             producer.kill()

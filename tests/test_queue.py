@@ -149,14 +149,15 @@ def test_numpy_out_of_band_roundtrip(q):
 
 
 def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
-    """The C put path pickles in-band; an object with out-of-band buffers (numpy) goes to the
-    Python encoder, which keeps them uncopied; batches of one kind are one frame kind."""
+    """The C put path writes exact builtin values in the values codec and pickles the rest
+    in-band; an object with out-of-band buffers (numpy) goes to the Python encoder, which
+    keeps them uncopied; batches of one kind are one frame kind."""
     from shmq import _format as F
 
     q.put({"a": 1})
     q.put(np.arange(4))
     q.put(b"raw")
-    q.put(bytearray(b"ba"))  # pickled in-band (only PickleBuffers and arrays go out of band)
+    q.put(bytearray(b"ba"))  # a value (only PickleBuffers and arrays would go out of band)
     q.put_many([{"b": 2}, {"c": 3}])
     q.put_many([np.ones(3), np.zeros(2)])
     q.put_many([b"x", {"d": 4}])  # mixed: item by item
@@ -165,8 +166,8 @@ def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
         r = sp.reader()  # anonymous, from the earliest: sees what the queue's group will get
         codecs = [f.codec for f in r.get_many(100, block=False)]
         r.close()
-    P, O, R = F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_RAW
-    assert codecs == [P, O, R, P, P, P, O, O, R, P, R, R]
+    V, O, R = F.CODEC_VALUES, F.CODEC_PICKLE_OOB, F.CODEC_RAW
+    assert codecs == [V, O, R, V, V, V, O, O, R, V, R, R]
     got = [q.get(timeout=bound(5)) for _ in range(12)]
     assert got[0] == {"a": 1} and np.array_equal(got[1], np.arange(4)) and got[2] == b"raw"
     assert got[3] == bytearray(b"ba") and got[4:6] == [{"b": 2}, {"c": 3}]

@@ -5,6 +5,7 @@ private directory, squatted semaphore names are refused.
 The tests that need a second, real user are in test_attacker.py.
 """
 
+import collections
 import os
 import pickle
 import socket
@@ -325,12 +326,17 @@ def test_workqueue_refuses_a_dead_letter_spool_others_can_write(spool_dir):
 
 def test_cli_unpickles_only_with_unsafe_pickle(capsys, spool_dir):
     path = os.path.join(spool_dir, "q")
-    _world_writable_queue(path)
-    main(["tail", path, "-n", "1"])
+    _world_writable_queue(path)  # {"x": 1}: a values frame
+    q = shmq.Queue(path=path, trusted=True)
+    q.put(collections.OrderedDict(y=2))  # a pickle
+    q.close()
+    main(["tail", path, "-n", "2"])
     out = capsys.readouterr().out
-    assert "pass --unsafe-pickle to unpickle" in out and "{'x': 1}" not in out
-    assert main(["tail", path, "-n", "1", "--unsafe-pickle"]) == 0
-    assert "{'x': 1}" in capsys.readouterr().out
+    assert "pass --unsafe-pickle to decode" in out and "{'x': 1}" not in out
+    assert "pass --unsafe-pickle to unpickle" in out and "OrderedDict" not in out
+    assert main(["tail", path, "-n", "2", "--unsafe-pickle"]) == 0
+    out = capsys.readouterr().out
+    assert "{'x': 1}" in out and repr(collections.OrderedDict(y=2)) in out
 
 
 def test_cli_maps_untrusted_to_permission_exit_code():

@@ -37,13 +37,14 @@ def _unpickle(codec, data):
 def render_payload(codec, data, unsafe_pickle=False) -> str:
     """The ``--format auto`` rendering of a payload, by its codec tag."""
     name = F.CODEC_NAMES.get(codec, f"codec {codec}") if codec is not None else "raw"
-    if codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB):
+    if codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_VALUES):
+        verb = "decode" if codec == F.CODEC_VALUES else "unpickle"
         if not unsafe_pickle:
-            return f"<{name}: {len(data)} bytes; pass --unsafe-pickle to unpickle>"
+            return f"<{name}: {len(data)} bytes; pass --unsafe-pickle to {verb}>"
         try:
             return repr(_unpickle(codec, data))
-        except Exception as exc:  # a bad pickle is data, not a crash
-            return f"<{name}: {len(data)} bytes; unpickling failed: {one_line(exc)}>"
+        except Exception as exc:  # a bad payload is data, not a crash
+            return f"<{name}: {len(data)} bytes; {verb[:-1]}ing failed: {one_line(exc)}>"
     if codec == F.CODEC_JSON:
         try:
             return json.dumps(json.loads(data), ensure_ascii=False, separators=(",", ":"))
@@ -122,7 +123,7 @@ def record_json(rec, unsafe_pickle=False) -> dict:
                 return d
             except UnicodeDecodeError:
                 pass
-    elif codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB) and unsafe_pickle:
+    elif codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_VALUES) and unsafe_pickle:
         try:
             d["repr"] = repr(_unpickle(codec, rec.data))
         except Exception as exc:

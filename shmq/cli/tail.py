@@ -59,7 +59,7 @@ class Filter:
     @staticmethod
     def _match(pattern, rec, cache):
         kind, what, value = pattern
-        if rec.codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_WORKQ):
+        if rec.codec in (F.CODEC_PICKLE, F.CODEC_PICKLE_OOB, F.CODEC_WORKQ, F.CODEC_VALUES):
             return False
         if kind == "re":
             if "text" not in cache:

@@ -236,11 +236,12 @@ PyObject *dumps_inband(CoreState *st, PyObject *obj) {
     return PyObject_Vectorcall(st->pickle_dumps, dargs, 2, st->dumps_kwnames);
 }
 
-/* Queue.put(obj, block=True, timeout=None): bytes as they are, anything else
- * pickled, written in one C call when there is room and the writer lock is
- * free (or, without a timeout, soon free); anything else (and any object with
- * out-of-band buffers, which the Python encoder keeps uncopied) goes to the
- * queue's put_slow. */
+/* Queue.put(obj, block=True, timeout=None): bytes as they are, exact builtin
+ * values in the values codec (values.c), anything else pickled; written in
+ * one C call when there is room and the writer lock is free (or, without a
+ * timeout, soon free); anything else (and any object with out-of-band
+ * buffers, which the Python encoder keeps uncopied) goes to the queue's
+ * put_slow. */
 static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Ring *r = q->ring;
     CoreState *st = r->st;
@@ -253,10 +254,16 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
     }
     double lock_wait;
     if (q->fast_put && r->eng.base && st->pickle_dumps && fast_put_wait(r, a[1], a[2], &lock_wait)) {
-        PyObject *data;
+        PyObject *data = NULL;
         int codec = SHMQ_CODEC_RAW;
+        char stack[VALUES_STACK_BYTES], *enc = NULL;
+        Py_ssize_t n = VALUES_NOT_EXACT;
         if (PyBytes_CheckExact(a[0])) {
             data = Py_NewRef(a[0]);
+        } else if ((n = values_encode(a[0], stack, sizeof stack, &enc)) >= 0) {
+            codec = SHMQ_CODEC_VALUES;
+        } else if (n != VALUES_NOT_EXACT) {
+            return NULL; /* MemoryError */
         } else {
             /* The callback keeps every buffer in-band and counts it: a
              * count that moved (ours, or another thread's: harmless) sends
@@ -267,17 +274,23 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
             codec = SHMQ_CODEC_PICKLE;
             if (st->buffers_seen != before) Py_CLEAR(data);
         }
-        if (data && r->eng.base) { /* (__reduce__ code may have closed the handle) */
+        if ((data || enc) && r->eng.base) { /* (__reduce__ code may have closed the handle) */
             Item item;
-            int rc = load_item(&item, &item.item, data, r->eng.checksum);
-            Py_DECREF(data);
-            if (rc < 0) return NULL;
+            if (enc) {
+                load_raw_item(&item, &item.item, enc, (uint64_t)n, r->eng.checksum);
+            } else {
+                int rc = load_item(&item, &item.item, data, r->eng.checksum);
+                Py_DECREF(data);
+                if (rc < 0) return NULL;
+            }
             int64_t res = eng_write(&r->eng, &item.item, 1, codec, q->backlog, lock_wait, 1, NULL);
             release_items(&item, 1);
+            if (enc && enc != stack) PyMem_Free(enc);
             if (res >= 0) Py_RETURN_NONE;
             if (!is_status(res)) return ring_error(r, (int)res);
         } else {
             Py_XDECREF(data);
+            if (enc && enc != stack) PyMem_Free(enc);
         }
     }
     PyObject *cargs[3] = {a[0], a[1] ? a[1] : Py_True, a[2] ? a[2] : Py_None};
@@ -286,8 +299,8 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
 
 PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
     /* The shmq.Queue get path in one call: take one frame (group lock held
-     * for the copy only), then decode raw and pickle frames after releasing
-     * the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
+     * for the copy only), then decode raw, values and pickle frames after
+     * releasing the lock.  Returns the object, EMPTY (nothing now), STUCK (the group
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
     CoreState *st = c->ring->st;
@@ -303,6 +316,11 @@ PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
         return Py_NewRef(st->STUCK);
     }
     if (h.codec == SHMQ_CODEC_RAW) return d; /* after the group lock was released */
+    if (h.codec == SHMQ_CODEC_VALUES) {
+        PyObject *out = values_decode(PyBytes_AS_STRING(d), PyBytes_GET_SIZE(d), &st->keys);
+        Py_DECREF(d);
+        return out;
+    }
     if (h.codec == SHMQ_CODEC_PICKLE && st->pickle_loads) {
         PyObject *out = PyObject_CallOneArg(st->pickle_loads, d);
         Py_DECREF(d);
@@ -448,12 +466,17 @@ PyType_Spec queue_port_spec = {"shmq._core.QueuePort", sizeof(QueuePort), 0,
                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
                                queue_port_slots};
 
-/* encode_batch(items) -> (tuple of frame items, codec), or None: shmq.Queue.put_many's
- * encoder in one call when the batch is of one kind: every item bytes (raw,
- * codec 0) or every item pickled with no out-of-band buffer (codec 1).  None
- * for a mixed batch or one with buffers: the Python encoder's (shmq.codec). */
-PyObject *queue_encode_batch(PyObject *m, PyObject *items) {
+/* encode_batch(items, values=False) -> (tuple of frame items, codec), or None:
+ * shmq.Queue.put_many's encoder in one call when the batch is of one kind:
+ * every item bytes (raw, codec 0), with `values` every item exact builtin
+ * values (CODEC_VALUES), or else every item pickled with no out-of-band
+ * buffer (codec 1).  None for bytes mixed with objects or a batch with
+ * buffers: the Python encoder's (shmq.codec). */
+PyObject *queue_encode_batch(PyObject *m, PyObject *args) {
     CoreState *st = PyModule_GetState(m);
+    PyObject *items;
+    int values = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &items, &values)) return NULL;
     if (!st->pickle_dumps) Py_RETURN_NONE;
     PyObject *seq = PySequence_Fast(items, "put_many() needs an iterable of objects");
     if (!seq) return NULL;
@@ -463,22 +486,38 @@ PyObject *queue_encode_batch(PyObject *m, PyObject *items) {
         Py_DECREF(seq);
         return NULL;
     }
-    int codec = -1;
+    int codec = -1; /* the batch's kind: -1 not yet known, then raw, values or pickle */
     unsigned long before = st->buffers_seen;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i), *data;
-        int kind = PyBytes_CheckExact(o) ? SHMQ_CODEC_RAW : SHMQ_CODEC_PICKLE;
-        if (codec >= 0 && kind != codec) goto python; /* mixed: item by item, in Python */
-        codec = kind;
-        if (kind == SHMQ_CODEC_RAW) {
-            data = Py_NewRef(o);
-        } else {
-            if (!(data = dumps_inband(st, o))) {
-                Py_DECREF(out);
-                Py_DECREF(seq);
-                return NULL;
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i), *data = NULL;
+        int kind = PyBytes_CheckExact(o)                        ? SHMQ_CODEC_RAW
+                   : codec == SHMQ_CODEC_PICKLE || !values ? SHMQ_CODEC_PICKLE
+                                                                : SHMQ_CODEC_VALUES;
+        if (codec >= 0 && (kind == SHMQ_CODEC_RAW) != (codec == SHMQ_CODEC_RAW))
+            goto python; /* bytes and objects: item by item, in Python */
+        if (kind == SHMQ_CODEC_VALUES) {
+            char stack[VALUES_STACK_BYTES], *enc;
+            Py_ssize_t len = values_encode(o, stack, sizeof stack, &enc);
+            if (len == VALUES_NOT_EXACT) { /* one item needs pickle: the whole batch is pickled */
+                kind = SHMQ_CODEC_PICKLE;
+                for (Py_ssize_t k = 0; k < i; k++) {
+                    PyObject *again = dumps_inband(st, PySequence_Fast_GET_ITEM(seq, k));
+                    if (!again) goto fail;
+                    PyObject *old = PyTuple_GET_ITEM(out, k);
+                    PyTuple_SET_ITEM(out, k, again); /* (leaves the old item alone) */
+                    Py_DECREF(old);
+                }
+            } else if (len < 0) {
+                goto fail;
+            } else {
+                data = PyBytes_FromStringAndSize(enc, len);
+                if (enc != stack) PyMem_Free(enc);
+                if (!data) goto fail;
             }
         }
+        codec = kind;
+        if (kind == SHMQ_CODEC_RAW) data = Py_NewRef(o);
+        else if (kind == SHMQ_CODEC_PICKLE && !(data = dumps_inband(st, o))) goto fail;
         PyTuple_SET_ITEM(out, i, data);
         if (st->buffers_seen != before) goto python; /* out-of-band buffers: kept uncopied in Python */
     }
@@ -488,4 +527,8 @@ python:
     Py_DECREF(out);
     Py_DECREF(seq);
     Py_RETURN_NONE;
+fail:
+    Py_DECREF(out);
+    Py_DECREF(seq);
+    return NULL;
 }

@@ -40,6 +40,7 @@
 #include "engine.h"
 #include "take.h"
 #include "abi.h" /* the stable-ABI build (Py_LIMITED_API); nothing without it */
+#include "values.h"
 
 /* ---- module state (PEP 630): one per interpreter that imports shmq._core ---- */
 typedef struct {
@@ -58,6 +59,7 @@ typedef struct {
     PyTypeObject *FrameType, *RingType, *CursorType, *ReservationType, *LockType, *WaitingType, *QueuePortType;
     PyTypeObject *DeferredType; /* shmq.Deferred: a payload written by fill() under the writer lock */
     PyTypeObject *SemaphoreType;
+    ValuesKeys keys;            /* the values codec's cache of dict keys (values.h) */
 } CoreState;
 
 /* ---- the Ring: one spool mapping ---- */
@@ -125,6 +127,7 @@ extern PyMethodDef inspect_methods[];
 /* ---- ring.c ---- */
 extern PyType_Spec ring_spec;
 int load_item(Item *it, eng_item *e, PyObject *o, int checksum);
+void load_raw_item(Item *it, eng_item *e, const char *p, uint64_t n, int checksum); /* n bytes at p, which outlive the write */
 void release_items(Item *items, Py_ssize_t k);
 
 /* ---- cursor.c ---- */
@@ -160,7 +163,7 @@ PyObject *Cursor_bind(Cursor *c, PyObject *args);
 PyObject *Cursor_get_obj(Cursor *c, PyObject *unused);
 PyObject *take_one(Cursor *c);
 PyObject *dumps_inband(CoreState *st, PyObject *obj);
-PyObject *queue_encode_batch(PyObject *m, PyObject *items);
+PyObject *queue_encode_batch(PyObject *m, PyObject *args);
 extern PyType_Spec queue_port_spec;
 
 /* ---- options.c: put_many's options ---- */

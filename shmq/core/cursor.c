@@ -65,7 +65,9 @@ static PyObject *obj_entry(Cursor *c, PyObject *data, const shmq_frame_header *h
         codes->v = v;
         codes->cap = cap;
     }
-    if (h->codec == SHMQ_CODEC_RAW || (h->codec == SHMQ_CODEC_PICKLE && codes->unpickle && c->ring->st->pickle_loads)) {
+    int objects = codes->unpickle &&
+                  (h->codec == SHMQ_CODEC_VALUES || (h->codec == SHMQ_CODEC_PICKLE && c->ring->st->pickle_loads));
+    if (h->codec == SHMQ_CODEC_RAW || objects) {
         codes->v[i] = h->codec;
         return data;
     }
@@ -146,7 +148,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
     long got = group_take_in(e, max, &sink, &pos, &lost);
     group_unlock(e, &s[SHMQ_S_LOCK_HOLDER]);
     if (got > 0 || (got == 0 && lost)) release_behind(r, &e->released, pos);
-    if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_bell(r, r->fsem); /* outside the lock: wake writers waiting for room */
+    if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_space(r); /* outside the lock: wake writers waiting for room */
     return take_result(&k, got);
 }
 
@@ -285,7 +287,7 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
      * in one call, as get_obj for one item: take up to max frames (no Frame
      * objects), release the group lock, then leave raw payloads as they are
      * and, with unpickle (only for a spool whose trust was checked: shmq.Queue
-     * does at attach), unpickle in-band pickles.  Returns the list of objects
+     * does at attach), decode values payloads and unpickle in-band pickles.  Returns the list of objects
      * (maybe empty), SHMQ_ELOCKED, or (list, indices) when frames of other
      * codecs were taken: those entries are Frames for Python's decoder.  An
      * item that fails to unpickle raises; the batch is taken. */
@@ -308,8 +310,11 @@ static PyObject *Cursor_get_obj_many(Cursor *c, PyObject *const *args, Py_ssize_
     }
     PyObject *undecoded = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); i++) {
-        if (codes.v[i] == SHMQ_CODEC_PICKLE) {
-            PyObject *o = PyObject_CallOneArg(c->ring->st->pickle_loads, PyList_GET_ITEM(out, i));
+        if (codes.v[i] == SHMQ_CODEC_PICKLE || codes.v[i] == SHMQ_CODEC_VALUES) {
+            PyObject *d = PyList_GET_ITEM(out, i);
+            PyObject *o = codes.v[i] == SHMQ_CODEC_PICKLE
+                              ? PyObject_CallOneArg(c->ring->st->pickle_loads, d)
+                              : values_decode(PyBytes_AS_STRING(d), PyBytes_GET_SIZE(d), &c->ring->st->keys);
             if (!o) goto fail;
             PyObject *old = PyList_GET_ITEM(out, i);
             PyList_SET_ITEM(out, i, o);

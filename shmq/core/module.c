@@ -37,6 +37,8 @@ static int crash_trampoline(void *ctx, const char *point) { return call_crash_ho
 
 static inline CoreState *state_of(PyObject *m) { return (CoreState *)PyModule_GetState(m); }
 
+ValuesKeys *values_keys_of(PyObject *m) { return &state_of(m)->keys; }
+
 int call_crash_hook(CoreState *st, const char *point) {
     if (!st->crash_hook) return 0;
     PyObject *res = PyObject_CallFunction(st->crash_hook, "sO", point, Py_None);
@@ -120,8 +122,14 @@ static PyMethodDef core_methods[] = {
      "set_safety_net(seconds): the longest sleep of a get parked in C (shmq._notify hands its value over)"},
     {"_inband", core_inband, METH_O, "QueuePort.put's pickle buffer_callback: keep the buffer in-band"},
     {"set_crash_hook", core_set_crash_hook, METH_O, "fault-injection harness only"},
-    {"encode_batch", queue_encode_batch, METH_O,
-     "encode_batch(items) -> (tuple of frame items, codec) for a batch of one kind, or None (shmq.Queue)"},
+    {"encode_batch", queue_encode_batch, METH_VARARGS,
+     "encode_batch(items, values=False) -> (tuple of frame items, codec) for a batch of one kind, or None "
+     "(shmq.Queue)"},
+    {"values_dumps", values_dumps, METH_O,
+     "values_dumps(obj) -> bytes: obj in the values codec (CODEC_VALUES), or None if it is not made only "
+     "of exact builtin values"},
+    {"values_loads", values_loads, METH_O,
+     "values_loads(buffer) -> object: a values-codec payload decoded (ValueError if damaged)"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
     {"yield_cpu", core_yield_cpu, METH_NOARGS,
      "yield_cpu(): sched_yield() with the GIL held (a spinning waiter's pause between looks)"},
@@ -177,7 +185,7 @@ static int core_traverse(PyObject *m, visitproc visit, void *arg) {
 #define VISIT(f) Py_VISIT(st->f);
     STATE_OBJECTS(VISIT)
 #undef VISIT
-    return 0;
+    return values_keys_traverse(&st->keys, visit, arg);
 }
 
 static int core_clear(PyObject *m) {
@@ -186,6 +194,7 @@ static int core_clear(PyObject *m) {
 #define CLEAR(f) Py_CLEAR(st->f);
     STATE_OBJECTS(CLEAR)
 #undef CLEAR
+    values_keys_clear(&st->keys);
     return 0;
 }
 

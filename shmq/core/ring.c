@@ -74,6 +74,20 @@ void release_items(Item *items, Py_ssize_t k) {
     }
 }
 
+/* n bytes at p (a values-codec payload: no Python object) as engine item *e. */
+void load_raw_item(Item *it, eng_item *e, const char *p, uint64_t n, int checksum) {
+    e->segs = it->segs;
+    e->crc = 0;
+    e->fill = NULL;
+    it->hold = NULL; /* no Python object: release_items has nothing to release */
+    it->nviews = 0;
+    it->segs[0].buf = p;
+    it->segs[0].len = (size_t)n;
+    e->nsegs = 1;
+    e->n = n;
+    if (checksum) eng_item_crc(e);
+}
+
 /* A bytes-like object, or a tuple of them (segments), as engine item *e,
  * its buffers held in *it (release_items). */
 int load_item(Item *it, eng_item *e, PyObject *o, int checksum) {
@@ -365,6 +379,24 @@ static PyObject *Ring_room_marker(Ring *r, PyObject *unused) {
     return Py_BuildValue("(KK)", f, p);
 }
 
+/* room_state(publish) -> 0, 1 or 2: a writer blocked on a full spool, after
+ * its write (this thread's) found no room: 0 no room for that write yet, 1
+ * room for it, 2 room for a burst.  `publish`: ask consumers to ring once
+ * the burst's room is there (its want; the engine's wait.c). */
+static PyObject *Ring_room_state(Ring *r, PyObject *publish) {
+    if (ring_check_open(r) < 0) return NULL;
+    int p = PyObject_IsTrue(publish);
+    if (p < 0) return NULL;
+    return PyLong_FromLong(room_state(&r->eng, p));
+}
+
+/* room_unwant(): the writer waits no more; its published want goes. */
+static PyObject *Ring_room_unwant(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    room_unwant(&r->eng);
+    Py_RETURN_NONE;
+}
+
 /* repair_after_writer_death() -> [actions]: the engine's re-derivation of
  * the control words (writer lock held by the caller); an unreadable ring is
  * dropped whole (readers count the frames lost). */
@@ -473,6 +505,9 @@ static PyMethodDef Ring_methods[] = {
     {"set_fd", (PyCFunction)Ring_set_fd, METH_VARARGS, "set_fd(fd, holder): after fork"},
     {"full_marker", (PyCFunction)Ring_full_marker, METH_NOARGS, "room marker taken under the lock when full"},
     {"room_marker", (PyCFunction)Ring_room_marker, METH_NOARGS, "the room marker now (compare with full_marker())"},
+    {"room_state", (PyCFunction)Ring_room_state, METH_O,
+     "room_state(publish) -> 0 no room, 1 room for the write that found none, 2 room for a burst"},
+    {"room_unwant", (PyCFunction)Ring_room_unwant, METH_NOARGS, "take back the want room_state(True) published"},
     {"repair_after_writer_death", (PyCFunction)Ring_repair_after_writer_death, METH_NOARGS,
      "re-derive the control words after a dead writer's lock was broken (lock held) -> what was done"},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},

@@ -185,10 +185,15 @@ int shmq_close(shmq_spool *sp) {
 
 /* ---- writing: the Writer's rules (shmq/writer.py) ---- */
 
-/* Wait until the room marker moves from the one taken under the lock when
- * the write found no room (or `poll`: at most 0.1 s, a pin's holder may die
- * without a word), on the space doorbell.  0: look again; SHMQ_EFULL: the
- * deadline passed. */
+/* Wait for room, on the space doorbell: first, up to ROOM_BURST_WAIT_S,
+ * for room for a burst (consumers ring once it is free: wait.c's
+ * room_state), then for any room for this write; then, if a consumer
+ * stopped short of even that, until the room marker moves from the one
+ * taken under the lock when the write found no room (or `poll`, a pin in
+ * the way, by the marker alone: at most 0.1 s, a pin's holder may die
+ * without a word).  As shmq/writer.py's _wait_for_room.  0: look again;
+ * SHMQ_EFULL: the deadline passed. */
+#define ROOM_BURST_WAIT_S 0.001
 static int wait_for_room(eng_ring *r, double deadline, int poll) {
     uint64_t floor0, pin0, f, p;
     eng_full_marker(&floor0, &pin0);
@@ -196,6 +201,22 @@ static int wait_for_room(eng_ring *r, double deadline, int poll) {
     sem_post(r->fsem); /* register: a full fence before the re-check */
     int rc = 0;
     double until = poll ? mono_s() + 0.1 : 0;
+    if (!poll) {
+        double burst_until = mono_s() + ROOM_BURST_WAIT_S;
+        if (deadline && deadline < burst_until) burst_until = deadline;
+        int state;
+        for (;;) {
+            uint32_t seen = eng_bell_seen(r, 1);
+            if ((state = room_state(r, 1)) == 2) break;
+            double left = burst_until - mono_s();
+            if (left <= 0) break;
+            struct timespec ts = {0, (long)(left * 1e9)};
+            syscall(SYS_futex, bell_word(r, SHMQ_W_SPACE_BELL), FUTEX_WAIT, seen, &ts, NULL, 0);
+        }
+        if (state == 0) state = room_state(r, 0);
+        room_unwant(r); /* consumers ring at every commit again while this waits on */
+        if (state > 0) goto out;
+    }
     for (;;) {
         uint32_t seen = eng_bell_seen(r, 1);
         room_marker(r, &f, &p);
@@ -210,6 +231,7 @@ static int wait_for_room(eng_ring *r, double deadline, int poll) {
         struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
         syscall(SYS_futex, bell_word(r, SHMQ_W_SPACE_BELL), FUTEX_WAIT, seen, &ts, NULL, 0);
     }
+out:
     sem_trywait(r->fsem);
     atomic_fetch_sub_explicit(&r->busy, 1, memory_order_acq_rel);
     return rc;
@@ -507,7 +529,7 @@ static long take_into(shmq_reader *rd, CSink *k, double wait) {
         got = group_take_in(c, (long)k->max, &sink, &pos, &lost);
         group_unlock(c, &s[SHMQ_S_LOCK_HOLDER]);
         if (got > 0 || (got == 0 && lost)) release_behind(r, &c->released, pos);
-        if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_bell(r, r->fsem);
+        if (got > 0 && r->policy != SHMQ_POLICY_OVERWRITE) ring_space(r);
     } else {
         if ((got = eng_cursor_lock(c)) < 0) return got;
         got = private_take_in(c, (long)k->max, &sink);

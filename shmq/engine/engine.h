@@ -170,6 +170,7 @@ typedef struct eng_ring {
     uint64_t rate_until;
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
+    uint64_t hot_skip;             /* fixed: 1 + a lap in which this handle's early wrap waited in vain (hot_place) */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
     /* Guarded by pop_busy (one thread pre-faults at a time, see eng_write): */
     uint64_t pop_start;            /* ring positions this handle pre-faulted: [pop_start, pop_pos) */
@@ -371,7 +372,11 @@ void eng_group_lock_ref(eng_cursor *c, eng_lock_ref *l);
 /* ---- wait.c ---- */
 int ring_closed_meanwhile(eng_ring *r, int held, sem_t *s);
 void ring_bell(eng_ring *r, sem_t *waiters);
+void ring_space(eng_ring *r);
+int room_state(eng_ring *r, int publish);
+void room_unwant(eng_ring *r);
 int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share);
+int wait_floor(eng_ring *r, uint64_t start, uint64_t budget_ns, uint64_t stall_ns);
 int eng_spin_for_frame(eng_cursor *c);
 /* A take for eng_park: 1 got something, 0 nothing, < 0 an error. */
 typedef int (*eng_take_fn)(void *ctx);
@@ -384,6 +389,16 @@ uint64_t slot_hwm(eng_ring *r);
 int slot_floor(eng_ring *r, int word, uint64_t *out);
 uint64_t pin_floor(eng_ring *r);
 void take_full_marker(eng_ring *r);
+/* What the calling thread's last write that found no room needs (a room
+ * position / seq of the slowest cursor that makes it fit) and wants (one
+ * that makes a burst fit); 0: none.  Taken under the writer lock with the
+ * full marker (take_room_need), read by the same thread's room_state. */
+typedef struct {
+    uint64_t need_pos, need_seq, want_pos, want_seq;
+} eng_room;
+extern _Thread_local eng_room eng_room_of_thread;
+void take_room_need(eng_ring *r, uint64_t need_pos, uint64_t floor_pos, uint64_t need_seq, uint64_t floor_seq,
+                    uint64_t backlog);
 void eng_full_marker(uint64_t *floor, uint64_t *pin);
 void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin);
 int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos);

@@ -246,7 +246,7 @@ int eng_cursor_commit(eng_cursor *c) {
         named_commit(c);
         flush_locked(c);
         eng_cursor_unlock(c);
-        if (c->ring->policy != SHMQ_POLICY_OVERWRITE) ring_bell(c->ring, c->ring->fsem);
+        if (c->ring->policy != SHMQ_POLICY_OVERWRITE) ring_space(c->ring);
     }
     return 0;
 }

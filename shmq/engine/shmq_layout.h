@@ -56,6 +56,7 @@
 #define SHMQ_W_ALLOC_MIN 20     /* growable rings: the writer wraps early only past this offset */
 #define SHMQ_W_ALLOC 21         /* growable rings: offsets at or above it have no pages */
 #define SHMQ_W_LOCK_HOLDER 22   /* writer lock holder: pid | start time low 32 bits << 32 */
+#define SHMQ_W_DATA_ARMED 23    /* 1: a reader armed the data doorbell since its last ring (wait.c's ring_bell) */
 #define SHMQ_W_LOCK_TOKEN 24    /* fencing token, bumped whenever a dead holder's lock is broken */
 #define SHMQ_W_PUT_BYTES 26     /* payload bytes ever committed (puts: NEXT_SEQ itself) */
 #define SHMQ_W_LAST_PUT_NS 27
@@ -74,6 +75,11 @@
 /* 40..47: a cache line the writer stores to only when it evicts (format version 3) */
 #define SHMQ_W_FIRST_SEQ 40     /* oldest frame still in the ring */
 #define SHMQ_W_FIRST_POS 41     /* its byte position (stored before FIRST_SEQ) */
+/* A writer blocked on a full block spool: ring me once the slowest cursor's
+ * position (or seq) reaches this; 0 none, SHMQ_ROOM_RANG rung (wait.c).  On
+ * the line consumers read FIRST_POS from anyway. */
+#define SHMQ_W_ROOM_WANT_POS 42
+#define SHMQ_W_ROOM_WANT_SEQ 43
 /* 48..63: shmq.WorkQueue */
 #define SHMQ_W_WQ_LEASE_SLOTS 48 /* lease records at the start of the lease region (0: no work queue) */
 #define SHMQ_W_WQ_KEY_SLOTS 49   /* key-index entries after them */
@@ -176,6 +182,7 @@
 #define SHMQ_CODEC_UTF8 5
 #define SHMQ_CODEC_PICKLE_OOB 6 /* pickle protocol 5 with out-of-band buffers */
 #define SHMQ_CODEC_WORKQ 7      /* a work queue message */
+#define SHMQ_CODEC_VALUES 8     /* exact builtin values, without pickle (the binding's shmq/core/values.c) */
 
 /* ---- growable rings ---- */
 #define SHMQ_MIN_SEGMENT (64 << 10)
@@ -188,6 +195,9 @@
 #define SHMQ_MAX_COUNTER (1ull << 62)
 /* S_POS of a pin slot that pins nothing: above every valid position. */
 #define SHMQ_NO_PIN SHMQ_MAX_COUNTER
+/* W_ROOM_WANT_* once a consumer has rung for it: above every valid position,
+ * so no later commit rings again until a writer publishes a new want. */
+#define SHMQ_ROOM_RANG (SHMQ_MAX_COUNTER + 1)
 /* What every "the ring is corrupt" error ends with. */
 #define SHMQ_RING_ADVICE "see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', 'shmq rm', 'shmq import'"
 

@@ -203,7 +203,7 @@ ALWAYS_INLINE long private_take_in(eng_cursor *c, long max, const Sink *k) {
     if (c->kind == K_NAMED && (got || lost)) {
         if (c->autocommit) named_commit(c);
         if (c->n >= STATS_FLUSH_FRAMES || (lost && !got)) flush_locked(c);
-        if (c->autocommit && r->policy != 0) ring_bell(r, r->fsem);
+        if (c->autocommit && r->policy != 0) ring_space(r);
     }
     return got;
 }

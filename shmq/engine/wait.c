@@ -38,22 +38,154 @@ int ring_closed_meanwhile(eng_ring *r, int held, sem_t *s) {
  * loops.  The word is bumped (release: after the publication) before the
  * wake, so a waiter that read it before re-checking either sees the bump
  * and does not sleep, or is asleep and woken. */
+static void bell_now(eng_ring *r, int word) {
+    _Atomic uint32_t *w = bell_word(r, word);
+    atomic_fetch_add_explicit(w, 1, memory_order_release);
+    syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    ssize_t rc = pwrite(r->fd, "", 1, SHMQ_DOORBELL_BYTE);
+    (void)rc; /* a failed doorbell costs an asyncio waiter its safety-net timeout, nothing more */
+}
+
+/* The data doorbell rings once per sleep.  A reader about to sleep arms it
+ * (W_DATA_ARMED = 1, seq_cst) after reading the futex word and before its
+ * last look for a frame; a writer with waiters registered rings only if it
+ * takes the arm back (exchange to 0).  Without it, a reader that had parked
+ * made every put ring (a futex wake and a pwrite, microseconds each) until it
+ * ran again and unregistered: under load, or with a consumer as fast as its
+ * producer, most puts of a stream.  No lost wake-up: if the writer's exchange
+ * comes before the reader's arm, the reader's look after arming sees the
+ * frame the writer committed before it (a Dekker pair: commit, fence,
+ * exchange | arm, look); if after, the writer rings, and the futex word it
+ * bumps makes the reader's sleep return at once.  A reader woken by a ring
+ * that is not its own arms again before it sleeps again.  Readers of an
+ * older shmq do not arm: they are woken by the safety net (use one shmq
+ * version per spool).  The space doorbell has its own rule (ring_space). */
+static void bell_arm(eng_ring *r) {
+    atomic_store_explicit(AW(&r->ctl[SHMQ_W_DATA_ARMED]), 1, memory_order_seq_cst);
+}
+
+static int bell_disarm(eng_ring *r) {
+    _Atomic uint64_t *a = AW(&r->ctl[SHMQ_W_DATA_ARMED]);
+    return atomic_load_explicit(a, memory_order_relaxed) && atomic_exchange_explicit(a, 0, memory_order_seq_cst);
+}
+
 void ring_bell(eng_ring *r, sem_t *waiters) {
     int v = 0;
     atomic_thread_fence(memory_order_seq_cst);
-    if (sem_getvalue(waiters, &v) == 0 && v > 0) {
-        _Atomic uint32_t *w = bell_word(r, waiters == r->rsem ? SHMQ_W_DATA_BELL : SHMQ_W_SPACE_BELL);
-        atomic_fetch_add_explicit(w, 1, memory_order_release);
-        syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-        ssize_t rc = pwrite(r->fd, "", 1, SHMQ_DOORBELL_BYTE);
-        (void)rc; /* a failed doorbell costs an asyncio waiter its safety-net timeout, nothing more */
+    if (sem_getvalue(waiters, &v) != 0 || v <= 0) return;
+    if (waiters != r->rsem) {
+        bell_now(r, SHMQ_W_SPACE_BELL);
+    } else if (bell_disarm(r)) {
+        bell_now(r, SHMQ_W_DATA_BELL);
     }
 }
 
+/* ---- room for a writer blocked on a full block spool ----
+ *
+ * A writer that found no room (SHMQ_EFULL: consumers' cursors in the way;
+ * SHMQ_EBACKLOG: a queue's maxsize items) used to wait until the slowest
+ * cursor moved at all, and every consumer commit rang it while it was
+ * registered: with a producer faster than its consumer the two woke each
+ * other once per frame (a futex wake and a pwrite in the consumer, a wake
+ * and a retry in the writer), and a full 1 MiB ring ran at 45% of an
+ * unbounded one.  Now the writer says how much room it waits for: the
+ * "want" take_room_need recorded with the room marker (an eighth of the
+ * ring, at most 64 KiB, or of the backlog), published in W_ROOM_WANT_POS /
+ * W_ROOM_WANT_SEQ, and a consumer rings the space bell once the slowest
+ * cursor has reached it (ring_space), then marks it SHMQ_ROOM_RANG so that
+ * its next commits ring no more until a writer publishes again.  The writer
+ * then writes a burst.  It waits for its want a bounded time only
+ * (shmq/writer.py's ROOM_BURST_WAIT_S, api.c's ROOM_BURST_WAIT_S), then
+ * takes whatever room there is: a consumer that stops before the want costs
+ * a write that much delay at most, never a hang.
+ *
+ * Barrier pair (Dekker, as ring_bell's): the writer publishes its want
+ * (seq_cst), fences, then loads the cursors (room_state); a consumer stores
+ * its cursor, fences (seq_cst), then loads the waiter count and the want.
+ * Either the writer sees the cursor that meets its want (and does not
+ * sleep), or the consumer sees the want (and rings).  A want left by a
+ * writer that is gone is met (at or below the cursors) or rung: a new one
+ * replaces it; a smaller live want of another writer is kept (it rings
+ * first, and the woken writers publish again).  Writers of an older shmq
+ * publish nothing (0): consumers then ring at every commit, as before;
+ * consumers of an older shmq ring at every commit whatever is published.
+ * The want is the calling thread's (eng_room_of_thread): room_state is
+ * called by the thread whose write found no room. */
+
+/* Publish `want` in control word `word` unless a smaller live want is there
+ * (another writer's, not yet met by `floor` and not yet rung). */
+static void publish_want(eng_ring *r, int word, uint64_t want, uint64_t floor) {
+    if (!want) return;
+    _Atomic uint64_t *w = AW(&r->ctl[word]);
+    uint64_t cur = atomic_load_explicit(w, memory_order_relaxed);
+    while (cur != want && !(cur && cur != SHMQ_ROOM_RANG && cur < want && cur > floor))
+        if (atomic_compare_exchange_weak_explicit(w, &cur, want, memory_order_seq_cst, memory_order_relaxed)) break;
+}
+
+/* Where a blocked writer stands (after its write found no room): 0 no room
+ * yet for that write, 1 room for it, 2 room for a burst (its want).  With
+ * `publish`, the wants not met are published first, then the cursors read
+ * (the Dekker pair above): a writer about to sleep calls it with publish. */
+int room_state(eng_ring *r, int publish) {
+    const eng_room *m = &eng_room_of_thread;
+    uint64_t fp = 0, fs = 0;
+    if (publish && (m->want_pos || m->want_seq)) {
+        slot_floor(r, SHMQ_S_POS, &fp);
+        slot_floor(r, SHMQ_S_SEQ, &fs);
+        if (m->want_pos && fp < m->want_pos) publish_want(r, SHMQ_W_ROOM_WANT_POS, m->want_pos, fp);
+        if (m->want_seq && fs < m->want_seq) publish_want(r, SHMQ_W_ROOM_WANT_SEQ, m->want_seq, fs);
+        atomic_thread_fence(memory_order_seq_cst); /* the wants before the cursors (ring_space's pair) */
+    }
+    if (!slot_floor(r, SHMQ_S_POS, &fp)) return 2; /* no consumer left: nothing holds a writer back */
+    slot_floor(r, SHMQ_S_SEQ, &fs);
+    if ((m->need_pos && fp < m->need_pos) || (m->need_seq && fs < m->need_seq)) return 0;
+    return (m->want_pos && fp < m->want_pos) || (m->want_seq && fs < m->want_seq) ? 1 : 2;
+}
+
+/* A writer done waiting takes back its wants (or the mark that they were rung). */
+void room_unwant(eng_ring *r) {
+    const eng_room *m = &eng_room_of_thread;
+    int words[2] = {SHMQ_W_ROOM_WANT_POS, SHMQ_W_ROOM_WANT_SEQ};
+    uint64_t mine[2] = {m->want_pos, m->want_seq};
+    for (int i = 0; i < 2; i++) {
+        _Atomic uint64_t *w = AW(&r->ctl[words[i]]);
+        uint64_t cur = atomic_load_explicit(w, memory_order_relaxed);
+        if (cur && (cur == mine[i] || cur == SHMQ_ROOM_RANG))
+            atomic_compare_exchange_strong_explicit(w, &cur, 0, memory_order_relaxed, memory_order_relaxed);
+    }
+}
+
+/* A consumer after storing its cursor (a named reader's commit, a group's
+ * take): wake writers waiting for room, if any wait and, when one published
+ * a want, once the slowest cursor has reached it. */
+void ring_space(eng_ring *r) {
+    int v = 0;
+    atomic_thread_fence(memory_order_seq_cst); /* our cursor before the waiters and wants (room_state's pair) */
+    if (sem_getvalue(r->fsem, &v) != 0 || v <= 0) return;
+    uint64_t wp = ld_rlx(&r->ctl[SHMQ_W_ROOM_WANT_POS]), ws = ld_rlx(&r->ctl[SHMQ_W_ROOM_WANT_SEQ]), f;
+    if (wp || ws) { /* a writer said how much room it waits for */
+        int met_pos = wp && wp != SHMQ_ROOM_RANG && slot_floor(r, SHMQ_S_POS, &f) && f >= wp;
+        int met_seq = ws && ws != SHMQ_ROOM_RANG && slot_floor(r, SHMQ_S_SEQ, &f) && f >= ws;
+        if (!met_pos && !met_seq) return;
+        if (met_pos)
+            atomic_compare_exchange_strong_explicit(AW(&r->ctl[SHMQ_W_ROOM_WANT_POS]), &wp, SHMQ_ROOM_RANG,
+                                                    memory_order_relaxed, memory_order_relaxed);
+        if (met_seq)
+            atomic_compare_exchange_strong_explicit(AW(&r->ctl[SHMQ_W_ROOM_WANT_SEQ]), &ws, SHMQ_ROOM_RANG,
+                                                    memory_order_relaxed, memory_order_relaxed);
+    }
+    bell_now(r, SHMQ_W_SPACE_BELL);
+}
+
 /* The doorbell word's value: read it after registering as a waiter and
- * before re-checking, then pass it to eng_bell_wait. */
+ * before re-checking, then pass it to eng_bell_wait.  The data doorbell is
+ * armed here too (ring_bell): call it before every re-check that may be
+ * followed by a sleep. */
 uint32_t eng_bell_seen(eng_ring *r, int space) {
-    return atomic_load_explicit(bell_word(r, space ? SHMQ_W_SPACE_BELL : SHMQ_W_DATA_BELL), memory_order_acquire);
+    uint32_t seen =
+        atomic_load_explicit(bell_word(r, space ? SHMQ_W_SPACE_BELL : SHMQ_W_DATA_BELL), memory_order_acquire);
+    if (!space) bell_arm(r);
+    return seen;
 }
 
 /* Sleep, the caller's lock dropped, until the doorbell word is no longer
@@ -84,15 +216,29 @@ int eng_bell_wait(eng_ring *r, int space, uint32_t seen, double timeout) {
  * its copy at 4 GB/s and `lap_share` (a sixteenth of the lap just written:
  * small frames drain far slower than 4 GB/s, and a zone whose laps are too
  * short for its drains grows until the wait costs at most that share), at
- * most 2 ms, and not past 50 us without progress (a stalled consumer: grow
- * at once).  1 if every consumer caught up; 0 if not in time; SHMQ_ECLOSED
- * if the handle was closed meanwhile. */
+ * most 2 ms, and not past 50 us (or the lag's copy at 2 GB/s, if longer)
+ * without progress (a stalled consumer: grow at once).  1 if every consumer
+ * caught up; 0 if not in time; SHMQ_ECLOSED if the handle was closed
+ * meanwhile. */
 #define CATCH_UP_MAX_NS 2000000ull
 #define CATCH_UP_STALL_NS 50000ull
 int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share) {
-    uint64_t floor = 0, last = 0, budget = 50000 + lag / 4;
+    uint64_t budget = 50000 + lag / 4;
     if (lap_share > budget) budget = lap_share;
     if (budget > CATCH_UP_MAX_NS) budget = CATCH_UP_MAX_NS;
+    /* A consumer's cursor moves only when a frame's copy is done: a 1 MiB
+     * frame takes it longer than CATCH_UP_STALL_NS, which is no stall (it
+     * made 1 MiB frames grow the zone at every lap: a grown spool ran at
+     * 56% of a fixed one).  So the stall limit covers the lag at 2 GB/s. */
+    return wait_floor(r, start, budget, lag / 2 > CATCH_UP_STALL_NS ? lag / 2 : CATCH_UP_STALL_NS);
+}
+
+/* The loop of wait_caught_up (and of a fixed ring's early wrap, write.c's
+ * hot_place): every named cursor at `start` or past it, within `budget` ns,
+ * giving up after `stall` ns without progress, the caller's lock dropped.
+ * 1, 0, or SHMQ_ECLOSED. */
+int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
+    uint64_t floor = 0, last = 0;
     int ok = 0, found = 1;
     void *saved = ring_block(r);
     uint64_t t0 = mono_ns(), moved = t0;
@@ -108,7 +254,7 @@ int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share
                 last = floor;
                 moved = now;
             }
-            if (now - t0 > budget || now - moved > CATCH_UP_STALL_NS) break;
+            if (now - t0 > budget || now - moved > stall) break;
         }
         cpu_relax();
     }
@@ -168,6 +314,7 @@ int eng_park(eng_cursor *c, eng_take_fn take, void *ctx, uint64_t deadline) {
     int got;
     for (;;) {
         uint32_t seen = atomic_load_explicit(w, memory_order_acquire);
+        bell_arm(r); /* before the look below (ring_bell's pair) */
         if (ring_closing(r)) {
             got = eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
             break;

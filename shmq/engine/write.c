@@ -66,12 +66,41 @@ void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin) {
  * not per handle, since threads sharing a handle wait for room each on their
  * own. */
 static _Thread_local uint64_t full_floor, full_pin;
+_Thread_local eng_room eng_room_of_thread;
 
 void take_full_marker(eng_ring *r) {
     uint64_t f;
     if (!slot_floor(r, SHMQ_S_POS, &f)) f = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
     full_floor = f;
     full_pin = pin_floor(r);
+    eng_room_of_thread = (eng_room){0, 0, 0, 0}; /* none: a pin, or not known (take_room_need) */
+}
+
+/* What a write that found no room needs (writer lock held, after
+ * take_full_marker): the slowest cursor at `need_pos` (bytes: block policy)
+ * or its seq at `need_seq` (items: a queue's maxsize `backlog`), and what a
+ * burst needs, the "want": a meaningful amount of room past the cursor's
+ * `floor_pos` / `floor_seq` now, an eighth of the ring (at most
+ * ROOM_BURST_MAX bytes) or of the backlog, never past everything written.
+ * A blocked writer asks consumers to ring it once the want is there
+ * (wait.c, room_state), not for every frame they free. */
+#define ROOM_BURST_MAX (64u << 10)
+void take_room_need(eng_ring *r, uint64_t need_pos, uint64_t floor_pos, uint64_t need_seq, uint64_t floor_seq,
+                    uint64_t backlog) {
+    eng_room *m = &eng_room_of_thread;
+    m->need_pos = need_pos;
+    m->need_seq = need_seq;
+    if (need_pos) {
+        uint64_t burst = r->ring_bytes / 8 < ROOM_BURST_MAX ? r->ring_bytes / 8 : ROOM_BURST_MAX;
+        uint64_t want = floor_pos + burst, top = ld_rlx(&r->ctl[SHMQ_W_NEXT_POS]);
+        if (want > top) want = top;
+        m->want_pos = want > need_pos ? want : need_pos;
+    }
+    if (need_seq) {
+        uint64_t want = floor_seq + backlog / 8, top = ld_rlx(&r->ctl[SHMQ_W_NEXT_SEQ]);
+        if (want > top) want = top;
+        m->want_seq = want > need_seq ? want : need_seq;
+    }
 }
 
 void eng_full_marker(uint64_t *floor, uint64_t *pin) {
@@ -111,6 +140,27 @@ static int publish_first(eng_ring *r, uint64_t seq, uint64_t pos, uint64_t next_
     return 0;
 }
 
+/* The slowest cursor `floor`, for making room (block/error policies): one
+ * below FIRST_POS (`first`) is at it (what lies between is evicted already:
+ * that reader resyncs and counts it lost; after an early wrap it is a PAD,
+ * nothing); one at a PAD or a short tail (nothing to read before the next
+ * lap) is at the next lap.  After an early wrap (hot_place, zone.c) the
+ * consumers' cursors sit at its PAD: without this the writer would find
+ * room only up to that offset in the next lap, a hot region's worth
+ * instead of the ring. */
+static uint64_t past_pad(eng_ring *r, uint64_t floor, uint64_t first, uint64_t next_pos) {
+    uint64_t ring = r->ring_bytes;
+    if (floor < first) return first;
+    if (floor >= next_pos) return floor;
+    uint64_t off = floor % ring;
+    if (ring - off < SHMQ_FRAME_BYTES) return floor + (ring - off);
+    shmq_frame_header h;
+    read_header(r, off, &h);
+    if ((h.flags & SHMQ_FLAG_PAD) && off && header_sane(&h, off, ring) && off + h.stored == ring)
+        return floor + h.stored;
+    return floor;
+}
+
 /* Move FIRST_* past everything below byte position `limit` (writer lock
  * held).  Returns 0 on success, SHMQ_EFULL / SHMQ_EPINNED, or an error
  * exception set.  Overwrite policy walks the evicted headers (a few loads
@@ -128,12 +178,14 @@ int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos
     if (r->policy != 0) {
         uint64_t floor;
         if (!slot_floor(r, SHMQ_S_POS, &floor)) floor = pos; /* no consumers registered: keep everything */
+        floor = past_pad(r, floor, pos, next_pos);
         /* The jump below goes past `limit`, up to the slowest cursor: never past a
          * pinned frame (a reader moves its cursor on before it releases its view).
          * A pin is the header position of a resident data frame, >= limit here. */
         if (pin < floor) floor = pin;
         if (floor < limit && floor < next_pos) {
             take_full_marker(r);
+            take_room_need(r, limit, floor, 0, 0, 0);
             return SHMQ_EFULL; /* unconsumed frames in the way */
         }
         if (floor >= next_pos) {
@@ -200,6 +252,65 @@ static inline void roll_rate(eng_ring *r, uint64_t ts) {
     }
 }
 
+/* ---- the hot region of a fixed ring ----
+ *
+ * A fixed ring written sequentially strides through all of its memory: on a
+ * 64 MiB ring every lap is out of the caches by the time it comes round, so
+ * a 1 MiB frame was written and read at memory speed (iceoryx2's loaned
+ * samples, a few chunks recycled, stay in cache: 3x as fast).  So while its
+ * consumers keep up, a fixed block/error ring reuses its first HOT_BYTES
+ * (or 2 batches, if larger): once the writer's next batch would end past
+ * that and every named reader and group has consumed everything (waiting,
+ * the caller's lock dropped, for consumers still copying the last HOT_LAG
+ * bytes or two batches, as long as that takes at 2 GB/s: wait_floor; a wait
+ * in vain is not tried again this lap), it pads the rest of the ring (a
+ * PAD, as at any wrap) and starts the next lap at offset 0, in lines the
+ * consumers read moments ago.  The consumers' cursors then sit at that PAD,
+ * which make_room counts as consumed (past_pad): the whole ring stays the
+ * backlog's if they stop there.  A consumer that is behind holds the writer
+ * to the whole ring as before.  Consumed frames past the hot region are
+ * evicted at the early wrap instead of a lap later (block and error
+ * policies evict what named cursors consumed whenever they make room
+ * anyway); overwrite rings, whose anonymous readers expect a lap of
+ * history, and rings over HOT_RING_MAX (whose readers release the pages
+ * behind them, read.c) stay sequential.  Growable rings have their own hot
+ * zone (zone.c).  Writer lock held (hot_skip is the lock's); only rewrites
+ * the placement (place_batch evicts after it).  0, or SHMQ_ECLOSED if the
+ * handle was closed by another thread during the wait. */
+#define HOT_BYTES ((uint64_t)8 << 20)
+#define HOT_RING_MAX ((uint64_t)64 << 20) /* read.c's KEEP_WHOLE: readers keep their pages */
+#define HOT_LAG ((uint64_t)64 << 10)      /* consumers this close (or 2 batches) are waited for */
+static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs, uint64_t total,
+                     uint64_t *placed, Placement *pl) {
+    uint64_t ring = r->ring_bytes, n_off = start % ring, lap = start - n_off, gap = ring - n_off, floor;
+    uint64_t zone = total * 2 > HOT_BYTES ? total * 2 : HOT_BYTES;
+    if (r->policy == SHMQ_POLICY_OVERWRITE || ring > HOT_RING_MAX || zone > ring / 2 || n_off + total <= zone)
+        return 0; /* overwrite, a large ring, or inside the hot region */
+    if (gap < SHMQ_FRAME_BYTES || gap > 0xFFFFFFF8ull) return 0; /* a PAD header must fit, its u32 length too */
+    if (!slot_floor(r, SHMQ_S_POS, &floor) || r->hot_skip == lap + 1) return 0; /* no consumer; or tried this lap */
+    if (floor < start) { /* consumers copying the last batches: wait for them (lock dropped), at 2 GB/s */
+        uint64_t lag = start - floor;
+        uint64_t near = 2 * total > HOT_LAG ? 2 * total : HOT_LAG;
+        int w = lag > near ? 0 : wait_floor(r, start, 50000 + lag / 2, 50000 + total / 2);
+        if (w == SHMQ_ECLOSED) return eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
+        if (w != 1) {
+            r->hot_skip = lap + 1; /* behind, or not caught up in time: on into the ring for this lap */
+            return 0;
+        }
+    }
+    if (pin_floor(r) < lap + total) return 0; /* a zero-copy view still reads the lap's start */
+    pl->npads = 1;
+    pl->pads_off[0] = n_off;
+    pl->pads_gap[0] = gap;
+    pl->pads_k[0] = 0;
+    uint64_t p = lap + ring;
+    for (size_t k = 0; k < count; k++) {
+        placed[k] = p;
+        p += needs[k];
+    }
+    pl->end = p;
+    return 0;
+}
 
 /* Where a batch of `count` frames of needs[] bytes (total: their sum) goes
  * (writer lock held): fills placed[] and *pl, evicts what is in the way and,
@@ -225,6 +336,7 @@ int place_batch(eng_ring *r, size_t count, const uint64_t *needs, uint64_t total
         uint64_t floor;
         if (slot_floor(r, SHMQ_S_SEQ, &floor) && seq0 - floor + (uint64_t)count > (uint64_t)max_backlog) {
             take_full_marker(r);
+            take_room_need(r, 0, 0, seq0 + (uint64_t)count - (uint64_t)max_backlog, floor, (uint64_t)max_backlog);
             return SHMQ_EBACKLOG;
         }
     }
@@ -268,6 +380,9 @@ int place_batch(eng_ring *r, size_t count, const uint64_t *needs, uint64_t total
     pl->end = pos;
     if (r->segment) { /* a growable ring: its pages first (may wrap early) */
         int st = zone_place(r, start, count, needs, total, placed, pl, seq0);
+        if (st != 0) return st;
+    } else {
+        int st = hot_place(r, start, count, needs, total, placed, pl);
         if (st != 0) return st;
     }
     if (pl->end - ld_rlx(&c[SHMQ_W_FIRST_POS]) > ring) return make_room(r, pl->end - ring, seq0, placed[0]);
