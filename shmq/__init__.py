@@ -18,6 +18,8 @@ from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them here
     from .dispatch import Context, Dispatcher
+    from .errors import WorkerCrashed
+    from .pool import Pool, ProcessPoolExecutor
     from .rpc import Call, Client, Service, ServiceStats
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "Service", "Client", "Call", "ServiceStats", "RemoteError",
+    "ProcessPoolExecutor", "Pool", "WorkerCrashed",
     "FORMAT_VERSION",
 ]
 
@@ -42,4 +45,12 @@ def __getattr__(name: str) -> Any:
         from . import rpc
 
         return getattr(rpc, name)
+    if name in ("ProcessPoolExecutor", "Pool"):  # process pools (threads, concurrent.futures): on use
+        from . import pool
+
+        return getattr(pool, name)
+    if name == "WorkerCrashed":  # a BrokenProcessPool: concurrent.futures.process on use
+        from . import errors
+
+        return errors.WorkerCrashed
     raise AttributeError(f"module 'shmq' has no attribute {name!r}")
