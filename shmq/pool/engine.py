@@ -78,7 +78,7 @@ class Task:
         self.call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = call
         self.sink = sink
         self.index = index
-        self.codes: list[int] = []  # the exit codes of the workers that died running it
+        self.codes: list[int] | None = None  # exit codes of the workers that died running it
         self.done = False
         self.solo = False  # sent again after a loss: in a frame of its own
         self.started = False  # admitted into the window: its sink was told (a future runs)
@@ -107,7 +107,8 @@ class Engine:
 
     ``face``: :data:`~.wire.EXECUTOR` or :data:`~.wire.POOL` (how errors look).
     ``start(sink) -> bool``: a task leaves the queue for the window (False: it was
-    cancelled, drop it); ``deliver(sink, index, ok, value)``: its outcome.
+    cancelled, drop it; None: sinks that cannot be cancelled); ``deliver(sink, index,
+    ok, value)``: its outcome.
     ``at_exit``: what the interpreter's exit does with a pool still open:
     ``"finish"`` (the submitted work first, as the stdlib's executor) or
     ``"terminate"`` (as ``multiprocessing.Pool``).
@@ -115,7 +116,7 @@ class Engine:
 
     def __init__(self, workers: int, ctx: Any, initializer: Any, initargs: tuple[Any, ...],
                  max_tasks: int | None, max_attempts: int, face: str, at_exit: str,
-                 start: Callable[[Any], bool], deliver: Callable[[Any, int, bool, Any], None]) -> None:
+                 start: Callable[[Any], bool] | None, deliver: Callable[[Any, int, bool, Any], None]) -> None:
         self.workers = workers
         self._start, self._deliver = start, deliver
         self.max_attempts = max_attempts
@@ -128,7 +129,7 @@ class Engine:
         self._ring = Spool.open(self._requests.path)  # puts that tell their seqs
         self._board = Board.anonymous(LAYOUT, workers, ROW_WORDS)
         assert self._board.fd is not None  # an anonymous board keeps its memfd
-        cfg = Config(self._requests.path, self._results, BoardFd(self._board.fd), face, initializer,
+        cfg = Config(self._requests.path, self._results.path, BoardFd(self._board.fd), face, initializer,
                      tuple(initargs), max_tasks)
         # made before our threads: under fork its zygote is forked here, single-threaded
         self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
@@ -305,6 +306,11 @@ class Engine:
         ahead = 2 if per is None else max(2, int(WINDOW_S / max(per, 1e-7)))
         room = self.workers * ahead - self._admitted
         pending = self._pending
+        if self._start is None:  # sinks that cannot be cancelled: admitting is counting
+            n = max(0, min(room, len(pending) - self._ready))
+            self._ready += n
+            self._admitted += n
+            return
         while room > 0 and self._ready < len(pending):
             t = pending[self._ready]
             if t.started or self._start(t.sink):
@@ -423,17 +429,22 @@ class Engine:
                 self._fail_frame(frame, broken_pool(
                     f"the task's result could not be unpickled: {type(exc).__name__}: {exc}", exc))
             return
-        n = len(frame.tasks)
-        per = run_ns / 1e9 / n
+        tasks = frame.tasks
+        per = run_ns / 1e9 / len(tasks)
         self._per_task = per if self._per_task is None else 0.8 * self._per_task + 0.2 * per
-        face = self.face
-        for t, st, v in zip(frame.tasks, statuses, values):
+        face, deliver, done = self.face, self._deliver, 0
+        for t, st, v in zip(tasks, statuses, values):
             if t.done:
                 continue
+            t.done, t.call = True, None
+            done += 1
             if st == OK:
-                self._finish(t, True, v)
+                deliver(t.sink, t.index, True, v)
             else:
-                self._finish(t, False, remote(v[0], v[1], face))
+                deliver(t.sink, t.index, False, remote(v[0], v[1], face))
+        with self._lock:  # once a frame, not once a task
+            self._unfinished -= done
+            self._admitted -= done
 
     def _undecodable(self, seq: int, exc: Any, tb: str) -> None:
         frame = self._done_frame(seq)
@@ -472,7 +483,7 @@ class Engine:
         for t in charged:
             if t.done:
                 continue
-            t.codes.append(-1 if code is None else code)
+            t.codes = (t.codes or []) + [-1 if code is None else code]
             if len(t.codes) >= self.max_attempts:
                 self._finish(t, False, _crashed(t, why, self.max_attempts))
         for f in lost:
@@ -523,7 +534,7 @@ class Engine:
 def _crashed(t: Task, why: str, max_attempts: int) -> BaseException:
     from ..errors import WorkerCrashed
 
-    codes = tuple(t.codes)
+    codes = tuple(t.codes or ())
     how = {exit_text(c) for c in codes}
     text = (f"the worker running this task died on each of its {len(codes)} attempts "
             f"({', '.join(sorted(how))}); not retried (max_attempts={max_attempts})")

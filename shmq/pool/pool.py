@@ -224,7 +224,7 @@ class Pool:
         self._state = RUN
         self.processes = processes
         self._engine = Engine(processes, _ctx(context), initializer, tuple(initargs), maxtasksperchild,
-                              max_attempts, POOL, "terminate", _started, _deliver)
+                              max_attempts, POOL, "terminate", None, _deliver)
         weakref.finalize(self, self._engine.terminate)  # collected while open: as terminate()
 
     def __reduce__(self) -> Any:
@@ -281,9 +281,10 @@ class Pool:
 
     @staticmethod
     def _tasks(func: Callable[..., Any], items: list[Any], start: int, star: bool, sink: Any) -> list[Task]:
+        kw: dict[str, Any] = {}  # one for all (a frame pickles it once)
         if star:
-            return [Task((func, tuple(a), {}), sink, start + i) for i, a in enumerate(items)]
-        return [Task((func, (a,), {}), sink, start + i) for i, a in enumerate(items)]
+            return [Task((func, tuple(a), kw), sink, start + i) for i, a in enumerate(items)]
+        return [Task((func, (a,), kw), sink, start + i) for i, a in enumerate(items)]
 
     def map(self, func: Callable[..., Any], iterable: Iterable[Any], chunksize: int | None = None) -> list[Any]:
         """``[func(x) for x in iterable]`` in the workers; blocks.  ``chunksize`` is
@@ -377,10 +378,6 @@ class Pool:
 
     def __exit__(self, *exc: object) -> None:
         self.terminate()
-
-
-def _started(result: Any) -> bool:
-    return True  # a result cannot be cancelled
 
 
 def _deliver(result: Any, index: int, ok: bool, value: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from .. import codec as _codec
 from ..errors import Empty
 from ..queue import GROUP
-from ..rpc.requests import decode
+from ..rpc.requests import decode, send
 from ..spool import Spool
 from ..workers import Board, Hands, Layout
 from ..workers.board import ROW_COMMON
@@ -65,7 +65,7 @@ class Config(NamedTuple):
     """What every worker of a pool gets (pickled to it, or inherited)."""
 
     ring: str  # the request ring's path
-    results: Any  # the result queue (a shmq.Queue handle)
+    results: str  # the result queue's path (written as a spool: see _reply)
     board: BoardFd
     face: str  # wire.EXECUTOR or wire.POOL: how errors are reported
     initializer: Any
@@ -84,25 +84,29 @@ def worker_main(cfg: Config, slot: int) -> None:
     spool = Spool.open(cfg.ring)
     _codec.require_trust(spool, False)  # tasks are pickles: only from our own, private ring
     reader = spool.reader(GROUP, group=True)
+    # Replies are put as encoded frames (shmq.rpc.requests.send): a Queue's own put
+    # takes ~10 ms for an 8 MiB numpy array where put_many of its encoding takes 0.5.
+    results = Spool.open(cfg.results)
+    _codec.require_trust(results, False)
     if cfg.initializer is not None:
         try:
             cfg.initializer(*cfg.initargs)
         except BaseException:  # noqa: BLE001  (the pool is told; it breaks, as the stdlib's does)
             (EXECUTOR_LOG if cfg.face == EXECUTOR else POOL_LOG).critical(
                 "Exception in initializer:", exc_info=True)
-            cfg.results.put((INIT_FAILED, slot, os.getpid(), traceback.format_exc()))
+            send(results, [(INIT_FAILED, slot, os.getpid(), traceback.format_exc())], None)
             return
     try:
-        _serve(cfg, row, reader, parent)
+        _serve(cfg, row, reader, results, parent)
     finally:
         row.clear_holder()
 
 
-def _serve(cfg, row, reader, parent):
+def _serve(cfg, row, reader, results, parent):
     """Take frames, run their tasks, reply; until told to stop."""
     hands = Hands(row)
     w, rb = row.w, row.base + R_RUNNING
-    face, results = cfg.face, cfg.results
+    face = cfg.face
     per_frame = BATCH_S  # seconds per frame, smoothed: how many to take at once
     done = 0
     while True:
@@ -149,10 +153,8 @@ def _serve(cfg, row, reader, parent):
             t = calls = values = fn = args = kwargs = None  # nothing of a task outlives it here
             row.add(R_TASKS, len(statuses))
         working_on(row, -1, None)
-        if len(replies) == 1:
-            results.put(replies[0])
-        elif replies:
-            results.put_many(replies)
+        if replies:
+            send(results, replies, None)
         replies = []
         for f in frames:  # replied: now they leave our row
             hands.answered(f.seq)
