@@ -122,7 +122,7 @@ def _serve(cfg, row, reader, results, parent):
         t0 = time.perf_counter()
         hands.took([f.seq for f in frames])  # published at once: the parent must see them
         replies: list[Any] = []
-        stop = False
+        stops = 0
         for f in frames:
             seq = f.seq
             working_on(row, seq, None)  # a death now is charged to the whole frame
@@ -132,7 +132,7 @@ def _serve(cfg, row, reader, results, parent):
                 replies.append((UNDECODABLE, seq, _picklable(exc), traceback_text(exc)))
                 continue
             if t is STOP:
-                stop = True
+                stops += 1
                 continue
             first, calls = t
             statuses = bytearray(len(calls))
@@ -156,6 +156,8 @@ def _serve(cfg, row, reader, results, parent):
         if replies:
             send(results, replies, None)
         replies = []
+        if stops > 1:  # one each: the rest go back for the other workers
+            send(reader.spool, [STOP] * (stops - 1), None)
         for f in frames:  # replied: now they leave our row
             hands.answered(f.seq)
         hands.publish()
@@ -163,7 +165,7 @@ def _serve(cfg, row, reader, results, parent):
         done += len(frames)
         per_frame = 0.8 * per_frame + 0.2 * max(1e-7, (time.perf_counter() - t0) / len(frames))
         frames = []
-        if stop or (cfg.max_tasks and done >= cfg.max_tasks):
+        if stops or (cfg.max_tasks and done >= cfg.max_tasks):
             return
 
 

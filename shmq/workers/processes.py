@@ -16,11 +16,13 @@ stay with them.
 * **The parent-death signal.** Each worker arms ``PR_SET_PDEATHSIG``
   (Linux): when its parent dies it gets ``death_signal``.  The parent is
   the thread that started it (the owner's supervising thread, which lives
-  as long as its workers), the zygote (which exits when the owner does:
-  it sees its pipe's end, or its parent change, within a second), or the
-  fork server (which exits when the owner does).  A worker whose owner
-  died before the signal was armed exits at once.  So a SIGKILLed owner
-  leaves no worker behind for longer than a second.
+  as long as its workers) or the zygote (which exits when the owner does:
+  it sees its pipe's end, or its parent change, within a second).  The
+  fork server outlives the owner for as long as one of its children runs
+  (each holds its "alive" pipe), so its workers watch the owner itself
+  instead (a thread waiting on a pidfd of it).  A worker whose owner died
+  before any of this was armed exits at once.  So a SIGKILLed owner leaves
+  no worker behind for longer than a second.
 * **Ctrl-C.** Workers ignore SIGINT unless their target installs a handler:
   the terminal sends it to the whole process group, and the owner decides.
 * **Stop.** :meth:`Crew.stop` asks every worker to stop (SIGTERM, or the
@@ -38,7 +40,9 @@ import multiprocessing
 import multiprocessing.connection as mpc
 import multiprocessing.util
 import os
+import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -92,9 +96,31 @@ def _run(target: Callable[..., Any], args: tuple[Any, ...], key: Any, extra: tup
     arm_parent_death(death_signal)
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is None:  # the fork server: it lives as long as any of its children does
+        _watch_owner(owner, death_signal)
     if (parent is not None and os.getppid() != parent) or not holder_alive(owner):
         os._exit(0)
     target(*args, key, *extra)
+
+
+def _watch_owner(owner: int, sig: int) -> None:
+    """A thread that sends us ``sig`` when the owner exits (a pidfd becomes readable
+    then; without pidfds, a look every second).  For workers of the fork server,
+    whose parent never dies first: every child it forks holds its "alive" pipe."""
+    try:
+        fd: int | None = os.pidfd_open(owner & 0xFFFFFFFF)
+    except (OSError, AttributeError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while holder_alive(owner):
+                time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="shmq-owner-watch", daemon=True).start()
 
 
 class Worker:
