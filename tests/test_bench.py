@@ -141,3 +141,20 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
     assert all(v > 0 for v in data["medians"].values())
     text = "\n".join(data["summary"])
     assert "target >= 3x" in text and "target >= 1.5x" in text and "Service(copy=False)" in text
+
+
+def test_bench_pool_runs_every_target_against_its_peers(tmp_path):
+    """stress/bench_pool.py --quick (tiny, one repeat; no timing asserted): every
+    target's scenario runs shmq and its stdlib peer and prints the ratio."""
+    pytest.importorskip("numpy")
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_pool.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [t["scenario"] for t in data["targets"]] == ["submit", "map", "numpy"]
+    for scen, peer in (("submit", "ProcessPoolExecutor"), ("map", "multiprocessing.Pool"),
+                       ("numpy", "ProcessPoolExecutor")):
+        assert data["medians"][f"{scen}/shmq"] > 0 and data["medians"][f"{scen}/{peer}"] > 0
+    assert all(t["ratio"] > 0 for t in data["targets"])
+    assert "load average" in proc.stdout and "target >= 10x" in proc.stdout
