@@ -22,7 +22,7 @@ every frame.  Only the hand-over differs between contenders:
 Measured: seconds from ``save()`` until the sidecar has decoded the last
 frame; repeats are interleaved and the median is reported with ratios.
 
-The sidecar part (``--part sidecar``; issue 30) scores ``--sidecar-rows``
+The sidecar part (``--part sidecar``) scores ``--sidecar-rows``
 rows (1M) with examples/spark_sidecar.py's numpy model and scorer on
 ``local[2]``, four ways, each in a fresh SparkSession (so no Python worker
 keeps another contender's model) after a 20k-row warm-up in it:
@@ -331,7 +331,7 @@ def run_once(spark, kind, n, tmp):
     return max(t_end, t1) - t0, t1 - t0
 
 
-# --- the sidecar comparison (issue 30): call_sidecar against the model in every worker -----
+# --- the sidecar comparison: call_sidecar against the model in every worker ---------------
 #
 # The model and its scorer are examples/spark_sidecar.py's, imported as the module
 # ``spark_sidecar`` (the examples directory is put on PYTHONPATH before Spark starts,

@@ -1,15 +1,17 @@
 """The targets stress/bench.py checks, computed from one run's own figures.
 
-Issue 14 (the ring core in C) first, issue 15 (growable queues), then the
-earlier targets still tracked (issue 4).  Each row: ``{"issue", "target", "value", "goal", "met", "shown"}``
-with ``met`` True, False, or None when the run could not measure it (a peer
+Three groups, in this order: the compiled ring core's targets, the growable
+queues', and the first targets, still tracked.  Each row: ``{"issue", "target",
+"value", "goal", "met", "shown"}``, where ``issue`` numbers the group (14, 15
+and 4, the keys the printed titles and stress/report.py group by), with ``met`` True, False, or None when the run could not measure it (a peer
 not installed, an API not there yet); ``shown`` says what was measured or why not.
 """
 
 from __future__ import annotations
 
-#: 1 MiB frames through Spool.put/get before the C core (issue 14): the fallback
-#: baseline of the reservation target when iceoryx2 cannot run here.
+#: 1 MiB frames through Spool.put/get with a pure-Python ring (GB/s on the
+#: benchmark machine): the baseline of the reservation target when iceoryx2
+#: cannot run here.
 TODAY_1MIB_GBPS = 6.7
 SHMQ_PREFIXES = ("spool", "shmq.")
 
@@ -128,7 +130,7 @@ def targets(results, lat, sys_, misc):
     else:
         add(14, "wake-up p50 <= 1.5x a pipe's", None, 1.5, why="not measured (--skip-extras)")
 
-    # issue 15: growth costs nothing measurable on the steady-state fast path,
+    # growable queues: growth costs nothing measurable on the steady-state fast path,
     # with growth inside the timed run and once grown (an untimed pass first)
     def add_growth(label, contender):
         got = [(ratio(results, s, contender, "spool"), s) for s in ("1->1 100 B", "1->1 1 MiB")]
@@ -141,7 +143,7 @@ def targets(results, lat, sys_, misc):
                "spool-growable")
     add_growth("grown spool >= 90% of a fixed one (100 B, 1 MiB; after one untimed pass)", "spool-grown")
 
-    # earlier targets (issue 4), still tracked
+    # the first targets, still tracked
     def add4(label, value, goal, fmt="{:.2f}x"):
         add(4, label, value, goal, fmt)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing of the compiled core's frame decoder and reader (atheris).
 
-The compiled core (``shmq/core/*.c``, the sources ``pyproject.toml`` lists) reads words and frame headers that
+The compiled core (the engine ``shmq/engine/*.c`` and its binding ``shmq/core/*.c``, the sources ``pyproject.toml`` lists) reads words and frame headers that
 other processes write.  This program drives ``shmq._core.Ring`` and
 ``shmq._core.Cursor`` over a mapping whose control words, reader/group
 slot table and ring bytes all come from the fuzzer's input, and requires
@@ -62,15 +62,18 @@ CAPACITY = 4096
 SLOTS = 4
 OPS = struct.Struct("<BBBBHHQQQQ")  # ring, mask, named slot, group slot, put size, batch, seq, pos, backlog, spare
 CTL_LO, CTL_HI = 16, 32  # control words the core reads: NEXT_*/FIRST_*, holder, stats, SLOT_HWM
-# Known bugs (docs/guarantees.md), kept out of the run with --skip-known so
-# that it goes on looking for new ones; delete each filter with its fix.
+# Two corners of the input space that the engine refuses as corruption
+# (docs/guarantees.md, "What the engine refuses"), kept out of a run with
+# --skip-known to spend its time elsewhere; the run to trust is without it.
 #: Overwrite-policy puts are skipped when NEXT_POS - FIRST_POS exceeds this:
-#: make_room() walks that span frame by frame and a self-repeating PAD header
-#: makes the walk unbounded (tests/test_sanitize.py::test_make_room_pad_walk_is_bounded).
+#: make_room() walks that span frame by frame, bounded only because a PAD header
+#: that does not run to the ring's end is refused
+#: (tests/test_sanitize.py::test_make_room_pad_walk_is_bounded).
 KNOWN_HANG_SPAN = 1 << 24
 #: Inputs are skipped whose FIRST_POS or NEXT_POS (which a put turns into
-#: FIRST_POS) is this close to 2**64: the reader's position wraps to 0 and
-#: read_one() resyncs forever (test_reader_resync_near_position_limit_is_bounded).
+#: FIRST_POS) is this close to 2**64: positions at or past 2**62 are refused,
+#: where read_one()'s position would otherwise wrap to 0 and resync forever
+#: (test_reader_resync_near_position_limit_is_bounded).
 KNOWN_WRAP_MARGIN = 1 << 20
 
 
@@ -208,7 +211,20 @@ def _child(args):
         print(f"{(time.perf_counter() - t) / args.bench / len(seeds) * 1e6:.0f} us per input")
         return 0
     one_input = atheris.instrument_func(one_input)
-    atheris.Setup([sys.argv[0], *args.libfuzzer], one_input)
+
+    def checked(data):
+        # A violation is a Python exception, which atheris turns into a C++ throw; under
+        # gcc's ASan runtime that can die in an ASan CHECK (no real __cxa_throw) before
+        # anything is printed, so the traceback goes to the log first.
+        try:
+            one_input(data)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
+
+    atheris.Setup([sys.argv[0], *args.libfuzzer], checked)
     atheris.Fuzz()
 
 

@@ -2,7 +2,8 @@
 """Run the compiled core under AddressSanitizer + UndefinedBehaviorSanitizer.
 
 Builds the compiled core (the sources ``pyproject.toml``'s
-``[[tool.setuptools.ext-modules]]`` lists, ``shmq/core/*.c``) with ``-fsanitize=address,undefined
+``[[tool.setuptools.ext-modules]]`` lists: the engine, ``shmq/engine/*.c``,
+and its binding, ``shmq/core/*.c``) with ``-fsanitize=address,undefined
 -fno-omit-frame-pointer -g`` into ``build/sanitize/`` (a package of
 symlinks to the worktree's ``shmq/*.py`` beside the sanitized
 ``_core`` module: the normal in-place ``.so`` is never touched), then runs,
@@ -240,8 +241,8 @@ def run(quick=False, cc=None, fuzz_cases=None, out_dir=None, out=sys.stdout):
     # -s: every process's stderr reaches this pipe, where UBSan reports are
     # looked for (gcc's libubsan ignores log_path when ASan is loaded)
     # Bounded: a test hung under the sanitizers dumps its tracebacks (faulthandler)
-    # and the run reports FAILED with them instead of waiting forever (one run
-    # on 2026-11-26 hung in a parked Reader.get and did not reproduce in four more).
+    # and the run reports FAILED with them instead of waiting forever (a rare,
+    # unreproduced hang in a parked Reader.get has been seen here).
     if os.path.exists(junit):
         os.remove(junit)  # a run killed at the timeout writes none: never count an old one
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",

@@ -2,7 +2,7 @@
 
 Every call must get exactly one correct reply (no Timeout, no RemoteError, no
 wrong reply); duplicates from redelivered calls must be dropped by the
-clients.  Full run (the issue's "done when"): 32 client processes x 1,000
+clients.  Full run: 32 client processes x 1,000
 calls against 4 workers, a worker SIGKILLed every 100 ms::
 
     python stress/service_chaos.py                 # full run

@@ -62,7 +62,7 @@ module for the import graph under its import name (``shmq._core``, from
 ``pyproject.toml``'s ``[[tool.setuptools.ext-modules]]``), with no imports
 of its own; its source files are not modules.
 
-Targets (issues "A house a newcomer can read" and "One core, one writer"):
+Targets (a package a newcomer can read; one core, one writer):
 reaches <= 20, cycles 0, largest file <= 700 lines, largest C file <= 900
 lines.  ``--check`` exits 1 when a target is missed.
 """

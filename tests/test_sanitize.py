@@ -3,7 +3,7 @@
 ``stress/sanitize.py`` needs a C compiler with its ASan runtime and
 ``stress/corefuzz.py`` also needs atheris (``pip install atheris``): where
 either is missing these tests skip and say which.  The long runs and their
-figures are in docs/guarantees.md ("The compiled core under sanitizers").
+figures are in docs/guarantees.md ("The engine under sanitizers and a fuzzer").
 """
 
 import json

@@ -1,4 +1,4 @@
-"""Thread safety and signal safety of handles (issue 14's "Done when" tests).
+"""Thread safety and signal safety of handles.
 
 * 8 threads in each of 2 processes share one Queue / JoinableQueue /
   WorkQueue handle per process and move every item exactly once;

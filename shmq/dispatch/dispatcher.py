@@ -145,7 +145,8 @@ class Dispatcher:
         ``retry_delay`` (seconds, or ``f(attempt) -> seconds``)
         delays the redelivery after a failure.  Returns the target unchanged.
 
-        :raises ValueError, TypeError: as :meth:`register`.
+        :raises ValueError: as :meth:`register`.
+        :raises TypeError: as :meth:`register`.
         """
         def register(target: _H) -> _H:
             self.register(type, target, parallelism=parallelism, timeout=timeout,

@@ -54,9 +54,8 @@ GROUP = "calls"
 BUNDLE_BYTES = 1 << 20
 #: Smaller out-of-band frames are copied even with ``copy=False``: taking a frame
 #: pinned costs a fixed 20-40 us more of Python than a copying take, which a copy
-#: of about this size costs too (measured 2026-11-27, a worker's CPU per call,
-#: copying and pinned: 213 and 253 us at 64 KiB, 273 and 267 at 512 KiB, 333
-#: and 293 at 1 MiB).
+#: of about this size costs too (a worker's CPU per call, copying and pinned:
+#: 213 and 253 us at 64 KiB, 273 and 267 at 512 KiB, 333 and 293 at 1 MiB).
 PIN_MIN_BYTES = 512 << 10
 
 
@@ -246,7 +245,7 @@ def _pinned_frame(spool: Spool, got: tuple[int, Any, int, int | None], ts: int) 
     seq, data, codec, fpos = got
     if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
         return PinnedFrame(seq, ts, codec, data, None)
-    pin = PinnedView(None, seq, spool, fpos, data)
+    pin = PinnedView(None, seq, spool.pins, fpos, data)
     if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw: copy this one
         frame = PinnedFrame(seq, ts, codec, bytes(data), None)
         pin.release()
