@@ -333,3 +333,31 @@ def test_an_older_dispatcher_board_is_refused_by_status_and_rewritten_by_start(s
         d.close()
     Dispatcher.destroy(path, ["noop"])
     assert not os.path.lexists(path + ".dispatch")
+
+
+def test_one_module_starts_worker_processes():
+    """Every process shmq starts comes from shmq.workers.processes (the demo and
+    ``shmq bench`` aside): no other module calls a ``Process(...)`` constructor,
+    ``os.fork`` or ``subprocess``."""
+    import ast
+
+    root = os.path.dirname(shmq.__file__)
+    allowed = {"workers/processes.py", "demo.py", "cli/bench.py"}
+    starters = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    f = node.func
+                    owner = f.value.id if isinstance(f.value, ast.Name) else ""
+                    if f.attr == "Process" or (owner == "os" and f.attr in ("fork", "forkpty")) \
+                            or owner == "subprocess":
+                        starters.setdefault(rel, []).append(node.lineno)
+    assert set(starters) - allowed == set(), starters
+    assert "workers/processes.py" in starters
