@@ -104,9 +104,12 @@ def wheel_tags(path: str) -> tuple[str, str, str]:
 
 def source_package_files() -> set[str]:
     """Every file of the shmq package in the source tree a wheel must ship (C sources aside)."""
-    r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "shmq"],
-                       cwd=ROOT, capture_output=True, text=True)
-    if r.returncode == 0:
+    try:
+        r = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "shmq"],
+                           cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:  # no git at all (the chroot's install test)
+        r = None
+    if r is not None and r.returncode == 0:
         files = [f for f in r.stdout.split() if os.path.exists(os.path.join(ROOT, f))]
     else:  # not a git checkout (an unpacked sdist)
         files = [os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "shmq"))
