@@ -337,3 +337,20 @@ def test_ctrl_c_leaves_no_orphan_and_no_file(method, face, tmp_path):
     assert p.returncode != 0 and "KeyboardInterrupt" in err, err
     assert not _gone(tree, bound(10))
     assert not any(os.path.exists(f) for f in files)
+
+
+def test_import_shmq_loads_the_pools_only_on_use():
+    """``import shmq`` loads neither the pools nor the worker platform nor
+    ``concurrent.futures.process``; the first use of a name loads them."""
+    code = ("import sys, shmq\n"
+            "early = sorted(m for m in sys.modules if m.startswith(('shmq.pool', 'shmq.workers'))"
+            " or m == 'concurrent.futures.process')\n"
+            "assert not early, early\n"
+            "from concurrent.futures.process import BrokenProcessPool\n"
+            "assert issubclass(shmq.WorkerCrashed, BrokenProcessPool)\n"
+            "assert issubclass(shmq.WorkerCrashed, shmq.ShmqError)\n"
+            "assert shmq.Pool.__module__ == 'shmq.pool.pool' and 'shmq.pool' in sys.modules\n"
+            "assert shmq.ProcessPoolExecutor.__module__ == 'shmq.pool.executor'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=bound(60))
+    assert proc.returncode == 0, proc.stderr[-3000:]
