@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ below; type checkers see them 
     from typing import Any
 
     from .dispatch import Context, Dispatcher
+    from .errors import WorkerCrashed
+    from .pool import Pool, ProcessPoolExecutor
     from .rpc import Call, Client, Service, ServiceStats
     from .stats import ReaderStats, SpoolStats
     from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats
@@ -36,6 +38,7 @@ __all__ = [
     "NotASpool", "UntrustedSpool",
     "ReaderBusy", "LeaseLost", "Dispatcher", "Context", "WorkQueue", "Message", "DeadLetter", "WorkQueueStats",
     "Service", "Client", "Call", "ServiceStats", "RemoteError",
+    "ProcessPoolExecutor", "Pool", "WorkerCrashed",
     "FORMAT_VERSION",
 ]
 
@@ -45,6 +48,8 @@ _LAZY = {
     "Service": "rpc", "Client": "rpc", "Call": "rpc", "ServiceStats": "rpc",  # asyncio, multiprocessing
     "WorkQueue": "workqueue", "Message": "workqueue", "DeadLetter": "workqueue", "WorkQueueStats": "workqueue",
     "SpoolStats": "stats", "ReaderStats": "stats",  # dataclasses
+    "ProcessPoolExecutor": "pool", "Pool": "pool",  # threads, concurrent.futures
+    "WorkerCrashed": "errors",  # a BrokenProcessPool: concurrent.futures.process on use
 }
 
 

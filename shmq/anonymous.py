@@ -322,9 +322,13 @@ def is_orphan(path: str) -> bool:
     return creator is not None and not process_alive(*creator) and probe(path) == FREE
 
 
-def reclaim(path: str) -> bool:
+def reclaim(path: str, any_tracker: bool = False) -> bool:
     """Remove the anonymous queue at ``path`` if it is an orphan (its creator dead, no
     handle to it anywhere); return True if removed.
+
+    ``any_tracker``: also one registered with another resource tracker (``shmq gc``
+    asked to remove orphans: that tracker may be dead with the creator, and if it
+    lives it only warns, at its exit, that the names were gone already).
 
     Cost: an open, an fcntl and a read of its header; ``kill(pid, 0)`` (and a /proc
     read) only if no handle exists.  A queue whose name does not carry its creator,
@@ -334,7 +338,7 @@ def reclaim(path: str) -> bool:
     that one (:func:`shares_tracker`), and to :func:`reclaim_orphans` after its grace.
     """
     creator = queue_creator(path)
-    if creator is None or not shares_tracker(path):
+    if creator is None or not (any_tracker or shares_tracker(path)):
         return False
     outcome, prefix = _reclaim_one(path, creator)
     if outcome == REMOVED:

@@ -9,6 +9,7 @@ worker processes and re-raised in parents).
 from __future__ import annotations
 
 import queue
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ShmqError",
@@ -23,6 +24,7 @@ __all__ = [
     "ReaderBusy",
     "LeaseLost",
     "RemoteError",
+    "WorkerCrashed",
 ]
 
 
@@ -135,3 +137,52 @@ class RemoteError(ShmqError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def _worker_crashed() -> type[ShmqError]:
+    # concurrent.futures.process (multiprocessing.connection and .queues with it) loads
+    # only when the class is first asked for: ``import shmq`` stays light
+    from concurrent.futures.process import BrokenProcessPool
+
+    class WorkerCrashed(ShmqError, BrokenProcessPool):
+        """A task's worker process died (a signal, ``os._exit``, a segfault) on each of
+        its attempts: only that task fails; the pool goes on.
+
+        A subclass of ``concurrent.futures.process.BrokenProcessPool``, so code written
+        for the stdlib's pools catches it unchanged.  The message names how the worker
+        died and the attempts; ``exitcodes`` are the workers' exit codes, one per attempt
+        (negative: a signal), ``attempts`` how many there were.
+        """
+
+        kind = "crashed"
+
+        def __init__(self, text: str = "", exitcodes: tuple[int, ...] = ()) -> None:
+            super().__init__(text, exitcodes)
+            self.exitcodes = tuple(exitcodes)
+            self.attempts = len(self.exitcodes)
+
+        def __str__(self) -> str:
+            return str(self.args[0]) if self.args else ""
+
+    WorkerCrashed.__module__, WorkerCrashed.__qualname__ = __name__, "WorkerCrashed"
+    return WorkerCrashed
+
+
+_lazy: dict[str, type[ShmqError]] = {}
+
+if TYPE_CHECKING:
+    from concurrent.futures.process import BrokenProcessPool
+
+    class WorkerCrashed(ShmqError, BrokenProcessPool):
+        exitcodes: tuple[int, ...]
+        attempts: int
+
+        def __init__(self, text: str = "", exitcodes: tuple[int, ...] = ()) -> None: ...
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerCrashed":
+        if name not in _lazy:
+            _lazy[name] = _worker_crashed()
+        return _lazy[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -231,7 +231,7 @@ def _reclaim(path: str) -> None:
     """Remove an orphaned anonymous queue, deciding again (a process may have attached
     since the listing): under the handle lock (:func:`shmq.anonymous.reclaim`), or for
     an older shmq's file by a second scan just before removing it."""
-    if reclaim(path) or probe(path) != UNKNOWN or not _is_orphan(path):
+    if reclaim(path, any_tracker=True) or probe(path) != UNKNOWN or not _is_orphan(path):
         return
     try:
         prefix = read_geometry(path)["sem_prefix"]

@@ -81,8 +81,11 @@ def client(path, seed, calls, batch, out):
 
 
 def workers_of(supervisor_pid):
+    """The serving processes under the supervisor: the leaves of its tree (under fork, the
+    workers are the children of a zygote; tests/test_workers.py kills zygotes)."""
     try:
-        return [c.pid for c in psutil.Process(supervisor_pid).children()]
+        return [c.pid for c in psutil.Process(supervisor_pid).children(recursive=True)
+                if not c.children()]
     except psutil.NoSuchProcess:
         return []
 

@@ -180,3 +180,20 @@ def test_bench_create_runs_and_holders_remove_their_orphans(tmp_path):
         "handle lock", "flock", "/proc scan"}
     assert data["orphans_not_removed_by_their_holders"] == []
     assert "target: busy within 1.5x of clean" in proc.stdout
+
+
+def test_bench_pool_runs_every_target_against_its_peers(tmp_path):
+    """stress/bench_pool.py --quick (tiny, one repeat; no timing asserted): every
+    target's scenario runs shmq and its stdlib peer and prints the ratio."""
+    pytest.importorskip("numpy")
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_pool.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [t["scenario"] for t in data["targets"]] == ["submit", "map", "numpy"]
+    for scen, peer in (("submit", "ProcessPoolExecutor"), ("map", "multiprocessing.Pool"),
+                       ("numpy", "ProcessPoolExecutor")):
+        assert data["medians"][f"{scen}/shmq"] > 0 and data["medians"][f"{scen}/{peer}"] > 0
+    assert all(t["ratio"] > 0 for t in data["targets"])
+    assert "load average" in proc.stdout and "target >= 10x" in proc.stdout

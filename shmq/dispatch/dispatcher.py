@@ -23,7 +23,8 @@ from .._mapping import open_file
 from .._mapping import resolve_path
 from ..errors import ShmqError
 from ..workqueue import WorkQueue
-from .board import Board, board_path, status
+from ..workers.board import read_words
+from .board import LAYOUT, board_path, config_of, status
 from .registry import (
     BACKSTOP_MARGIN_S, MAX_TYPES, SUPERVISOR_TICK_S, HandlerSpec, attach, builtins_type,
     check_importable, check_type, open_or_create, positive,
@@ -450,13 +451,9 @@ class Dispatcher:
                 except BlockingIOError:
                     raise ShmqError(f"a dispatcher is running on {path}; stop it first") from None
                 try:
-                    b = Board.open(bp)
-                    try:
-                        queues |= {q for q in b.config().get("queues", [])
-                                   if isinstance(q, str) and q.startswith(path + ".")
-                                   and "/" not in q[len(path):]}
-                    finally:
-                        b.close()
+                    queues |= {q for q in config_of(read_words(bp, LAYOUT)).get("queues", [])
+                               if isinstance(q, str) and q.startswith(path + ".")
+                               and "/" not in q[len(path):]}
                 except (ShmqError, ValueError):
                     pass
                 os.unlink(bp)

@@ -1,19 +1,19 @@
 """The supervisor: worker processes, the board's header, the control socket.
 
 It runs in the dispatcher's process, in one thread that waits (never
-polls) on the worker processes' sentinels and pipes, a wake pipe and the
-control socket.  It keeps each type at its target number of workers,
-replaces workers that die, releases the message a dead worker held through
-``WorkQueue.release`` (the worker published the lease's slot and token on
-its board row), and kills as a backstop a worker whose handler holds the GIL
-so long that its own watchdog cannot act.
+polls) on the worker processes (a :class:`shmq.workers.Crew`: they start,
+stop and die there), their pipes, a wake pipe and the control socket.  It
+keeps each type at its target number of workers, replaces workers that
+die, gives the message a dead worker held back to its work queue
+(``WorkQueue.release``: the worker published the lease's slot and token on
+its board row, :mod:`shmq.workers.holdings`), and kills as a backstop a
+worker whose handler holds the GIL so long that its own watchdog cannot act.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import signal
 import threading
@@ -21,11 +21,13 @@ import time
 import traceback
 
 from ..errors import LeaseLost, ShmqError
+from ..workers import Crew, exit_text
+from ..workers import holdings as _holdings
+from ..workers.board import R_HOLDER, STATE_RUNNING, STATE_STOPPED, STATE_STOPPING
 from . import control
 from .board import (
-    H_HOLDER, H_LIVE, H_NTYPES, H_STATE, H_STOPPED_NS, H_TARGET, R_ATTEMPT, R_BUSY, R_CRASHED,
-    R_DEADLINE_NS, R_GRACE_NS, R_HOLDER, R_MSG, R_SLOT, R_TIMED_OUT, R_TOKEN, R_TYPE, STATE_RUNNING,
-    STATE_STOPPED, STATE_STOPPING, board_path, claim_board, publish_board,
+    H_LIVE, H_NTYPES, H_TARGET, R_CRASHED, R_DEADLINE_NS, R_GRACE_NS, R_TIMED_OUT, R_TYPE,
+    board_path, claim_board, write_config,
 )
 from .registry import (
     BACKSTOP_MARGIN_S, EXIT_OK, EXIT_TIMEOUT, IDLE_WAKE_S, SUPERVISOR_TICK_S, HandlerTimeout,
@@ -47,6 +49,9 @@ def drain(fd):
 
 
 class _Worker:
+    """A worker process (``proc``, the crew's) as the supervisor sees it: its type, its
+    pipe and board row (the crew's key), whether it is ready or retiring."""
+
     __slots__ = ("type", "proc", "conn", "row", "ready", "retiring", "started", "pid",
                  "backstop_token")
 
@@ -57,7 +62,7 @@ class _Worker:
         self.row = row
         self.ready = False
         self.retiring = False
-        self.started = time.monotonic()
+        self.started = proc.started
         self.pid = proc.pid
         self.backstop_token = None
 
@@ -101,7 +106,8 @@ class Supervisor:
         self.started = threading.Event()
         self.finished = threading.Event()
         self.retired = 0
-        self.board = self.board_fd = self.sock = None
+        self.board = self.sock = self.crew = None
+        self.by_key = {}  # the crew's key (a board row) -> _Worker
         self.wake_r = self.wake_w = self.done_r = self.done_w = None
         self.tq = {}
         self.failures = {}
@@ -117,12 +123,14 @@ class Supervisor:
         """
         self.open_board()
         self.sock = control.listen(self.path)
-        self.ctx = mp.get_context(self.start_method)
+        ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             mods = {"shmq.dispatch"} | {s.target.__module__ for s in self.specs.values()}
             if self.initializer is not None:
                 mods.add(self.initializer.__module__)
-            self.ctx.set_forkserver_preload(sorted(m for m in mods if m))
+            ctx.set_forkserver_preload(sorted(m for m in mods if m))
+        # SIGTERM when the supervisor's process dies: a worker finishes its message
+        self.crew = Crew(ctx, worker_main, name="shmq-dispatch", death_signal=signal.SIGTERM)
         for t, s in self.specs.items():  # our own handles: releases on behalf of dead workers
             self.tq[t] = open_or_create(f"{self.path}.{t}", max_attempts=s.max_attempts,
                                         **self.qopts)
@@ -139,7 +147,7 @@ class Supervisor:
         self.router = Router(self.path, self.specs, self.board.w, lambda: self.stopping,
                              unknown_type_delay=self.unknown_type_delay, trusted=self.trusted)
         self.router.start()
-        self.board.w[H_STATE] = STATE_RUNNING
+        self.board.set_state(STATE_RUNNING)
 
     def request_stop(self, grace=None, hurry=False):
         """Called from signal handlers too: no locks (handlers can nest), only plain
@@ -183,16 +191,14 @@ class Supervisor:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.crew is not None:
+            self.crew.close()
+            self.crew = None
         board = self.board
         if board is not None:
-            board.w[H_STATE] = STATE_STOPPED
-            board.w[H_STOPPED_NS] = time.time_ns()
-            board.w[H_HOLDER] = 0
-            board.close()
+            board.set_state(STATE_STOPPED)
+            board.close()  # drops the flock
             self.board = None
-        if self.board_fd is not None:
-            os.close(self.board_fd)  # drops the flock
-            self.board_fd = None
         for name in ("wake_r", "wake_w", "done_r", "done_w"):
             fd = getattr(self, name)
             if fd is not None:
@@ -263,19 +269,19 @@ class Supervisor:
 
         :raises shmq.ShmqError: the file is not ours, or another dispatcher holds it.
         """
-        self.board_fd, self.board = claim_board(self.board_path, self.path, self.max_workers,
-                                                self.reservoir)
+        self.board, old_queues = claim_board(self.board_path, self.path, self.max_workers,
+                                             self.reservoir)
         b = self.board
         b.w[H_NTYPES] = len(self.specs)
-        queues = sorted(set(b.old_queues) | {f"{self.path}.{t}" for t in self.specs})
-        b.write_config(
+        queues = sorted(set(old_queues) | {f"{self.path}.{t}" for t in self.specs})
+        write_config(b, 
             {"path": self.path, "pid": os.getpid(), "start_method": self.start_method,
              "queues": queues,
              "types": [{"type": s.type, "handler": qualname(s.target), "scope": s.scope,
                         "parallelism": s.parallelism, "timeout": s.timeout,
                         "max_attempts": s.max_attempts, "lease": s.lease,
                         "cancel_grace": s.cancel_grace} for s in self.specs.values()]})
-        publish_board(b)
+        b.publish()
         self.type_index = {t: i for i, t in enumerate(self.specs)}
         self.rows_free = list(range(self.max_workers - 1, -1, -1))
         self.rows_idle = {t: [] for t in self.specs}
@@ -301,7 +307,7 @@ class Supervisor:
             return idle.pop()
         if self.rows_free:
             row = self.rows_free.pop()
-            self.board.w[self.board.base(row) + R_TYPE] = self.type_index[type_] + 1
+            self.board.row(row).set(R_TYPE, self.type_index[type_] + 1)
             return row
         return None
 
@@ -312,11 +318,9 @@ class Supervisor:
             return None
         spec = WorkerSpec(self.specs[type_], f"{self.path}.{type_}", self.path, self.board_path,
                           row, self.initializer, self.log_level, self.trusted, self.direct)
-        parent, child = self.ctx.Pipe(duplex=True)
-        proc = self.ctx.Process(target=worker_main, args=(spec, child),
-                                name=f"shmq-dispatch[{type_}#{row}]", daemon=False)
+        parent, child = self.crew.ctx.Pipe(duplex=True)
         try:
-            proc.start()
+            proc = self.crew.start(row, spec, child)
         except BaseException:
             self.rows_idle[type_].append(row)
             parent.close()
@@ -326,6 +330,7 @@ class Supervisor:
         w = _Worker(type_, proc, parent, row)
         with self.lock:
             self.live.append(w)
+            self.by_key[row] = w
         return w
 
     def retire(self, w):
@@ -333,10 +338,7 @@ class Supervisor:
         try:
             w.conn.send("stop")
         except (OSError, ValueError, AttributeError):
-            try:
-                os.kill(w.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            self.crew.signal(w.proc, signal.SIGTERM)
 
     def reconcile(self):
         if self.stopping:
@@ -360,40 +362,39 @@ class Supervisor:
                         self.backoff_until[t] = time.monotonic() + 1.0
                         break
             elif len(ws) > target:
-                w_ = self.board.w
                 # idle ones first (they stop at once), newest first
-                ws.sort(key=lambda w: (w_[self.board.base(w.row) + R_BUSY], -w.started))
+                ws.sort(key=lambda w: (_holdings.peek(self.board.row(w.row)).n, -w.started))
                 for w in ws[:len(ws) - target]:
                     self.retire(w)
         self.write_live()
 
-    def release_dead(self, w, code):
-        """The worker died busy: give its message back to its queue (a failed attempt)."""
-        b, base = self.board.w, self.board.base(w.row)
+    def release_dead(self, w, code, held):
+        """The worker died holding a message (``held``, its row's holding): give it back
+        to its queue (a failed attempt)."""
+        row = self.board.row(w.row)
         h = self.specs[w.type]
-        msg_id, attempt, token = b[base + R_MSG], b[base + R_ATTEMPT], b[base + R_TOKEN]
+        msg_id, attempt, token = held.msg, held.attempt, held.token
         if w.backstop_token is not None and w.backstop_token == token:
             err = HandlerTimeout(
                 f"{w.type!r} handler exceeded its timeout of {h.timeout} s and its worker "
                 f"{w.pid} could not cancel it (GIL held?): killed by the supervisor "
                 f"(attempt {attempt})")
-            b[base + R_TIMED_OUT] += 1
+            row.add(R_TIMED_OUT)
         elif self.stopping and code == -signal.SIGKILL:
             err = WorkerDied(f"dispatcher stopping: the {w.type!r} handler did not finish "
                              f"within the grace period; worker {w.pid} killed "
                              f"(attempt {attempt})")
-            b[base + R_CRASHED] += 1
+            row.add(R_CRASHED)
         else:
-            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            err = WorkerDied(f"worker {w.pid} for {w.type!r} died ({how}) while handling "
-                             f"message {msg_id} (attempt {attempt})")
-            b[base + R_CRASHED] += 1
+            err = WorkerDied(f"worker {w.pid} for {w.type!r} died ({exit_text(code)}) while "
+                             f"handling message {msg_id} (attempt {attempt})")
+            row.add(R_CRASHED)
         try:
             delay = delay_for(h, attempt)
         except Exception:
             delay = 0.0
         try:
-            self.tq[w.type].release(b[base + R_SLOT], token, delay=delay, error=err)
+            self.tq[w.type].release(held.slot, token, delay=delay, error=err)
             _log.warning("%s; message released", err)
         except LeaseLost:
             pass  # settled before it died, or already redelivered by the work queue
@@ -401,8 +402,8 @@ class Supervisor:
             _log.exception("could not release the message of dead worker %d", w.pid)
 
     def on_exit(self, w):
-        """A worker process ended: settle its message, free its row, maybe replace it."""
-        w.proc.join(5)
+        """A worker process ended (reaped by the crew): settle its message, free its row,
+        maybe replace it."""
         code = w.proc.exitcode
         if w.conn is not None:
             try:
@@ -410,14 +411,15 @@ class Supervisor:
             except OSError:
                 pass
             w.conn = None
-        b, base = self.board.w, self.board.base(w.row)
-        if b[base + R_BUSY] and b[base + R_HOLDER]:
-            self.release_dead(w, code)
-        b[base + R_BUSY] = 0
-        b[base + R_HOLDER] = 0
+        row = self.board.row(w.row)
+        held = _holdings.reclaim(row)  # its single writer is gone: the row is ours now
+        if held is not None and held.n and row.holder:
+            self.release_dead(w, code, held)
+        row.set(R_HOLDER, 0)  # free
         self.rows_idle[w.type].append(w.row)
         with self.lock:
             self.live.remove(w)
+            self.by_key.pop(w.row, None)
             self.cv.notify_all()
         if not w.ready:  # died while starting: back off before the next attempt
             n = self.failures.get(w.type, 0) + 1
@@ -433,7 +435,7 @@ class Supervisor:
             self.retired += 1
         elif code not in (EXIT_OK, EXIT_TIMEOUT) and not self.stopping:
             _log.warning("worker %d for %r exited with %s; replacing it", w.pid, w.type,
-                         f"signal {-code}" if code is not None and code < 0 else f"code {code}")
+                         exit_text(code))
 
     def on_event(self, w):
         try:
@@ -459,23 +461,19 @@ class Supervisor:
 
     def backstop(self):
         """Kill workers whose handler is far past timeout + grace; return the next check time."""
-        b = self.board.w
         now = time.monotonic_ns()
         nxt = None
         for w in self.live:
-            base = self.board.base(w.row)
-            dl = b[base + R_DEADLINE_NS]
-            if not b[base + R_BUSY] or not dl or w.backstop_token is not None:
+            row = self.board.row(w.row)
+            dl, held = row.get(R_DEADLINE_NS), _holdings.peek(row)
+            if not held.n or not dl or w.backstop_token is not None:
                 continue
-            at = dl + b[base + R_GRACE_NS] + int(BACKSTOP_MARGIN_S * 1e9)
+            at = dl + row.get(R_GRACE_NS) + int(BACKSTOP_MARGIN_S * 1e9)
             if now >= at:
-                w.backstop_token = b[base + R_TOKEN]
+                w.backstop_token = held.token
                 _log.error("worker %d for %r is %.1f s past its handler timeout: killing it",
                            w.pid, w.type, (now - dl) / 1e9)
-                try:
-                    os.kill(w.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.crew.signal(w.proc, signal.SIGKILL)
             else:
                 nxt = at if nxt is None else min(nxt, at)
         return None if nxt is None else (nxt - now) / 1e9
@@ -539,22 +537,18 @@ class Supervisor:
         if accept and self.sock is not None:
             objs[self.sock] = ("control", None)
         for w in self.live:
-            objs[w.proc.sentinel] = ("exit", w)
             if w.conn is not None:
                 objs[w.conn] = ("event", w)
-        ready = mpc.wait(list(objs), timeout=None if timeout is None else max(0.0, timeout))
-        exits = []
+        dead, ready = self.crew.wait(None if timeout is None else max(0.0, timeout), list(objs))
         for o in ready:
             kind, w = objs[o]
             if kind == "wake":
                 drain(self.wake_r)
             elif kind == "control":
                 control.serve_one(self.sock, self.command)
-            elif kind == "event":
-                if w.conn is not None:
-                    self.on_event(w)
-            else:
-                exits.append(w)
+            elif w.conn is not None:
+                self.on_event(w)
+        exits = [self.by_key[p.key] for p in dead if p.key in self.by_key]
         for w in exits:
             # drain its last events (a startup error arrives just before the exit)
             while w.conn is not None and w.conn.poll(0):
@@ -564,7 +558,7 @@ class Supervisor:
     def shutdown(self):
         if self.board is None:
             return
-        self.board.w[H_STATE] = STATE_STOPPING
+        self.board.set_state(STATE_STOPPING)
         self.stopping = True
         with self.lock:
             self.cv.notify_all()
@@ -577,12 +571,9 @@ class Supervisor:
             if left <= 0:
                 break
             self.wait_and_handle(left, accept=False)
-        for w in list(self.live):
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for w in list(self.live):
-            w.proc.join(10)
+        for p in self.crew.kill_all():  # SIGKILLed, reaped
+            if p.key in self.by_key:
+                self.on_exit(self.by_key[p.key])
+        for w in list(self.live):  # never reaped (logged by the crew): free its row anyway
             self.on_exit(w)
         self.write_live()

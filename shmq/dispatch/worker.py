@@ -20,11 +20,11 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from .._lock import holder_word
 from ..errors import Empty, LeaseLost
+from ..workers import holdings as _holdings
+from ..workers.board import Board
 from .board import (
-    R_ATTEMPT, R_BUSY, R_DEADLINE_NS, R_FAILED, R_GRACE_NS, R_HOLDER, R_LEASE_LOST,
-    R_MSG, R_PROCESSED, R_SLOT, R_STARTED_NS, R_TIMED_OUT, R_TOKEN, Board,
+    LAYOUT, R_DEADLINE_NS, R_FAILED, R_GRACE_NS, R_LEASE_LOST, R_PROCESSED, R_TIMED_OUT, sample,
 )
 from .registry import (
     EXIT_STARTUP, EXIT_TIMEOUT, IDLE_WAKE_S, HandlerTimeout, WorkerSpec, attach, builtins_type,
@@ -292,25 +292,23 @@ class _WorkerRuntime:
         if spec.initializer is not None:
             spec.initializer()
         self.logger.addFilter(_LogContext(self))
-        self.board = Board.open(spec.board_path, writable=True)
-        self.base = self.board.base(spec.row)
+        self.board = Board.attach(spec.board_path, LAYOUT)
+        self.row = self.board.row(spec.row)
         self.wq = attach(spec.queue_path, spec.trusted)
         h = spec.handler
         if h.is_class and h.scope == "worker":
             self.instance = h.target()
         self.watchdog = _Watchdog(self)
         self.watchdog.start()
-        w = self.board.w
-        w[self.base + R_BUSY] = 0
-        w[self.base + R_GRACE_NS] = int(h.cancel_grace * 1e9)
-        w[self.base + R_HOLDER] = holder_word()
+        _holdings.drop_lease(self.row)
+        self.row.set(R_GRACE_NS, int(h.cancel_grace * 1e9))
+        self.row.hold()
 
     def row_set(self, field, value):
-        self.board.w[self.base + field] = value
+        self.row.set(field, value)
 
     def row_add(self, field, n=1):
-        w, i = self.board.w, self.base + field
-        w[i] = w[i] + n
+        self.row.add(field, n)
 
     # -- stop requests ------------------------------------------------------------
 
@@ -383,15 +381,9 @@ class _WorkerRuntime:
         ctx = Context(self, msg)
         job = _Job(msg, ctx, h.timeout, self.watchdog.hb_interval)
         ctx._job = job
-        w, b = self.board.w, self.base
         # what the supervisor needs to release this delivery if we die
-        w[b + R_MSG] = msg.id
-        w[b + R_SLOT] = msg.slot
-        w[b + R_TOKEN] = msg.token
-        w[b + R_ATTEMPT] = msg.attempt
-        w[b + R_STARTED_NS] = int(job.started * 1e9)
-        w[b + R_DEADLINE_NS] = 0 if job.deadline is None else int(job.deadline * 1e9)
-        w[b + R_BUSY] = 1
+        self.row.set(R_DEADLINE_NS, 0 if job.deadline is None else int(job.deadline * 1e9))
+        _holdings.hold_lease(self.row, msg.id, msg.slot, msg.token, msg.attempt, time.time_ns())
         self.current = ctx
         self.watchdog.begin(job)
         err = fatal = None
@@ -429,8 +421,8 @@ class _WorkerRuntime:
             self.row_add(R_LEASE_LOST)
             self.logger.warning("lease lost before the message was settled: it will be (or "
                                 "was) delivered again")
-        self.board.sample(b, elapsed)
-        w[b + R_BUSY] = 0
+        sample(self.row, elapsed)
+        _holdings.drop_lease(self.row)
         self.current = None
         if fatal is not None:
             raise fatal
@@ -450,8 +442,8 @@ class _WorkerRuntime:
             self.logger.exception("could not nack the timed-out message")
         try:
             self.row_add(R_TIMED_OUT)
-            self.board.sample(self.base, time.monotonic() - job.started)
-            self.row_set(R_BUSY, 0)
+            sample(self.row, time.monotonic() - job.started)
+            _holdings.drop_lease(self.row)
             self.logger.error("handler ignored its cancellation for %s s: terminating worker %d",
                               h.cancel_grace, os.getpid())
             for hd in logging.getLogger().handlers:
@@ -470,8 +462,8 @@ class _WorkerRuntime:
                 self.logger.exception("handler close() failed")
         if self.board is not None:
             try:
-                self.row_set(R_BUSY, 0)
-                self.row_set(R_HOLDER, 0)
+                _holdings.drop_lease(self.row)
+                self.row.clear_holder()
             except Exception:
                 pass
         with self.out_lock:
@@ -483,8 +475,9 @@ class _WorkerRuntime:
             self.wq = None
 
 
-def worker_main(spec: WorkerSpec, conn):
-    """Entry point of a worker process: set up, report ready, serve until stopped."""
+def worker_main(_row: int, spec: WorkerSpec, conn):
+    """Entry point of a worker process (started by the supervisor's crew for board row
+    ``_row``, which ``spec`` names too): set up, report ready, serve until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor orchestrates the stop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # whatever mask we inherited
     rt = _WorkerRuntime(spec, conn)

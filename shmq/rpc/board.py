@@ -1,85 +1,76 @@
 """The service board ``PATH.svc``: who serves a service, what it answered, how long calls took.
 
-A small file of u64 words next to the request queue, written by the
-service's workers and read by ``shmq stat``/``top``/``metrics`` (and
-:func:`service_status`) from any process:
+A status board of the worker platform (:mod:`shmq.workers.board`: the
+file, its opening, the claims and the holder rows) of kind ``service``,
+next to the request ring, written by the service's workers and read by
+``shmq stat``/``top``/``metrics`` (and :func:`service_status`) from any
+process:
 
-* a header of :data:`HDR_WORDS` words: magic ``SHMQSVC1``, version, the
-  number of rows and of histogram buckets, the creation time;
+* the platform's header (:data:`HDR_WORDS` words; its magic, version, kind
+  and geometry);
 * :data:`ROWS` rows of :data:`ROW_WORDS` words, one per serving process
-  (claimed on its first ``Service.get``): its holder word (pid and start
-  time, as lock holders'; 0 once released), calls answered, answered with
-  an error, dropped because the caller had given up, the wall-clock time
-  the call in hand was taken (0: idle), the request-ring seqs it holds
-  (``[lo, hi)`` and how many: what callers read to tell a call in a live
-  worker's hands from one lost with a dead worker, see :mod:`shmq.rpc`),
-  redelivered calls taken, and its lease (seconds a call may stay in its
-  hands before callers send it again), then two histograms of
-  :data:`BUCKETS` counters: call **latency** (the request's enqueue by the
-  caller to the reply written into the caller's reply queue: queueing,
-  redelivery after a crash, the handler and the reply) and **service
-  time** (the call handed to the handler to its answer).
+  (claimed on its first ``Service.get``): its holder word, its holding (the
+  request-ring seqs in its hands, ``[lo, hi)`` and how many, the time the
+  first was taken and its lease: what callers read to tell a call in a live
+  worker's hands from one lost with a dead worker, see
+  :mod:`shmq.workers.holdings`), then calls answered, answered with an
+  error, dropped because the caller had given up, redelivered calls taken,
+  and two histograms of :data:`BUCKETS` counters: call **latency** (the
+  request's enqueue by the caller to the reply written into the caller's
+  reply queue: queueing, redelivery after a crash, the handler and the
+  reply) and **service time** (the call handed to the handler to its
+  answer).
 
 Buckets are logarithmic, four per power of two of microseconds
 (:func:`bucket_of`); a quantile is reported as the midpoint of its bucket,
 within 12.5% of the true value (sub-4 µs values are exact to 1 µs; the
 last bucket holds everything from 2^35 µs, about 9.5 hours).
 
-Every word is published with one aligned 8-byte store, and a row has one
-writer (the process named by its holder word), so counters are never
-torn; a reader's snapshot of several words is not atomic (a call may be
-counted in ``calls`` and not yet in its bucket).  Rows are claimed under
-an ``flock`` of the file; a row whose holder died is taken over with its
-counters (the totals are the service's since the board was made).
-
-Hostile files (docs/security.md): the board is opened without following
-links or blocking, only as a regular file (and owned by this user when
-written); readers ``pread`` it (no mapping: a truncated file cannot
-raise SIGBUS) and check its magic, version and geometry; nothing in it
-is ever unpickled.  The board is best effort for the service: a worker
-that cannot open or claim it serves calls anyway and records nothing.
+A row whose holder died is taken over with its counters (the totals are
+the service's since the board was made).  The board is best effort for
+the service: a worker that cannot open or claim it serves calls anyway and
+records nothing.  A board of an older shmq (``SHMQSVC1``) is rewritten by
+the next worker that claims a row; until then readers refuse it, saying so.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import mmap
-import os
-import stat as _stat
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._lock import holder_alive, holder_pid, holder_word
-from .._mapping import open_file, resolve_path
-from ..errors import ShmqError
+from .._lock import holder_pid
+from .._mapping import resolve_path
+from ..workers import board as _board
+from ..workers import holdings as _holdings
+from ..workers.board import HDR_COMMON, R_HOLDER, ROW_COMMON, Layout, Row, live_rows, read_words
 
 if TYPE_CHECKING:
     from _typeshed import StrPath
 
 __all__ = ["board_path", "Board", "service_status", "held_ranges", "bucket_of", "bucket_mid_s", "quantile",
-           "ROWS", "BUCKETS"]
+           "ROWS", "BUCKETS", "LAYOUT"]
 
 log = logging.getLogger("shmq.service")
 
-MAGIC = int.from_bytes(b"SHMQSVC1", "little")
-VERSION = 2  # 2: rows hold the request seqs in hand, redeliveries and the lease
-HDR_WORDS = 16
-(H_MAGIC, H_VERSION, H_ROWS, H_BUCKETS, H_CREATED_NS) = range(5)
+HDR_WORDS = HDR_COMMON
 #: Serving processes recorded at once (more serve unrecorded: logged once each).
 ROWS = 64
 #: Histogram buckets: [0, 1 µs), then four per power of two of µs up to 2^35 µs.
 SUB = 4
 MAX_EXP = 35
 BUCKETS = 1 + SUB * (MAX_EXP + 1)
-# row words
-(R_HOLDER, R_CALLS, R_FAILED, R_EXPIRED, R_BUSY_NS, R_HELD_LO, R_HELD_HI, R_HELD_N,
- R_REDELIVERED, R_LEASE_NS) = range(10)
-ROW_HDR = 16
+# row words after the platform's (holder, holding)
+(R_CALLS, R_FAILED, R_EXPIRED, R_REDELIVERED) = range(ROW_COMMON, ROW_COMMON + 4)
+ROW_HDR = ROW_COMMON + 16
 R_LATENCY = ROW_HDR
 R_SERVICE = ROW_HDR + BUCKETS
 ROW_WORDS = ROW_HDR + 2 * BUCKETS
-FILE_BYTES = 8 * (HDR_WORDS + ROWS * ROW_WORDS)
+LAYOUT = Layout("service", HDR_WORDS, ROWS, ROW_WORDS, what="service board",
+                legacy=((b"SHMQSVC1", "start the service with this shmq (its first worker "
+                         "rewrites the board), or remove the file"),))
+FILE_BYTES = LAYOUT.file_bytes()
+assert R_HOLDER == 0
 
 
 def board_path(path: StrPath) -> str:
@@ -126,17 +117,23 @@ def quantile(counts: list[int], q: float) -> float | None:
 
 
 class Board:
-    """This process's row of a service's board (writable mapping).
+    """This process's row of a service's board.
 
     Make it with :meth:`claim`; :meth:`record` after each answer,
     :meth:`busy` when a call is taken, :meth:`release` when done serving.
     """
 
-    def __init__(self, mm: mmap.mmap, row: int) -> None:
-        self._mm: mmap.mmap | None = mm
-        self._w = memoryview(mm).cast("Q")
-        self._base = HDR_WORDS + row * ROW_WORDS
-        self.row = row
+    def __init__(self, row: Row) -> None:
+        self._r: Row | None = row
+        self._w = row.w
+        self._base = row.base
+        self.row = row.index
+
+    @property
+    def words(self) -> Row:
+        """The platform's handle on this row (its holding is :mod:`shmq.workers.holdings`')."""
+        assert self._r is not None
+        return self._r
 
     @classmethod
     def create(cls, path: str) -> None:
@@ -145,12 +142,7 @@ class Board:
         :raises shmq.ShmqError: something other than a regular file of ours is there.
         :raises OSError: it cannot be created.
         """
-        fd = _open_for_writing(path)
-        try:
-            _lock(fd, path)
-            _map(fd).close()
-        finally:
-            os.close(fd)  # (no mapping kept: closing releases the flock)
+        _board.Board.create(path, LAYOUT)
 
     @classmethod
     def claim(cls, path: str) -> Board | None:
@@ -161,56 +153,20 @@ class Board:
         :raises shmq.ShmqError: something other than a regular file of ours is there.
         :raises OSError: the file cannot be created or mapped.
         """
-        me = holder_word()
-        fd = _open_for_writing(path)
-        try:
-            _lock(fd, path)  # one claimer at a time (held for microseconds)
-            mm = _map(fd)
-            w = memoryview(mm).cast("Q")
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            holders = [w[HDR_WORDS + r * ROW_WORDS + R_HOLDER] for r in range(ROWS)]
-            pick = next((r for r, h in enumerate(holders) if h == me), None)
-            if pick is None:
-                pick = next((r for r, h in enumerate(holders) if h == 0), None)
-            if pick is None:
-                pick = next((r for r, h in enumerate(holders) if not holder_alive(h)), None)
-            if pick is None:
-                w.release()
-                mm.close()
-                return None
-            base = HDR_WORDS + pick * ROW_WORDS
-            w[base + R_BUSY_NS] = 0
-            w[base + R_HELD_N] = w[base + R_HELD_LO] = w[base + R_HELD_HI] = 0
-            w[base + R_LEASE_NS] = 0
-            w[base + R_HOLDER] = me
-        finally:
-            w.release()
-            # unlock explicitly: the mapping keeps a dup of fd (the same open file
-            # description), so closing fd alone would leave the flock held
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-        return cls(mm, pick)
+        row = _board.Board.claim_row(path, LAYOUT)
+        return None if row is None else cls(row)
 
     def busy(self) -> None:
         """A call was taken: the row shows it in hand since now."""
-        self._w[self._base + R_BUSY_NS] = time.time_ns()
+        _holdings.set_since(self.words, time.time_ns())
 
     def hold(self, lo: int, hi: int, n: int) -> None:
         """Publish the request seqs in hand: every one of them lies in ``[lo, hi)``
         (``n`` of them).  Called right after a take and after each answer."""
-        w, b = self._w, self._base
-        # hi first: a reader may see the old range widened, never one that misses
-        # a seq in hand (callers also look twice before they send a call again)
-        w[b + R_HELD_HI] = hi
-        w[b + R_HELD_LO] = lo
-        w[b + R_HELD_N] = n
+        _holdings.hold_range(self.words, lo, hi, n)
 
     def set_lease(self, seconds: float) -> None:
-        w = self._w
-        w[self._base + R_LEASE_NS] = round(seconds * 1e9)
+        _holdings.set_lease(self.words, seconds)
 
     def redelivered(self) -> None:
         """Count a call taken again (a caller sent it again after its worker died)."""
@@ -218,7 +174,7 @@ class Board:
         w[b + R_REDELIVERED] = w[b + R_REDELIVERED] + 1
 
     def idle(self) -> None:
-        self._w[self._base + R_BUSY_NS] = 0
+        _holdings.set_since(self.words, 0)
 
     def record(self, latency_ns: int, service_ns: int, failed: bool) -> None:
         """Count one answered call: its latency and service time, and whether it was an error."""
@@ -237,7 +193,7 @@ class Board:
             failed += bad
         if failed:
             w[b + R_FAILED] += failed
-        w[b + R_BUSY_NS] = 0
+        _holdings.set_since(self.words, 0)
         w[b + R_CALLS] += len(answers)  # last: a reader sees the buckets first
 
     def record_bulk(self, n: int, latency_ns: int, service_ns: int, failed: int) -> None:
@@ -248,7 +204,7 @@ class Board:
         w[b + R_SERVICE + bucket_of(service_ns if service_ns > 0 else 0)] += n
         if failed:
             w[b + R_FAILED] += failed
-        w[b + R_BUSY_NS] = 0
+        _holdings.set_since(self.words, 0)
         w[b + R_CALLS] += n  # last: a reader sees the buckets first
 
     def expired(self, n: int = 1) -> None:
@@ -258,88 +214,24 @@ class Board:
 
     def release(self) -> None:
         """Give the row up (its counters stay in the totals) and unmap."""
-        if self._mm is None:
+        r = self._r
+        if r is None:
             return
-        self._w[self._base + R_BUSY_NS] = 0
-        self._w[self._base + R_HELD_N] = 0
-        if self._w[self._base + R_HOLDER] == holder_word():
-            self._w[self._base + R_HOLDER] = 0
-        self._w.release()
-        self._mm.close()
-        self._mm = None
-
-
-def _open_for_writing(path):
-    # O_NONBLOCK + O_NOFOLLOW: a FIFO or link planted at the path neither blocks nor is followed
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-    st = os.fstat(fd)
-    if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise ShmqError(f"{path}: not a regular file owned by this user; not a service board")
-    return fd
-
-
-#: A claimer waits this long for the board's flock, then serves unrecorded.
-LOCK_WAIT_S = 2.0
-
-
-def _lock(fd, path):
-    """The board's flock, waited for at most :data:`LOCK_WAIT_S` (bounded: a process forked
-    by another thread while a claimer held it would hold it for as long as it lives).
-
-    :raises shmq.ShmqError: not obtained in time.
-    """
-    end = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > end:
-                raise ShmqError(f"{path}: the service board stayed locked for "
-                                f"{LOCK_WAIT_S:g} s") from None
-            time.sleep(0.001)
-
-
-def _map(fd):
-    """Map the board under the caller's flock, (re)initializing it if it is not a valid board."""
-    size = os.fstat(fd).st_size
-    if size != FILE_BYTES:
-        if size > FILE_BYTES:  # not ours (another version?): start over at our size
-            os.ftruncate(fd, 0)
-        os.ftruncate(fd, FILE_BYTES)
-    mm = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    w = memoryview(mm).cast("Q")
-    try:
-        if (w[H_MAGIC], w[H_VERSION], w[H_ROWS], w[H_BUCKETS]) != (MAGIC, VERSION, ROWS, BUCKETS):
-            w[H_MAGIC] = 0  # readers refuse it from here on
-            mm[8:] = bytes(FILE_BYTES - 8)
-            w[H_ROWS], w[H_BUCKETS], w[H_CREATED_NS] = ROWS, BUCKETS, time.time_ns()
-            w[H_VERSION] = VERSION
-            w[H_MAGIC] = MAGIC  # last: valid from here on
-    finally:
-        w.release()
-    return mm
+        _holdings.set_since(r, 0)
+        _holdings.hold_range(r, 0, 0, 0)
+        r.clear_holder()
+        r.board.close()
+        self._r = None
 
 
 def _read_board(path: StrPath) -> memoryview:
     """The board of the service at ``path`` as u64 words (a copy, read with ``pread``).
 
     :raises FileNotFoundError: no board (no service ever ran at ``path``).
-    :raises shmq.ShmqError: ``PATH.svc`` is not a regular file, or not a board.
+    :raises shmq.ShmqError: ``PATH.svc`` is not a regular file, or not a board (an older
+        shmq's board is named as such, with what to do).
     """
-    bp = board_path(path)
-    fd, st = open_file(bp, write=False)  # never follows, never blocks, regular files only
-    try:
-        raw = os.pread(fd, FILE_BYTES + 8, 0)
-    finally:
-        os.close(fd)
-    if len(raw) != FILE_BYTES:
-        raise ShmqError(f"{bp}: not a service board (size {len(raw)}, expected {FILE_BYTES})")
-    w = memoryview(raw).cast("Q")
-    if (w[H_MAGIC], w[H_VERSION], w[H_ROWS], w[H_BUCKETS]) != (MAGIC, VERSION, ROWS, BUCKETS):
-        raise ShmqError(f"{bp}: not a service board (bad magic, version or geometry)")
-    return w
+    return read_words(board_path(path), LAYOUT)
 
 
 def held_ranges(path: StrPath) -> list[tuple[int, int, int, int]]:
@@ -350,14 +242,7 @@ def held_ranges(path: StrPath) -> list[tuple[int, int, int, int]]:
     :raises FileNotFoundError: no board.
     :raises shmq.ShmqError: not a board.
     """
-    w = _read_board(path)
-    out = []
-    for r in range(ROWS):
-        b = HDR_WORDS + r * ROW_WORDS
-        h = w[b + R_HOLDER]
-        if h and w[b + R_HELD_N] and holder_alive(h):
-            out.append((w[b + R_HELD_LO], w[b + R_HELD_HI], w[b + R_BUSY_NS], w[b + R_LEASE_NS]))
-    return out
+    return _holdings.held_ranges(_read_board(path))
 
 
 def service_status(path: StrPath) -> dict[str, Any]:
@@ -380,8 +265,8 @@ def service_status(path: StrPath) -> dict[str, Any]:
     w = _read_board(path)
     pids, busy, in_flight, calls, failed, expired, again = [], 0, 0, 0, 0, 0, 0
     lat, svc = [0] * BUCKETS, [0] * BUCKETS
-    for r in range(ROWS):
-        b = HDR_WORDS + r * ROW_WORDS
+    live = {r for r, _b, _h in live_rows(w)}
+    for r, b, h in live_rows(w, holders=False):
         calls += w[b + R_CALLS]
         failed += w[b + R_FAILED]
         expired += w[b + R_EXPIRED]
@@ -389,12 +274,11 @@ def service_status(path: StrPath) -> dict[str, Any]:
         for i in range(BUCKETS):
             lat[i] += w[b + R_LATENCY + i]
             svc[i] += w[b + R_SERVICE + i]
-        h = w[b + R_HOLDER]
-        if h and holder_alive(h):
+        if r in live:
             pids.append(holder_pid(h))
-            busy += bool(w[b + R_BUSY_NS])
-            in_flight += w[b + R_HELD_N]
-    return {"board": board_path(path), "created_ns": w[H_CREATED_NS], "workers": len(pids),
+            busy += bool(w[b + _holdings.R_SINCE_NS])
+            in_flight += w[b + _holdings.R_HELD_N]
+    return {"board": board_path(path), "created_ns": w[_board.H_CREATED_NS], "workers": len(pids),
             "pids": sorted(pids), "busy": busy, "in_flight": in_flight, "calls": calls,
             "failed": failed, "expired": expired, "redeliveries": again,
             "latency": _summary(lat), "service_time": _summary(svc)}

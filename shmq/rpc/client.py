@@ -40,6 +40,7 @@ from .._lock import holder_word
 from .._mapping import resolve_path
 from ..errors import Empty, Full, RemoteError, ShmqError, Timeout, UntrustedSpool
 from ..queue import Queue
+from ..workers import Lookout
 from .board import held_ranges, service_status
 from .requests import encode_bundles, open_ring, put_bundles, send, taken_up_to
 from .waiters import EXPIRED, AsyncWaiter, Group, Pending, Waiter, Waiters, flush
@@ -56,6 +57,10 @@ _SETUP_LOCK = threading.Lock()
 RECHECK_S = 0.25
 #: Calls per bundle before a bundle's reply has said how long the handler takes.
 BUNDLE_START = 8
+#: Sent again when found nowhere twice in a row the first time, four times after a
+#: resend: a call whose holder cannot be seen (a worker without a board row) is sent
+#: again once a second while it runs, not twice (shmq.workers.holdings).
+_LOOKOUT = Lookout(strikes=2, again=4)
 
 
 class Client:
@@ -281,40 +286,19 @@ class Client:
         while len(got) == self.window:
             got = self._read(0)
             items += got
-        now = time.time_ns()
+        found = _LOOKOUT.finder(taken, held)
         lost = []
         far = {}
-
-        def found(p):
-            return p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
-                                         for lo, hi, since, lease in held)
-
         with self._lock:
             if items:
                 self._deliver(items, far)
-            for g in list(self._groups.values()):
-                if g.done or g.parts is not None or g.seq < 0:
-                    continue
-                if found(g):
-                    g.strikes = 0
-                    continue
-                g.strikes += 1
-                if g.strikes >= 2:  # lost with its worker: its calls go again, alone
-                    parts = g.split()
-                    self._pending.update(parts)
-                    lost += parts.items()
-            for cid, p in self._pending.items():
-                if p.done or p.seq < 0:
-                    continue
-                if found(p):
-                    p.strikes = 0
-                    continue
-                p.strikes += 1
-                # twice in a row the first time, four times after a resend: a call
-                # whose holder cannot be seen (a worker without a board row) is
-                # sent again once a second while it runs, not twice
-                if p.strikes >= (2 if p.attempt == 1 else 4):
-                    lost.append((cid, p))
+            groups = [g for g in self._groups.values() if g.parts is None]
+            for g in _LOOKOUT.lost(groups, found):  # lost with its worker: its calls go again, alone
+                parts = g.split()
+                self._pending.update(parts)
+                lost += parts.items()
+            gone = set(_LOOKOUT.lost(self._pending.values(), found))
+            lost += [(cid, p) for cid, p in self._pending.items() if p in gone]
         if far:
             flush(far)
         # Never wait here for another thread's put (it may wait for room for as long

@@ -108,7 +108,7 @@ def open_ring(path: str, trusted: bool = False) -> Spool:
     return sp
 
 
-def send(spool: Spool, calls: list[tuple[Any, ...]], timeout: float | None) -> list[int]:
+def send(spool: Spool, calls: list[Any], timeout: float | None) -> list[int]:
     """Put the call tuples, in order, and return their seqs.
 
     Runs of calls with the same codec go in one atomic batch; a batch
@@ -265,10 +265,10 @@ def decode(frame: Any) -> Any:
     return _codec.decode_item(data, frame.codec)
 
 
-def taken_up_to(spool: Spool) -> int | None:
-    """The group's position: every call with a smaller seq was taken by a worker
-    (None if the group is gone)."""
-    i = spool.slots.find(GROUP)
+def taken_up_to(spool: Spool, group: str = GROUP) -> int | None:
+    """The position of the workers' ``group``: every frame with a smaller seq was taken
+    by a worker (None if the group is gone)."""
+    i = spool.slots.find(group)
     if i is None:
         return None
     return spool.slots.cursor(i)[0]

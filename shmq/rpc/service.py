@@ -7,8 +7,6 @@ See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import stat
@@ -22,6 +20,7 @@ from .. import codec as _codec
 from .._mapping import resolve_path
 from ..errors import Empty, NotASpool, ShmqError
 from ..spool import Spool
+from ..workers import Crew, Hands
 from .board import Board, board_path, service_status
 from .replies import Replies, caller_alive
 from .requests import GROUP, create_or_open, decode, take_views, taken_up_to
@@ -38,6 +37,8 @@ log = logging.getLogger("shmq.service")
 
 #: A stop request is noticed within this (a worker's get wakes this often).
 STOP_POLL_S = 0.2
+#: A worker that could not be started is tried again after this.
+RESTART_RETRY_S = 1.0
 #: A bundle answered sooner than this after its caller was found alive (at
 #: admission) does not look the caller up again: a caller that died meanwhile has
 #: its reply queue removed by the next sweep (shmq.rpc.replies.SWEEP_S) instead.
@@ -195,8 +196,7 @@ class Service:
         self._reader: Any = None
         self._held: deque[Any] = deque()  # frames taken, not admitted yet
         self._ready: deque[Call] = deque()  # a bundle's calls, not handed out yet
-        self._open: dict[int, int] = {}   # seq taken -> its calls not answered yet
-        self._hi = 0                      # one past the last seq taken
+        self._hands = Hands()             # seqs taken and not answered yet (on our row)
         self._frame_calls = 1.0           # calls per frame taken, smoothed (bundles hold many)
         self._replies = Replies(self.path, trusted)
         self._stopping = False
@@ -227,7 +227,7 @@ class Service:
                 raise
             self._spool = sp
             self._replies = Replies(self.path, self._trusted)
-            self._held, self._ready, self._open, self._hi = deque(), deque(), {}, 0
+            self._held, self._ready, self._hands = deque(), deque(), Hands()
             self._board, self._board_tried = None, False  # a forked child claims its own row
             self._pid = os.getpid()
         return self._reader
@@ -241,7 +241,7 @@ class Service:
         if self._pid == os.getpid():
             self._held.clear()
             self._ready.clear()
-            self._open.clear()
+            self._hands = Hands()
             self._replies.close()
             if self._board is not None:
                 self._board.release()
@@ -373,9 +373,7 @@ class Service:
             if block:
                 raise
             return
-        self._open.update((f.seq, 1) for f in frames)  # a bundle's count is set at admission
-        self._hi = frames[-1].seq + 1
-        self._publish()  # at once: callers must see these in our hands
+        self._hands.took(f.seq for f in frames)  # published at once: callers must see these
         self._held.extend(frames)
 
     def _admit(self, f, now, mono, alive):
@@ -393,19 +391,18 @@ class Service:
                 cid, reply_to, caller, deadline_ns, attempt, request = t
         except Exception as exc:  # noqa: BLE001  (not a call: written by something else)
             log.warning("%s: dropping frame %d: not a call (%s)", self.path, f.seq, exc)
-            self._settle(f.seq)
+            self._hands.settle(f.seq)
             return None
         live = alive.get(caller)
         if live is None:
             live = alive[caller] = caller_alive(caller)
         if (deadline_ns and now > deadline_ns) or not live:
-            self._settle(f.seq)  # the caller raised Timeout already, or is gone
+            self._hands.settle(f.seq)  # the caller raised Timeout already, or is gone
             if self._board is not None:
                 self._board.expired(n)
             return None
         if bundle:
-            self._open[f.seq] = n
-            self._publish()  # its calls' count
+            self._hands.count(f.seq, n)  # its calls' count
             return _Bundle(f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns, mono)
         call = Call(self, f.seq, cid, reply_to, caller, attempt, request, f.timestamp_ns, mono)
         if attempt > 1 and self._board is not None:
@@ -425,25 +422,6 @@ class Service:
             except Empty:
                 continue
 
-    def _publish(self):
-        """Our row shows the seqs in our hands (all in [min open, hi)) and how many
-        calls they hold (a bundle's count is known once it is admitted)."""
-        if self._board is not None:
-            o = self._open
-            self._board.hold(min(o) if o else self._hi, self._hi, sum(o.values()))
-
-    def _settle(self, seq):
-        self._open.pop(seq, None)
-        self._publish()
-
-    def _answered(self, seq, k=1):
-        """``k`` calls of frame ``seq`` were answered (settled when all of its are)."""
-        left = self._open.get(seq, 0) - k
-        if left > 0:
-            self._open[seq] = left
-        else:
-            self._open.pop(seq, None)
-
     def _claim_row(self):
         self._board_tried = True
         try:
@@ -457,6 +435,7 @@ class Service:
                         "one (pid %d) serves unrecorded", self.path, os.getpid())
         else:
             self._board.set_lease(self.lease)
+            self._hands.row = self._board.words
 
     def _answer(self, call, status, value):
         self._answer_all([(call, status, value)])
@@ -476,7 +455,7 @@ class Service:
             bad = self._replies.send(path, group[0][0]._caller, [(c.id, st, v) for c, st, v in group])
             failed.update(group[i][0] for i in bad)
         now, mono = time.time_ns(), time.monotonic_ns()
-        answered = self._answered
+        answered = self._hands.answered
         for call, _s, _v in answers:
             call._done = True
             answered(call._seq)
@@ -484,7 +463,7 @@ class Service:
             # latency: the caller's put (wall clock, this host) to the reply written
             self._board.record_many([(now - c._sent_ns, mono - c._taken_ns, st != OK or c in failed)
                                      for c, st, _v in answers])
-        self._publish()
+        self._hands.publish()
 
     def _answer_bundle(self, b, statuses, values, service_ns):
         """Answer bundle ``b`` with one reply (``statuses``: a bytearray, one per call),
@@ -494,11 +473,11 @@ class Service:
         failed = self._replies.send_bundle(b.reply_to, b.caller, b.first, statuses, values, service_ns,
                                            stale)
         now, mono = time.time_ns(), time.monotonic_ns()
-        self._open.pop(b.seq, None)
+        self._hands.answered(b.seq, len(values))
         if self._board is not None:
             n = len(values)
             self._board.record_bulk(n, now - b.sent_ns, (mono - b.taken_ns) // n, failed)
-        self._publish()
+        self._hands.publish()
 
     # -- serving --------------------------------------------------------------------
 
@@ -531,8 +510,9 @@ class Service:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError("workers must be an int >= 1")
         ctx = mp_context if mp_context is not None else "fork"
-        if isinstance(ctx, str):
-            ctx = multiprocessing.get_context(ctx)
+        # the workers' supervisor (fork: its zygote is forked here, before our handlers)
+        crew = Crew(ctx, _worker_main, (self.name, self._opts, handler), daemon=True,
+                    name=f"shmq-service-{os.path.basename(self.path)}", death_signal=signal.SIGTERM)
         r, w = os.pipe()
         os.set_blocking(w, False)
         self._wake_w, self._stopping = w, False
@@ -540,65 +520,37 @@ class Service:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 restore[sig] = signal.signal(sig, lambda *_a: self.stop())
-        procs = {}
         try:
-            for i in range(workers):
-                procs[i] = self._start_worker(ctx, handler, i)
+            due = list(range(workers))  # slots to (re)start
             while not self._stopping:
-                sentinels = {p.sentinel: i for i, p in procs.items()}
-                ready = multiprocessing.connection.wait(list(sentinels) + [r])
-                for s in ready:
-                    if s in sentinels and not self._stopping:
-                        i = sentinels[s]
-                        procs[i].join()
-                        log.warning("%s: worker %d (pid %d) exited with %s; restarting",
-                                    self.path, i, procs[i].pid, procs[i].exitcode)
-                        procs[i] = self._start_worker(ctx, handler, i)
+                for i in list(due):
+                    try:
+                        crew.start(i)
+                        due.remove(i)
+                    except (OSError, ShmqError) as exc:
+                        log.error("%s: could not start worker %d (retrying in %g s): %s",
+                                  self.path, i, RESTART_RETRY_S, exc)
+                for dead in crew.wait(RESTART_RETRY_S if due else None, [r])[0]:
+                    log.warning("%s: worker %d (pid %d) exited with %s; restarting",
+                                self.path, dead.key, dead.pid, dead.exitcode)
+                    due.append(dead.key)
         finally:
             self._stopping = True
-            for p in procs.values():
-                if p.is_alive():
-                    try:
-                        os.kill(p.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            end = time.monotonic() + grace
-            for p in procs.values():
-                p.join(max(0.0, end - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            crew.stop(grace)  # SIGTERM: they finish the call in hand; SIGKILL after grace
+            crew.close()
             for sig, old in restore.items():
                 signal.signal(sig, old)
             self._wake_w = None
             os.close(r)
             os.close(w)
 
-    def _start_worker(self, ctx, handler, index):
-        p = ctx.Process(target=_worker_main, args=(self.name, self._opts, handler, os.getpid()),
-                        name=f"shmq-service-{os.path.basename(self.path)}-{index}", daemon=True)
-        p.start()
-        return p
 
-
-def _parent_death_signal(sig):
-    """Linux: deliver ``sig`` to this process when its parent dies (the supervisor)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _worker_main(name, opts, handler, parent):
-    _parent_death_signal(signal.SIGTERM)
+def _worker_main(name, opts, handler, index):
+    """A serving worker process (:class:`shmq.workers.Crew` armed its parent-death signal)."""
+    parent = os.getppid()  # the supervisor, or the zygote that forked us: gone means stop
     svc = _reopen_service(name, opts)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_a: setattr(svc, "_stopping", True))
-    if os.getppid() != parent:  # the supervisor died before we set the death signal
-        return
     try:
         _serve_batches(svc, handler, parent)
     finally:

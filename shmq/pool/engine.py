@@ -1,0 +1,612 @@
+"""The parent side of a process pool: tasks in, results out, and what a dead worker held.
+
+Both faces (:class:`shmq.ProcessPoolExecutor`, :class:`shmq.Pool`) hand
+their tasks to an :class:`Engine`; a task's *sink* (a future, a job) gets
+its outcome.  The engine owns:
+
+* the workers (a :class:`shmq.workers.Crew`, driven by the *supervisor*
+  thread, which also reads a dead worker's row and restarts it);
+* the request ring and the result queue (two anonymous :class:`shmq.Queue`
+  files in ``/dev/shm``, removed at close, by their creator's resource
+  tracker if it is killed, else by ``shmq gc`` and the next pool's start);
+* the board (a memfd: nothing to clean up), one row per worker slot;
+* the *collector* thread, which feeds the ring from the tasks submitted
+  (a window of them, so that tasks not sent yet can still be cancelled),
+  handles replies and events in the order they arrive, and puts back what
+  a dead worker held.
+
+**A killed worker costs one retry, not the pool.** The supervisor reads a
+dead worker's row (:func:`shmq.workers.holdings.reclaim`) and sends the
+collector a ``DIED`` event through the result queue, after every reply the
+worker sent before it died.  The task that was running is *charged* the
+death (the frame, if it died decoding or answering); every other task it
+held goes back to the front of the queue uncharged, each in a frame of its
+own.  A task charged ``max_attempts`` deaths fails alone with
+:class:`shmq.WorkerCrashed`.  A frame lost between a worker's take and its
+row's update is found by the platform's :class:`~shmq.workers.Lookout`
+(twice found nowhere, 0.25 s apart) and sent again uncharged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import Empty, Full, ShmqError, TooLarge
+from ..queue import GROUP, Queue
+from ..rpc.requests import send, taken_up_to
+from ..spool import Spool
+from ..workers import Board, Crew, Lookout, exit_text, held_ranges, reclaim
+from .wire import DIED, INIT_FAILED, OK, STOP, UNDECODABLE, WAKE, remote, traceback_text, unpack_values
+from .worker import LAYOUT, ROW_WORDS, BoardFd, Config, worker_main
+
+__all__ = ["Engine", "Task"]
+
+log = logging.getLogger("shmq.pool")
+
+#: How often the collector looks for frames lost between a take and a row update.
+RECHECK_S = 0.25
+#: Tasks in flight per worker: as many as it runs in about this long (at least 2).
+WINDOW_S = 0.005
+#: Tasks per frame: as many as a worker runs in about this long, 1 to BUNDLE_MAX.
+BUNDLE_S = 0.001
+BUNDLE_MAX = 64
+#: Workers asked to stop (a STOP frame each) exit within this, or are killed.
+STOP_GRACE_S = 5.0
+#: A worker that could not be started is tried again after this.
+RESTART_RETRY_S = 1.0
+_LOOKOUT = Lookout(strikes=2, again=2)
+
+
+class Task:
+    """One submitted call: its outcome goes to ``sink`` (a future, a job) at ``index``, once
+    (the engine's ``deliver``)."""
+
+    __slots__ = ("call", "sink", "index", "codes", "done", "solo", "started")
+
+    def __init__(self, call: tuple[Any, tuple[Any, ...], dict[str, Any]], sink: Any, index: int = 0) -> None:
+        self.call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = call
+        self.sink = sink
+        self.index = index
+        self.codes: list[int] | None = None  # exit codes of the workers that died running it
+        self.done = False
+        self.solo = False  # sent again after a loss: in a frame of its own
+        self.started = False  # admitted into the window: its sink was told (a future runs)
+
+
+class _Frame:
+    """Tasks sent together: ``seq`` in the ring, wire ids ``first`` onwards."""
+
+    __slots__ = ("seq", "first", "tasks", "strikes", "done")
+    attempt = 1  # for the Lookout: a frame is sent again as new frames, never twice
+
+    def __init__(self, first: int, tasks: list[Task]) -> None:
+        self.seq, self.first, self.tasks, self.strikes, self.done = -1, first, tasks, 0, False
+
+
+def broken_pool(text: str, cause: BaseException | None = None) -> BaseException:
+    from concurrent.futures.process import BrokenProcessPool
+
+    exc = BrokenProcessPool(text)
+    exc.__cause__ = cause
+    return exc
+
+
+class Engine:
+    """Workers, the ring, the result queue and the two threads of one pool.
+
+    ``face``: :data:`~.wire.EXECUTOR` or :data:`~.wire.POOL` (how errors look).
+    ``start(sink) -> bool``: a task leaves the queue for the window (False: it was
+    cancelled, drop it; None: sinks that cannot be cancelled); ``deliver(sink, index,
+    ok, value)``: its outcome.
+    ``at_exit``: what the interpreter's exit does with a pool still open:
+    ``"finish"`` (the submitted work first, as the stdlib's executor) or
+    ``"terminate"`` (as ``multiprocessing.Pool``).
+    """
+
+    def __init__(self, workers: int, ctx: Any, initializer: Any, initargs: tuple[Any, ...],
+                 max_tasks: int | None, max_attempts: int, face: str, at_exit: str,
+                 start: Callable[[Any], bool] | None, deliver: Callable[[Any, int, bool, Any], None]) -> None:
+        self.workers = workers
+        self._start, self._deliver = start, deliver
+        self.max_attempts = max_attempts
+        self.max_tasks = max_tasks
+        self.face = face
+        self.at_exit = at_exit
+        self.ctx = ctx
+        self._requests = Queue()  # ours: removed at close (and if we die, see the docstring)
+        self._results = Queue()
+        self._ring = Spool.open(self._requests.path)  # puts that tell their seqs
+        self._board = Board.anonymous(LAYOUT, workers, ROW_WORDS)
+        assert self._board.fd is not None  # an anonymous board keeps its memfd
+        cfg = Config(self._requests.path, self._results.path, BoardFd(self._board.fd), face, initializer,
+                     tuple(initargs), max_tasks)
+        # made before our threads: under fork its zygote is forked here, single-threaded
+        self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        # submitted, not sent: the first _ready of them admitted (started), the rest waiting
+        self._pending: deque[Task] = deque()
+        self._ready = 0
+        self._admitted = 0  # tasks started and not done: what the window counts
+        self._frames: dict[int, _Frame] = {}  # seq -> frame in the ring or a worker's hands
+        self._next_wire = 0
+        self._unfinished = 0  # tasks submitted and not done
+        self._per_task: float | None = None  # seconds a task takes in a worker, smoothed
+        self._idle = False  # the collector waits on the result queue
+        self._woken = False
+        self.closing = False  # no new tasks
+        self.broken: BaseException | None = None
+        self._terminate = False
+        self._next_look = 0.0
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stop_workers = False
+        self.finished = threading.Event()  # workers reaped, files removed
+        self._supervisor = threading.Thread(target=self._supervise, name="shmq-pool-supervisor",
+                                            daemon=True)
+        self._collector = threading.Thread(target=self._collect, name="shmq-pool-results",
+                                           daemon=True)
+        _watch(self)
+        self._supervisor.start()
+        self._collector.start()
+
+    # -- the callers' side ----------------------------------------------------------------
+
+    def submit(self, tasks: list[Task]) -> None:
+        """Queue ``tasks`` (the caller checked the pool is open, under :meth:`lock`)."""
+        self._pending.extend(tasks)
+        self._unfinished += len(tasks)
+        self._admit()
+        if self._idle and not self._woken:
+            self._woken = True
+            self._results.put((WAKE,))
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def pending(self) -> deque[Task]:
+        """The tasks not sent yet (under :meth:`lock`): a face may cancel them."""
+        return self._pending
+
+    def close(self, cancel: bool = False) -> list[Task]:
+        """No new tasks; with ``cancel``, take back those not sent yet (returned).  The
+        workers stop once the rest is done."""
+        with self._lock:
+            self.closing = True
+            taken = []
+            if cancel:  # those not admitted yet (an admitted one is running for its caller)
+                while len(self._pending) > self._ready:
+                    taken.append(self._pending.pop())
+                taken.reverse()
+                self._unfinished -= len(taken)
+            self._poke()
+        return taken
+
+    def terminate(self) -> None:
+        """Stop now: workers killed, tasks not done abandoned (their sinks get nothing)."""
+        with self._lock:
+            self.closing = self._terminate = True
+            self._poke()
+        self._wake_supervisor()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the workers are reaped and the files removed."""
+        return self.finished.wait(timeout)
+
+    def _poke(self) -> None:
+        # lock held
+        if not self._woken:
+            self._woken = True
+            try:
+                self._results.put((WAKE,))
+            except (ValueError, ShmqError, OSError):
+                pass  # closed already
+
+    def _wake_supervisor(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # -- the supervisor thread --------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Start the workers, restart the dead (after telling the collector what they held),
+        stop them at the end, then remove the files."""
+        crew, due = self._crew, list(range(self.workers))
+        try:
+            while not (self._stop_workers or self._terminate):
+                for slot in list(due):
+                    try:
+                        crew.start(slot)
+                        due.remove(slot)
+                    except (OSError, ShmqError) as exc:
+                        log.error("could not start pool worker %d (again in %g s): %s", slot,
+                                  RESTART_RETRY_S, exc)
+                dead, ready = crew.wait(RESTART_RETRY_S if due else None, [self._wake_r])
+                if ready:
+                    _drain(self._wake_r)
+                for w in dead:
+                    held = reclaim(self._board.row(w.key))  # its single writer is gone
+                    self._results.put((DIED, w.key, w.pid, w.exitcode, None if held is None else tuple(held)))
+                    if not (self.broken or self._stop_workers or self._terminate):
+                        due.append(w.key)
+        except BaseException:  # noqa: BLE001
+            log.exception("pool supervisor failed")
+            with self._lock:
+                self._break(broken_pool("the pool's supervisor thread failed"))
+        finally:
+            try:
+                crew.stop(0.0 if self._terminate else STOP_GRACE_S, ask=lambda w: None)
+            finally:
+                crew.close()
+                self._collector.join()
+                self._cleanup()
+
+    def _cleanup(self) -> None:
+        for q in (self._requests, self._results):
+            q.close()
+        self._ring.close()
+        self._board.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        _live.discard(self)
+        self.finished.set()
+
+    # -- the collector thread ----------------------------------------------------------------
+
+    def _collect(self) -> None:
+        try:
+            while True:
+                fed = self._feed()
+                with self._lock:
+                    if self._terminate or (self.closing and not self._unfinished):
+                        break
+                    self._idle = not fed or not self._ready
+                    self._woken = False
+                timeout = RECHECK_S if self._frames else None
+                try:
+                    items = self._results.get_many(256, timeout=timeout if self._idle else 0)
+                except Empty:
+                    items = []
+                finally:
+                    self._idle = False
+                for item in items:
+                    self._handle(item)
+                if self._frames and time.monotonic() >= self._next_look:
+                    self._look()
+        except BaseException as exc:  # noqa: BLE001  (the pool is broken; nobody hangs)
+            log.exception("pool result thread failed")
+            with self._lock:
+                self._break(broken_pool(f"the pool's result thread failed: {exc!r}", exc))
+        finally:
+            if not self._terminate:
+                try:  # each worker takes one and exits
+                    send(self._ring, [STOP] * self.workers, 0)
+                except (ShmqError, OSError, ValueError):
+                    pass
+            self._stop_workers = True
+            self._wake_supervisor()
+
+    def _admit(self) -> None:
+        """Start waiting tasks while the window has room (lock held): from then on they run
+        for their callers (a future cannot be cancelled any more), in the order submitted."""
+        per = self._per_task
+        ahead = 2 if per is None else max(2, int(WINDOW_S / max(per, 1e-7)))
+        room = self.workers * ahead - self._admitted
+        pending = self._pending
+        if self._start is None:  # sinks that cannot be cancelled: admitting is counting
+            n = max(0, min(room, len(pending) - self._ready))
+            self._ready += n
+            self._admitted += n
+            return
+        while room > 0 and self._ready < len(pending):
+            t = pending[self._ready]
+            if t.started or self._start(t.sink):
+                t.started = True
+                self._ready += 1
+                self._admitted += 1
+                room -= 1
+            else:  # a future cancelled while it waited
+                del pending[self._ready]
+                t.done = True
+                self._unfinished -= 1
+
+    def _bundle(self) -> int:
+        if self.max_tasks:
+            return 1  # a worker counts frames against max_tasks_per_child: one task each
+        per = self._per_task
+        return 1 if per is None else max(1, min(BUNDLE_MAX, int(BUNDLE_S / max(per, 1e-7))))
+
+    def _feed(self) -> bool:
+        """Send the admitted tasks; False if none went."""
+        with self._lock:
+            self._admit()
+            n = self._ready
+            if n <= 0 or self.broken is not None:
+                return False
+            batch = [self._pending.popleft() for _ in range(n)]
+            self._ready = 0
+        frames = []
+        k, i = self._bundle(), 0
+        while i < len(batch):
+            if batch[i].solo:
+                tasks = [batch[i]]
+            else:
+                j = i + 1
+                while j < len(batch) and j - i < k and not batch[j].solo:
+                    j += 1
+                tasks = batch[i:j]
+            frames.append(_Frame(self._next_wire, tasks))
+            self._next_wire += len(tasks)
+            i += len(tasks)
+        if frames:
+            self._send(frames)
+        return bool(frames)
+
+    def _send(self, frames: list[_Frame]) -> None:
+        """Put frames into the ring; one whose pickling fails is split, and a task that
+        cannot be pickled fails alone, as the stdlib's do (the error itself)."""
+        try:
+            seqs = send(self._ring, [(f.first, [t.call for t in f.tasks]) for f in frames], 0)
+        except (Full, TooLarge, Empty, ShmqError, OSError) as exc:
+            if len(frames) > 1 or isinstance(exc, Full):
+                return self._send_each(frames, exc)
+            return self._fail_frame(frames[0], exc)
+        except BaseException as exc:  # noqa: BLE001  (pickling runs the user's code)
+            if len(frames) > 1 or len(frames[0].tasks) > 1:
+                return self._send_each(frames, exc)
+            return self._fail_frame(frames[0], exc)
+        for f, seq in zip(frames, seqs):
+            f.seq = seq
+            self._frames[seq] = f
+
+    def _send_each(self, frames: list[_Frame], exc: BaseException) -> None:
+        if isinstance(exc, Full):  # the ring is at its ceiling: later, in order
+            self._again([t for f in frames for t in f.tasks], solo=False)
+            return
+        for f in frames:
+            if len(f.tasks) == 1:
+                self._send([f])
+            else:
+                self._send([_Frame(f.first + i, [t]) for i, t in enumerate(f.tasks)])
+
+    def _fail_frame(self, frame: _Frame, exc: BaseException) -> None:
+        for t in frame.tasks:
+            if not t.done:
+                self._finish(t, False, remote(exc, traceback_text(exc), self.face)
+                             if self.face == "executor" else exc)
+
+    def _finish(self, t: Task, ok: bool, value: Any) -> None:
+        t.done = True
+        t.call = None  # its function and arguments are not ours to keep
+        with self._lock:
+            self._unfinished -= 1
+            self._admitted -= 1
+        self._deliver(t.sink, t.index, ok, value)
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if type(kind) is int:
+            self._reply(*item)
+        elif kind == DIED:
+            self._died(*item[1:])
+        elif kind == UNDECODABLE:
+            self._undecodable(*item[1:])
+        elif kind == INIT_FAILED:
+            with self._lock:
+                self._break(broken_pool(f"a worker's initializer raised (pid {item[2]}):\n{item[3]}"))
+        # WAKE: the loop feeds next
+
+    def _done_frame(self, seq: int) -> _Frame | None:
+        frame = self._frames.pop(seq, None)
+        if frame is None or frame.done:
+            return None  # a frame sent again meanwhile, answered twice
+        frame.done = True
+        return frame
+
+    def _reply(self, seq: int, statuses: bytes, blob: bytes, bufs: list[Any], run_ns: int) -> None:
+        frame = self._done_frame(seq)
+        if frame is None:
+            return
+        try:
+            values = unpack_values(blob, bufs)
+        except BaseException as exc:  # noqa: BLE001  (the user's unpickling code, even SystemExit)
+            if len(frame.tasks) > 1:  # which one? each again, alone: only it fails
+                self._again(frame.tasks, solo=True)
+            else:
+                self._fail_frame(frame, broken_pool(
+                    f"the task's result could not be unpickled: {type(exc).__name__}: {exc}", exc))
+            return
+        tasks = frame.tasks
+        per = run_ns / 1e9 / len(tasks)
+        self._per_task = per if self._per_task is None else 0.8 * self._per_task + 0.2 * per
+        face, deliver, done = self.face, self._deliver, 0
+        for t, st, v in zip(tasks, statuses, values):
+            if t.done:
+                continue
+            t.done, t.call = True, None
+            done += 1
+            if st == OK:
+                deliver(t.sink, t.index, True, v)
+            else:
+                deliver(t.sink, t.index, False, remote(v[0], v[1], face))
+        with self._lock:  # once a frame, not once a task
+            self._unfinished -= done
+            self._admitted -= done
+
+    def _undecodable(self, seq: int, exc: Any, tb: str) -> None:
+        frame = self._done_frame(seq)
+        if frame is None:
+            return
+        if len(frame.tasks) > 1:
+            self._again(frame.tasks, solo=True)
+            return
+        err = broken_pool(f"the task's arguments could not be unpickled in its worker: {exc}")
+        self._fail_frame(frame, remote(err, tb, self.face))  # the worker's traceback as its cause
+
+    def _again(self, tasks: list[Task], solo: bool) -> None:
+        """Send ``tasks`` again before anything else, each in a frame of its own."""
+        again = [t for t in tasks if not t.done]
+        for t in again:
+            t.solo = t.solo or solo
+        with self._lock:  # admitted already: at the head, before anything waiting
+            self._pending.extendleft(reversed(again))
+            self._ready += len(again)
+
+    def _died(self, slot: int, pid: int, code: int | None, held: tuple[int, ...] | None) -> None:
+        """A worker died: charge the task it was running, send the rest of its hands again."""
+        if held is None:
+            return  # nothing in hand (a frame taken but not yet shown: the Lookout's)
+        n, lo, hi, frame_seq, running = held[:5]
+        found = _LOOKOUT.finder(taken_up_to(self._ring, GROUP) or 0, held_ranges(self._board.w))
+        lost = [f for seq, f in self._frames.items() if lo <= seq < hi and not found(seq)]
+        charged = []
+        running_frame = self._frames.get(frame_seq)
+        if running_frame is not None:
+            if running >= 0 and running_frame.first <= running < running_frame.first + len(running_frame.tasks):
+                charged = [running_frame.tasks[running - running_frame.first]]
+            else:  # it died decoding or answering the frame: each of its tasks
+                charged = list(running_frame.tasks)
+        why = exit_text(code)
+        for t in charged:
+            if t.done:
+                continue
+            t.codes = (t.codes or []) + [-1 if code is None else code]
+            if len(t.codes) >= self.max_attempts:
+                self._finish(t, False, _crashed(t, why, self.max_attempts))
+        for f in lost:
+            self._done_frame(f.seq)
+            self._again(f.tasks, solo=True)
+        log.warning("pool worker %d (pid %d) died (%s) holding %d task(s); restarted",
+                    slot, pid, why, sum(len(f.tasks) for f in lost))
+
+    def _look(self) -> None:
+        """Frames neither queued, nor in a live worker's hands, nor answered, twice in a
+        row: lost between a take and a row update.  Sent again, uncharged."""
+        self._next_look = time.monotonic() + RECHECK_S
+        found = _LOOKOUT.finder(taken_up_to(self._ring, GROUP) or 0, held_ranges(self._board.w))
+        try:  # replies after the position and the rows: a frame answered meanwhile is answered
+            for item in self._results.get_many(256, block=False):
+                self._handle(item)
+        except Empty:
+            pass
+        for f in _LOOKOUT.lost(list(self._frames.values()), found):
+            if self._done_frame(f.seq) is not None:
+                self._again(f.tasks, solo=True)
+
+    def _break(self, exc: BaseException) -> None:
+        """The pool is broken (lock held): every task not done fails with ``exc``; no new
+        ones are taken."""
+        if self.broken is not None:
+            return
+        self.broken = exc
+        self.closing = True
+        tasks = list(self._pending)
+        self._pending.clear()
+        self._ready = self._admitted = 0
+        for f in self._frames.values():
+            tasks += f.tasks
+        self._frames.clear()
+        self._lock.release()
+        try:
+            for t in tasks:
+                if not t.done:
+                    t.done = True
+                    self._deliver(t.sink, t.index, False, exc)
+        finally:
+            self._lock.acquire()
+        self._unfinished = 0
+        self._poke()
+
+
+def _crashed(t: Task, why: str, max_attempts: int) -> BaseException:
+    from ..errors import WorkerCrashed
+
+    codes = tuple(t.codes or ())
+    how = {exit_text(c) for c in codes}
+    text = (f"the worker running this task died on each of its {len(codes)} attempts "
+            f"({', '.join(sorted(how))}); not retried (max_attempts={max_attempts})")
+    return WorkerCrashed(text, codes)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def context(ctx: Any) -> Any:
+    """A multiprocessing context from a context, a start method name, or None (the default)."""
+    if ctx is None or isinstance(ctx, str):
+        return multiprocessing.get_context(ctx)
+    return ctx
+
+
+# -- the interpreter's exit ----------------------------------------------------------------
+
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()
+_hooked = False
+#: Set at the interpreter's exit: pools refuse new work from then on.
+exiting = False
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a worker, a zygote, a user's fork) inherits our exit hook and this
+    # set, but none of these pools' threads: at its exit it must not wait for them.
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _watch(engine: Engine) -> None:
+    """Have :func:`_at_exit` see ``engine``; hooked at the first pool, like the stdlib's
+    executor: before ``atexit``'s callbacks (threading's own exit hooks), so that an
+    ``atexit`` callback that submits finds the pools shut."""
+    global _hooked
+    _live.add(engine)
+    if not _hooked:
+        _hooked = True
+        hook = getattr(threading, "_register_atexit", None)
+        try:
+            if hook is None:
+                raise RuntimeError
+            hook(_at_exit)
+        except RuntimeError:
+            atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """Executors finish their work, as the stdlib's do; pools are terminated.  After an
+    uncaught KeyboardInterrupt (Ctrl-C), nothing waits: every pool is terminated."""
+    global exiting
+    exiting = True
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    engines = list(_live)
+    try:
+        for e in engines:
+            if interrupted or e.at_exit == "terminate":
+                e.terminate()
+            else:
+                e.close()
+        for e in engines:
+            e.join()
+    finally:  # a second Ctrl-C while waiting: kill them all
+        for e in engines:
+            if not e.finished.is_set():
+                e.terminate()
+                e.join(10.0)
