@@ -9,7 +9,9 @@ worker processes and re-raised in parents).
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING, without importing typing (see shmq._lazy)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "ShmqError",
