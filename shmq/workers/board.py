@@ -8,7 +8,7 @@ One implementation for every owner of worker processes: a service
 common ones); the file, the opening, the claims and the holder rows are
 here.
 
-Format (little-endian u64 words; ``docs/format.md``, "Status boards"):
+Format (little-endian u64 words; ``docs/workers.md``, "Board format"):
 
 * a header of ``hdr_words`` words: :data:`MAGIC`, :data:`VERSION`, the
   kind (eight ASCII bytes), the geometry (header words, rows, words per
