@@ -1,7 +1,7 @@
 /*
  * shmq/engine/sem.c: a spool's POSIX named semaphores -- created
  * exclusively with the spool's mode, opened refusing a name another user
- * squatted, unlinked (docs/security.md, "Semaphores").
+ * squatted, unlinked (docs/security.md, "The rules shmq applies", rule 5).
  *
  * glibc keeps the named semaphore "/NAME" in the file /dev/shm/sem.NAME,
  * created by sem_open with the umask applied, in a directory every user
