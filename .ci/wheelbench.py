@@ -9,9 +9,10 @@ machine hits each alike:
 
 1. import time in fresh interpreters: ``pass`` (the interpreter's own start,
    the floor of every row), ``import multiprocessing`` (the standard
-   library's peer) and ``import shmq`` (which imports numpy, posix_ipc and
-   psutil): median wall time, and the median ``-X importtime`` cumulative
-   figure of the top-level module;
+   library's peer) and ``import shmq`` (which imports multiprocessing,
+   asyncio and inotify_simple; not numpy, posix_ipc or psutil): median wall
+   time, and the median ``-X importtime`` cumulative figure of the top-level
+   module;
 2. with ``--source-python``: the hot path of the wheel's core (built by zig's
    clang against glibc 2.17) against a core built from source by the host's
    compiler (``pip install -e .``): one process puts 200,000 100-byte frames

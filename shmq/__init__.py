@@ -11,7 +11,8 @@ from .errors import (
     TooLarge, UntrustedSpool,
 )
 from .queue import JoinableQueue, Queue, SimpleQueue
-from .reader import GroupReader, NamedReader, Reader
+from .group import GroupReader
+from .reader import NamedReader, Reader
 from .spool import Frame, Reservation, Spool
 from .stats import ReaderStats, SpoolStats
 from .workqueue import DeadLetter, Message, WorkQueue, WorkQueueStats

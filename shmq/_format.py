@@ -24,148 +24,31 @@ import zlib
 
 from .errors import NotASpool, SpoolFormatError
 
-MAGIC = b"SHMQSPL\x00"
-#: The format this shmq reads and writes.  Version 3 moved the oldest-frame
-#: words (FIRST_SEQ, FIRST_POS) off the cache line the writer stores to on every
-#: put, so that a reader's per-frame overwrite check stops missing its cache;
-#: fixed and growable rings (W_SEGMENT != 0) are both version 3.  Versions 1
-#: (fixed) and 2 (growable) keep those words at 18/19: refused, with the way out.
-FORMAT_VERSION = 3
-#: The versions an older shmq wrote; migrate them with ``shmq export`` / ``import``.
+# The layout itself is written once, in shmq/engine/shmq_layout.h; shmq/_layout.py is
+# generated from it at build time (setup.py) and re-exported here: word offsets
+# (W_*, S_*, L_*), sizes, flags (FLAG_*), codec tags (CODEC_*), limits
+# (MAX_COUNTER, NO_PIN), RING_ADVICE, and the struct formats of the geometry
+# block, the frame header and a work queue message's header.
+from ._layout import *  # noqa: F401,F403
+from ._layout import (
+    CODEC_ARROW, CODEC_JSON, CODEC_NUMPY, CODEC_PICKLE, CODEC_PICKLE_OOB, CODEC_RAW, CODEC_UTF8, CODEC_WORKQ,
+    FRAME_FORMAT, GEOMETRY_FORMAT, MAGIC_STRING, POLICY_BLOCK, POLICY_ERROR, POLICY_OVERWRITE,
+    WQ_HEADER_FORMAT,
+)
+
+MAGIC = MAGIC_STRING.encode("ascii") + b"\x00"
+#: The versions an older shmq wrote (FORMAT_VERSION is this one's).  Version 3 moved the
+#: oldest-frame words (FIRST_SEQ, FIRST_POS) off the cache line the writer stores to on
+#: every put; versions 1 (fixed) and 2 (growable) keep them at 18/19: refused, with the
+#: way out (migrate them with ``shmq export`` / ``import``).
 OLD_FORMAT_VERSIONS = (1, 2)
 
-# --- limits and texts (the compiled core's layout.h repeats them: check_core) --
-
-#: Positions, seqs and counters never get near 2**62 (centuries at memory
-#: bandwidth): a value is valid iff it is *below* MAX_COUNTER (compare with
-#: ``>=`` to reject).  A larger one comes from a corrupt or hostile file, and
-#: arithmetic on it (a position plus a frame, a seq plus a batch) could wrap.
-MAX_COUNTER = 1 << 62
-#: What to do about a damaged ring (fsck --repair never rewrites frames, so it
-#: cannot fix one): the end of every "the ring is corrupt" error.
-RING_ADVICE = ("see 'shmq fsck'; to keep what is readable: 'shmq export --skip-corrupt', "
-               "'shmq rm', 'shmq import'")
-
-# --- header page ----------------------------------------------------------
-
-HEADER_BYTES = 4096
 #: Immutable geometry at the start of the header page (bytes 0..128).
-GEOMETRY = struct.Struct("<8sIIQQQQIIQIIBBHI16sQ20sI")
-assert GEOMETRY.size == 128
-GEOMETRY_CRC_SPAN = 124  # CRC covers bytes [0, 124); the CRC sits at 124
-
-# Control words: u64 indexes into the header page viewed as 'Q'.
-W_NEXT_SEQ = 16  # commit point: frames with seq < NEXT_SEQ are readable
-W_NEXT_POS = 17  # byte position where the next frame goes (writer-private)
-# 18, 19: reserved (FIRST_SEQ / FIRST_POS in versions 1 and 2)
-W_ALLOC_MIN = 20  # growable rings: the writer wraps early (reuses its pages) only past this offset
-W_ALLOC = 21  # growable rings: ring offsets at or above it have no pages (0 on fixed spools)
-W_LOCK_HOLDER = 22  # writer lock holder: pid | start time low bits << 32 (_lock.py)
-W_LOCK_TOKEN = 24  # fencing token, bumped whenever a dead holder's lock is broken
-W_PUT_BYTES = 26  # (puts need no counter: every put takes the next seq)
-W_LAST_PUT_NS = 27
-W_EVICTED = 28  # frames pushed out of the ring to make room
-W_HIGH_FRAMES = 29  # most frames resident, recorded before evicting
-W_HIGH_BYTES = 30  # most ring bytes in use, recorded before evicting
-W_SLOT_HWM = 31  # 1 + highest slot index ever used (bounds table scans)
-W_LOCK_BREAKS = 32  # how many times a dead writer's lock was recovered
-W_QUEUE_MAXSIZE = 33  # shmq.Queue's maxsize in items (0: unbounded), set at creation
-W_SEGMENT = 34  # growable spools: bytes allocated / released at a time (0: fixed, all allocated)
-W_GROWTHS = 35  # segments allocated since creation (a growable spool's statistics)
-W_HOLE_LO = 36  # growable rings: [HOLE_LO, HOLE_HI) below W_ALLOC may lack pages (Spool.trim)
-W_HOLE_HI = 37
-W_DATA_BELL = 38  # doorbell futex words (low 32 bits), bumped on every ring: blocked
-W_SPACE_BELL = 39  # readers / writers sleep on them (shmq/_notify.py)
-# 40..47: their own cache line, stored to only when the writer evicts, so the
-# check every reader makes after copying a frame hits its cache (see FORMAT_VERSION)
-W_FIRST_SEQ = 40  # oldest frame still in the ring
-W_FIRST_POS = 41  # its byte position (stored before FIRST_SEQ)
-# 42..47 reserved
-# 48..63: shmq.WorkQueue (see the work queue section below)
-W_WQ_LEASE_SLOTS = 48  # lease records at the start of the lease region (0: not a work queue)
-W_WQ_KEY_SLOTS = 49  # key-index entries after them
-W_WQ_TOKEN = 50  # last fencing token granted
-W_WQ_MAX_ATTEMPTS = 51  # default attempts before dead-lettering
-W_WQ_LEASE_HWM = 52  # 1 + highest lease record index in use (bounds scans)
-W_WQ_REDELIVERED = 53
-W_WQ_ACKED = 54
-W_WQ_SUPERSEDED = 55
-W_WQ_DEAD = 56  # messages moved to the dead-letter spool
-W_RATE = 64  # per-second series: RATE_SECONDS x (second, puts, gets)
-RATE_SECONDS = 60
-RATE_WORDS = 3
-CTL_WORDS = HEADER_BYTES // 8
-
-DOORBELL_BYTE = 4000  # pwrite target: mmap stores raise no inotify event
-RECOVERY_LOCK_BYTE = 4064  # fcntl region lock: one process recovers the writer lock
-TABLE_LOCK_BYTE = 4065  # fcntl region lock: reader table allocation
-REPLAY_LOCK_BYTE = 4066  # fcntl region lock: one replayer of a dead-letter spool
-
-# --- reader / group table ------------------------------------------------
-
-SLOT_OFFSET = HEADER_BYTES
-SLOT_BYTES = 256
-SLOT_WORDS = SLOT_BYTES // 8
-DEFAULT_SLOTS = 64
-MAX_SLOTS = 4096
-NAME_OFFSET = 192  # name bytes within a slot
-NAME_MAX_BYTES = SLOT_BYTES - NAME_OFFSET - 1
-
-SLOT_FREE, SLOT_READER, SLOT_GROUP, SLOT_PIN = 0, 1, 2, 3
-#: S_POS of a pin slot that pins nothing (a pin slot holds one handle's
-#: zero-copy views: S_POS is the oldest frame position they reference).  Not a
-#: valid position (MAX_COUNTER), so it is above every frame and never in the way.
-NO_PIN = MAX_COUNTER
-S_STATE = 0
-S_SEQ = 1  # committed cursor (stored after S_POS)
-S_POS = 2
-S_PID = 3  # last attaching process
-S_LOST = 5
-S_GETS = 6
-S_GET_BYTES = 7
-S_LAST_GET_NS = 8
-S_DELAY_SUM_NS = 9
-S_DELAY_MAX_NS = 10
-S_LAG_HIGH = 11
-S_LAG_LOW = 12
-S_LOCK_HOLDER = 13  # group lock holder (same encoding as W_LOCK_HOLDER)
-S_LOCK_TOKEN = 15
-S_CREATED_NS = 16
-S_DELAY_COUNT = 18  # gets whose delay was measured: the divisor of S_DELAY_SUM_NS (sampled)
-# liveness lock on the slot's first byte, group-lock recovery on its second
-SLOT_LIVE_BYTE = 0
-SLOT_RECOVERY_BYTE = 1
-
-# --- lease table (reserved for the work queue) ---------------------------
-
-LEASE_BYTES = 64
-DEFAULT_LEASES = 1024
-
-# --- frames --------------------------------------------------------------
-
+GEOMETRY = struct.Struct(GEOMETRY_FORMAT)
 #: seq, stored_len, length, timestamp_ns, crc32, flags, codec, ext_words
-FRAME = struct.Struct("<QIIQIHBB")
-FRAME_BYTES = FRAME.size
-assert FRAME_BYTES == 32
-ALIGN = 8
-MAX_FRAME_PAYLOAD = 0xFFFFFFFF - FRAME_BYTES - ALIGN
+FRAME = struct.Struct(FRAME_FORMAT)
 
-#: Byte offset of the u16 flags field within a frame header (FRAME's sixth field).
-FRAME_FLAGS_OFFSET = 28
-assert FRAME_FLAGS_OFFSET == struct.calcsize(FRAME.format[:6])
-FLAG_PAD = 0x1  # filler to the ring's end; seq is that of the frame after it
-FLAG_SUPERSEDED = 0x2  # reserved for the work queue (dedup by key)
-FLAG_CRC = 0x4  # crc32 field is valid
-FLAG_EXT = 0x8  # reserved: extension header (key hash, not-before, attempts)
-
-CODEC_RAW = 0
-CODEC_PICKLE = 1
-CODEC_JSON = 2
-CODEC_NUMPY = 3
-CODEC_ARROW = 4
-CODEC_UTF8 = 5
-CODEC_PICKLE_OOB = 6  # pickle protocol 5 with out-of-band buffers (see pack_oob_header)
-CODEC_WORKQ = 7  # a work queue message: WQ_HEADER, then pickle (body, headers, key)
+#: The codec tags' names (``shmq dump``, fsck), each tag from the layout.
 CODEC_NAMES = {
     CODEC_RAW: "raw",
     CODEC_PICKLE: "pickle",
@@ -177,10 +60,9 @@ CODEC_NAMES = {
     CODEC_WORKQ: "workqueue",
 }
 
-POLICIES = ("overwrite", "block", "error")
-
-MIN_RING_BYTES = 4096
-PAGE = 4096
+#: on_full policies, each at its code's index (the geometry's policy byte)
+POLICIES = tuple(name for _code, name in sorted(
+    {POLICY_OVERWRITE: "overwrite", POLICY_BLOCK: "block", POLICY_ERROR: "error"}.items()))
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {
@@ -234,20 +116,16 @@ def ring_geometry(capacity: int, slots: int, leases: int):
 
 
 def pack_geometry(*, file_bytes, ring_offset, ring_bytes, slot_offset, slot_count,
-                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns) -> bytes:
+                  lease_offset, lease_count, policy, checksum, sem_prefix, created_ns,
+                  flags=0) -> bytes:
     body = GEOMETRY.pack(
         MAGIC, FORMAT_VERSION, HEADER_BYTES, file_bytes, ring_offset, ring_bytes,
         slot_offset, slot_count, SLOT_BYTES, lease_offset, lease_count, LEASE_BYTES,
-        POLICIES.index(policy), int(bool(checksum)), 0, 0,
+        POLICIES.index(policy), int(bool(checksum)), 0, flags,
         sem_prefix.encode("ascii"), created_ns, b"", 0,
     )
     crc = zlib.crc32(body[:GEOMETRY_CRC_SPAN])
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", crc)
-
-
-#: Geometry ``flags`` bit: the spool is fed from the network (``shmq sub``): its payloads
-#: came from another host, so nothing in it is unpickled unless the caller opts in.
-GEO_FLAG_NETWORK = 0x1
 
 
 def with_geometry_flags(raw: bytes, flags: int) -> bytes:
@@ -256,6 +134,12 @@ def with_geometry_flags(raw: bytes, flags: int) -> bytes:
     fields[15] |= flags  # magic, version, ..., policy, checksum, reserved, flags
     body = GEOMETRY.pack(*fields)
     return body[:GEOMETRY_CRC_SPAN] + struct.pack("<I", zlib.crc32(body[:GEOMETRY_CRC_SPAN]))
+
+
+def handles_lock(geo: dict) -> bool:
+    """True if every handle of the spool with this decoded geometry holds
+    :data:`HANDLE_LOCK_BYTE` (it was created by a shmq that takes it)."""
+    return bool(geo.get("flags", 0) & GEO_FLAG_HANDLE_LOCKS)
 
 
 def from_network(geo: dict) -> bool:
@@ -337,9 +221,6 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     }
 
 
-MIN_SEGMENT = 64 << 10
-MAX_SEGMENT = 4 << 20
-
 
 def growth_plan(start: int, ceiling: int):
     """``(segment, allocated)`` for a growable ring of ``ceiling`` bytes that starts with
@@ -370,12 +251,6 @@ def check_window(ctl, ring_bytes: int) -> list:
 
 def frame_crc(data) -> int:
     return zlib.crc32(data)
-
-
-def valid_frame_header(stored: int, length: int, offset: int, ring_bytes: int) -> bool:
-    """True when a decoded frame header's lengths keep it inside the ring."""
-    return (stored >= FRAME_BYTES + length and stored % ALIGN == 0
-            and offset + stored <= ring_bytes)
 
 
 def or_frame_flags(buf, offset: int, flags: int) -> None:
@@ -466,14 +341,8 @@ def unpack_oob(view):
 # W_WQ_KEY_SLOTS key-index entries of 3 words (key hash, seq, position),
 # open addressing with linear probing; hash 0 marks an empty entry.
 
-L_STATE, L_SEQ, L_POS, L_TOKEN, L_HOLDER, L_DUE_NS, L_ATTEMPTS, L_ENQ_NS = range(8)
-LEASE_WORDS = 8
-LEASE_FREE, LEASE_LEASED, LEASE_DELAYED, LEASE_RETRY = 0, 1, 2, 3
-KEY_WORDS = 3
-
 #: key_hash, not_before_ns, max_attempts (0: queue default), flags
-WQ_HEADER = struct.Struct("<QQII")
-WQ_HAS_KEY = 0x1
+WQ_HEADER = struct.Struct(WQ_HEADER_FORMAT)
 
 
 def wq_region_records(lease_slots: int, key_slots: int) -> int:
@@ -486,34 +355,3 @@ def key_hash(key) -> int:
     raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
     h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
     return h or 1
-
-
-# --- the compiled core's copy of this spec ----------------------------------
-
-#: What the compiled core (shmq/core/layout.h) exports besides its ``LAYOUT``
-#: table of word offsets, under the same names as here.
-CORE_CONSTANTS = ("MAX_COUNTER", "NO_PIN", "RING_ADVICE")
-
-
-def core_mismatches(core) -> dict:
-    """``{name: (core's value, this module's value)}`` for every constant the compiled
-    core ``core`` (``shmq._core``, passed in: this module stays pure) states differently
-    from this spec: its ``LAYOUT`` table and :data:`CORE_CONSTANTS`.  A name missing on
-    either side is a mismatch (its value shows as ``None``)."""
-    spec = globals()
-    theirs = dict(core.LAYOUT)
-    theirs.update((name, getattr(core, name, None)) for name in CORE_CONSTANTS)
-    return {name: (value, spec.get(name)) for name, value in theirs.items()
-            if value is None or spec.get(name) != value}
-
-
-def check_core(core) -> None:
-    """Refuse a compiled core that disagrees with this spec (run when shmq is imported).
-
-    :raises ImportError: naming every constant that differs, with both values.
-    """
-    bad = core_mismatches(core)
-    if bad:
-        detail = "; ".join(f"{name}: core {c!r}, _format {f!r}" for name, (c, f) in sorted(bad.items()))
-        raise ImportError(f"shmq._core does not match shmq._format (a core built from another "
-                          f"shmq version? reinstall shmq): {detail}")

@@ -24,10 +24,11 @@ import secrets
 import stat
 import struct
 import time
+import weakref
 
-import posix_ipc
-
+from . import _core
 from . import _format as F
+from ._lock import hold_handle_lock
 from ._space import no_space_for_file
 from .errors import NotASpool, ShmqError, SpoolFormatError
 
@@ -182,7 +183,7 @@ def group_sem_name(prefix: str, slot: int) -> str:
 
 
 def open_semaphore(name: str, initial: int, mode: int = 0o600, *, owner: int | None = None,
-                   group: int | None = None):
+                   group: int | None = None) -> _core.Semaphore:
     """Open (or create: a group's on first use, or after a reboot kept a disk
     spool) a named semaphore, readable and writable by whoever may use the spool.
 
@@ -191,79 +192,27 @@ def open_semaphore(name: str, initial: int, mode: int = 0o600, *, owner: int | N
     used only if its creator could write the spool anyway: us, the spool's
     owner, root, a member of the spool's group if the spool is
     group-writable, anyone if it is world-writable.  A semaphore another
-    user created under the name (a squatted name) is refused.
+    user created under the name (a squatted name) is refused.  The engine
+    does all of it (shmq/engine/sem.c), for Python and C handles alike.
 
     :raises shmq.ShmqError: the semaphore was squatted by another user.
     """
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREAT, mode=mode, initial_value=initial)
-    try:
-        _check_semaphore(name, os.geteuid() if owner is None else owner, mode, group)
-    except BaseException:
-        sem.close()  # not ours to unlink
-        raise
-    return sem
+    return _core.Semaphore(name, initial, mode, -1 if owner is None else owner,
+                           -1 if group is None else group)
+
+
+def create_semaphore(name: str, initial: int, mode: int) -> None:
+    """Create the named semaphore ``name`` exclusively, with ``mode`` exactly (a new
+    spool's: a name taken, even squatted, fails the creation).
+
+    :raises FileExistsError: the name exists.
+    """
+    _core.Semaphore(name, initial, mode, create=True).close()
 
 
 def semaphore_file(name: str) -> str:
     """The file glibc keeps the named semaphore ``name`` in."""
     return os.path.join(SEM_DIR, "sem." + name.lstrip("/"))
-
-
-def _in_group(uid: int, gid: int) -> bool:
-    import grp
-    import pwd
-
-    try:
-        pw = pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    if pw.pw_gid == gid:
-        return True
-    try:
-        return pw.pw_name in grp.getgrgid(gid).gr_mem
-    except KeyError:
-        return False
-
-
-def _could_write(uid: int, owner: int, mode: int, group: int | None) -> bool:
-    """Could ``uid`` write a spool of this owner, mode and group?  (Root could.)"""
-    return (uid in (os.geteuid(), owner, 0) or bool(mode & 0o002)
-            or (bool(mode & 0o020) and group is not None and _in_group(uid, group)))
-
-
-def _check_semaphore(name: str, owner: int, mode: int, group: int | None = None) -> None:
-    # glibc's sem_open() creates /dev/shm/sem.NAME with the umask applied, and
-    # /dev/shm is shared by every user: fstat an O_NOFOLLOW open of that file
-    # to learn who created it, and chmod our own to the spool's mode.
-    path = semaphore_file(name)
-    try:
-        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
-    except OSError as exc:
-        if exc.errno == errno.EACCES:  # unreadable to us, yet sem_open worked: not ours
-            raise ShmqError(f"semaphore {name} ({path}) cannot be checked (permission denied); "
-                            "another user may have squatted its name: refusing to use it") from None
-        return  # unlinked meanwhile (destroy): nothing to check
-    try:
-        st = os.fstat(fd)
-        me = os.geteuid()
-        if not stat.S_ISREG(st.st_mode):
-            problem = f"is {_kind(st.st_mode)}"
-        elif _could_write(st.st_uid, owner, mode, group):
-            problem = None
-        else:
-            problem = f"belongs to uid {st.st_uid}, who cannot write the spool (you are uid " \
-                      f"{me}, its owner uid {owner})"
-        if problem:
-            raise ShmqError(f"semaphore {name} ({path}) {problem}: another user may have squatted "
-                            "its name; refusing to use it (remove that file, or recreate the "
-                            "spool)")
-        if st.st_uid == me and stat.S_IMODE(st.st_mode) != mode:
-            try:
-                os.fchmod(fd, mode)  # sem_open() applied the umask
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
 
 
 def sem_prefix_of(st: os.stat_result) -> str:
@@ -297,11 +246,11 @@ def semaphore_names(prefix: str, slot_count: int = 0) -> list[str]:
 
 def unlink_semaphore(name: str) -> None:
     """Unlink the named semaphore ``name``; a missing one is fine.  Processes that have
-    it open keep it until they close it."""
-    try:
-        posix_ipc.unlink_semaphore(name)
-    except posix_ipc.ExistentialError:
-        pass
+    it open keep it until they close it.
+
+    :raises OSError: it cannot be unlinked (another user's, in a sticky /dev/shm).
+    """
+    _core.sem_unlink(name)
 
 
 def unlink_semaphores(prefix: str, slot_count: int, owners=None) -> None:
@@ -447,12 +396,10 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
             file_bytes=file_bytes, ring_offset=ring_offset, ring_bytes=ring_bytes,
             slot_offset=slot_offset, slot_count=slots, lease_offset=lease_offset,
             lease_count=leases, policy=policy, checksum=checksum, sem_prefix=prefix,
-            created_ns=time.time_ns())
+            created_ns=time.time_ns(), flags=F.GEO_FLAG_HANDLE_LOCKS)  # handles hold HANDLE_LOCK_BYTE
         sem_mode = mode & 0o666  # whoever may open the spool must be able to lock it
         for which, initial in ((SEM_WRITER, 1), (SEM_READ_WAITERS, 0), (SEM_SPACE_WAITERS, 0)):
-            posix_ipc.Semaphore(sem_name(prefix, which), posix_ipc.O_CREX, mode=sem_mode,
-                                initial_value=initial).close()
-            _check_semaphore(sem_name(prefix, which), os.geteuid(), sem_mode)  # applies the mode
+            create_semaphore(sem_name(prefix, which), initial, sem_mode)
         os.pwrite(fd, geometry, 0)  # control words are all zero: seq 0, empty ring
         if window:  # ... but a growable ring's segment size and allocated window
             os.pwrite(fd, struct.pack("<QQ", window[1], window[1]), F.W_ALLOC_MIN * 8)
@@ -492,13 +439,19 @@ class Mapping:
         self.path = path
         fd, st = open_file(path, write=write)  # never follows, never blocks, regular files only
         self.fd = fd
-        self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
-        self.st_uid = st.st_uid
-        self.st_mode = st.st_mode
-        self.size = st.st_size
         self.write = write
         self.mm: mmap.mmap | None = None
         try:
+            # Held while this handle lives: removing an orphaned queue takes it exclusively
+            # first, so an opener that gets it after finds the file unlinked (shmq.anonymous).
+            hold_handle_lock(fd, path)
+            if os.fstat(fd).st_nlink == 0:
+                raise FileNotFoundError(errno.ENOENT, "the spool was removed while being opened",
+                                        path)
+            self.st = st  # of the descriptor mapped: the trust check reads it (shmq.codec)
+            self.st_uid = st.st_uid
+            self.st_mode = st.st_mode
+            self.size = st.st_size
             self.head = os.pread(fd, F.GEOMETRY.size, 0)
             if geometry:
                 self.map(F.unpack_geometry(self.head, st.st_size, path))
@@ -533,7 +486,13 @@ class Mapping:
         The inherited descriptor shares the parent's OFD locks; keeping it
         would keep the parent's named readers marked alive after it dies.
         """
-        new = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        new = os.open(f"/proc/self/fd/{self.fd}", (os.O_RDWR if self.write else os.O_RDONLY)
+                      | os.O_CLOEXEC)
+        try:
+            hold_handle_lock(new, self.path)  # before the inherited one (the parent's) goes
+        except BaseException:
+            os.close(new)
+            raise
         os.close(self.fd)
         self.fd = new
 
@@ -556,7 +515,7 @@ class Mapping:
             return
         try:
             unlink_semaphores(prefix, 0)
-        except posix_ipc.Error:  # a name another user created, say: theirs to remove
+        except OSError:  # a name another user created, say: theirs to remove
             pass
 
     def close(self) -> None:
@@ -568,7 +527,11 @@ class Mapping:
                 self._view.release()
                 self.mm.close()
             except BufferError:
-                pass  # a caller still holds a view; the kernel unmaps at exit
+                # A caller still holds a view: the pages stay mapped until the mmap
+                # object goes.  So does the descriptor, and with it the handle lock:
+                # a mapped file is never taken for an orphan.
+                weakref.finalize(self.mm, os.close, self.fd)
+                self.fd = None
             self.mm = None
         if self.fd is not None:
             os.close(self.fd)
@@ -648,32 +611,6 @@ def destroy_file(path: str) -> None:
         os.close(fd)
     for prefix in dict.fromkeys(prefixes):
         unregister_spool(prefix)
-
-
-def open_by(path: str, include_self: bool = False) -> list[int]:
-    """Pids of other live processes (this one too with ``include_self``) that have the
-    file at ``path`` mapped (every open shmq handle maps its spool), from
-    /proc/PID/maps; [] if none or not readable."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return []
-    me, pids = (-1 if include_self else os.getpid()), []
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    ino = str(st.st_ino)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) >= 5 and parts[4] == ino and parts[3] == dev:
-                        pids.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return pids
 
 
 def mark_from_network(path: str) -> None:

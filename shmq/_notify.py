@@ -333,11 +333,14 @@ class Doorbell:
                     wait = min(wait, FALLBACK_SLEEP_S)
                 fut = loop.create_future()
                 futs.add(fut)
+                # A timer, not asyncio.wait_for: CPython 3.11's wait_for returns the
+                # result of a future done when its task is cancelled (a wake-up in
+                # the same loop turn), and the cancellation is lost.
+                timer = loop.call_later(wait, _resolve, (fut,))
                 try:
-                    await asyncio.wait_for(fut, wait)
-                except asyncio.TimeoutError:
-                    pass
+                    await fut
                 finally:
+                    timer.cancel()
                     futs.discard(fut)
 
     def forget_after_fork(self):

@@ -19,6 +19,13 @@ of a process that dies are released by the next writer that needs the room.
 with one seq, so ``lost``, ``stats()`` and the CLI count batches.  Per-record
 seqs would cost a 32-byte header per record (a third of a 100-byte record)
 or a second numbering the lock-free readers could not check cheaply.
+
+Layers: this module sits above the parts that carry bytes and never calls
+back into the facade.  ``Spool.put_array`` hands it the spool's writer
+(:class:`shmq.writer.Writer`) and ``Reader.get_array`` the bytes it took
+(and the spool's pins and ring): the waiting, the cursor and the locks stay
+the spool's and the reader's, and this module only encodes, decodes and
+pins.  It imports neither spool nor reader.
 """
 
 from __future__ import annotations
@@ -33,17 +40,17 @@ import numpy.typing as npt
 
 from . import _format as F
 from .errors import Empty, ShmqError
-from .waiting import check_block_timeout
 from .writer import Deferred
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-    from .reader import Reader
-    from .spool import Spool
+    from .pins import Pins
+    from .ring import Ring
+    from .writer import Writer
 
-__all__ = ["PinnedView", "encode_array", "decode_array", "put_array", "put_records", "put_arrow",
-           "get_array", "get_arrow", "get_records"]
+__all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode_arrow", "put_array",
+           "put_records", "put_arrow", "view_of", "records_run", "peek_dtype", "join_records"]
 
 _HEAD = struct.Struct("<II")
 _HEADS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
@@ -75,6 +82,12 @@ def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview | bytes]:
     # as bytes: some dtypes (datetime64, ...) do not export the buffer protocol
     data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""  # type: ignore[arg-type,unused-ignore]
     return head, data
+
+
+def decode_numpy(buf: ReadableBuffer) -> npt.NDArray[Any]:
+    """:func:`decode_array` of a frame's payload as a reader took it: writable over a
+    private copy (a bytearray), read-only over the mapping."""
+    return decode_array(buf, writable=isinstance(buf, bytearray))
 
 
 def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any]:
@@ -123,12 +136,12 @@ class PinnedView:
     private copy (nothing pinned; release only drops it).
     """
 
-    __slots__ = ("obj", "seq", "_spool", "_pos", "_view", "__weakref__")
-    _spool: Spool | None
+    __slots__ = ("obj", "seq", "_pins", "_pos", "_view", "__weakref__")
+    _pins: Pins | None
 
-    def __init__(self, obj: Any, seq: int, spool: Spool, pos: int | None, view: Any) -> None:
-        # pos None: over a private copy (nothing pinned)
-        self.obj, self.seq, self._spool, self._pos, self._view = obj, seq, spool, pos, view
+    def __init__(self, obj: Any, seq: int, pins: Pins, pos: int | None, view: Any) -> None:
+        # pos None: over a private copy (nothing pinned); pins: the spool's (shmq.pins.Pins)
+        self.obj, self.seq, self._pins, self._pos, self._view = obj, seq, pins, pos, view
 
     @property
     def array(self) -> Any:
@@ -140,8 +153,8 @@ class PinnedView:
 
     def release(self) -> None:
         """Unpin the frame (idempotent)."""
-        if self._spool is not None:
-            sp, self._spool = self._spool, None
+        if self._pins is not None:
+            pins, self._pins = self._pins, None
             self.obj = None
             if self._pos is None:
                 return  # a copy: nothing to unpin
@@ -149,7 +162,7 @@ class PinnedView:
                 self._view.release()
             except BufferError:
                 pass  # still referenced (e.g. by Arrow arrays the caller kept): drop ours only
-            sp.pins.unpin(self._pos)
+            pins.unpin(self._pos)
 
     def __enter__(self) -> PinnedView:
         return self
@@ -164,25 +177,22 @@ class PinnedView:
             pass
 
     def __repr__(self) -> str:
-        state = "released" if self._spool is None else "pinned" if self._pos is not None else "copied"
+        state = "released" if self._pins is None else "pinned" if self._pos is not None else "copied"
         return f"<shmq.PinnedView seq={self.seq} {state}>"
 
 
-# --- spool / reader operations (bound as methods in spool.py and reader.py) ---------
-# They reach the spool and readers through their public parts only
-# (``spool.writer``, ``spool.ring``, ``spool.pins``, ``reader.take``...): this
-# module imports neither spool nor reader.
+# --- writing: into the spool's writer (shmq.writer.Writer, a part below the facade) ---
+# ``timeout`` is the validated one (0: do not wait for room; None: forever).
 
 
-def put_array(spool: Spool, arr: npt.NDArray[Any], *, block: bool = True,
-              timeout: float | None = None) -> int:
+def put_array(writer: Writer, arr: npt.NDArray[Any], timeout: float | None) -> int:
     """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
     head, data = encode_array(arr)
-    return _append(spool, ((head, data),), block, timeout)
+    return writer.append(((head, data),), timeout, F.CODEC_NUMPY)
 
 
-def put_records(spool: Spool, arr: npt.NDArray[Any], *, max_frame_bytes: int | None = None,
-                block: bool = True, timeout: float | None = None) -> int:
+def put_records(writer: Writer, arr: npt.NDArray[Any], timeout: float | None, *,
+                max_frame_bytes: int | None = None) -> int:
     """Append a structured (or any 1-d) array as consecutive frames of whole records, atomically.
 
     Frames hold at most ``max_frame_bytes`` of records (default: a quarter of
@@ -190,17 +200,10 @@ def put_records(spool: Spool, arr: npt.NDArray[Any], *, max_frame_bytes: int | N
     """
     if not isinstance(arr, np.ndarray) or arr.ndim != 1:
         raise TypeError("put_many() of records takes a 1-d numpy array")
-    limit = max_frame_bytes or max(arr.dtype.itemsize, spool.capacity // 4)
+    limit = max_frame_bytes or max(arr.dtype.itemsize, writer.ring_bytes // 4)
     per = max(1, limit // max(1, arr.dtype.itemsize))
     parts = tuple(encode_array(arr[i:i + per]) for i in range(0, max(len(arr), 1), per))
-    return _append(spool, parts, block, timeout)
-
-
-def _append(spool: Spool, frames: tuple[Any, ...], block: bool, timeout: float | None,
-            codec: int = F.CODEC_NUMPY) -> int:
-    timeout = check_block_timeout(block, timeout)
-    spool.check_open()
-    return spool.writer.append(frames, timeout, codec)
+    return writer.append(parts, timeout, F.CODEC_NUMPY)
 
 
 def _arrow() -> Any:
@@ -211,7 +214,7 @@ def _arrow() -> Any:
     return pa
 
 
-def put_arrow(spool: Spool, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
+def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
     pa = _arrow()
     if isinstance(data, pa.Table):
@@ -237,7 +240,7 @@ def put_arrow(spool: Spool, data: Any, *, block: bool = True, timeout: float | N
         if sink.tell() != size:
             raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
 
-    return _append(spool, (Deferred(size, fill),), block, timeout, F.CODEC_ARROW)
+    return writer.append((Deferred(size, fill),), timeout, F.CODEC_ARROW)
 
 
 def decode_arrow(buf: ReadableBuffer) -> Any:
@@ -248,100 +251,47 @@ def decode_arrow(buf: ReadableBuffer) -> Any:
         raise ShmqError(f"corrupt Arrow frame: {exc}") from None
 
 
-def next_frame(reader: Reader, block: bool, timeout: float | None, copy: bool,
-               want_codec: int) -> tuple[int, Any, int, int | None]:
-    """The next frame of ``reader`` as ``(seq, payload, codec, pos)``; pinned if ``copy=False``.
+# --- reading: what a reader took (the reader waits, moves its cursor, holds its locks) ---
 
-    With ``copy=False`` the payload is a memoryview into the mapping and
-    the frame is pinned at ``pos``; the caller wraps it in a PinnedView.
+
+def view_of(pins: Pins, seq: int, payload: Any, codec: int, pos: int | None, copy: bool, want: int,
+            decode: Callable[[Any], Any]) -> Any:
+    """A frame a reader took, decoded by ``decode``: over a private copy, or (``copy=False``)
+    a :class:`PinnedView` holding the pin the reader took at ``pos`` (None: a copy, as a
+    reader lapped in overwrite mode gets: a view all the same, pinning nothing, so the
+    caller's code holds).
+
+    :raises shmq.ShmqError: the frame is not of codec ``want`` (it was consumed).
     """
-    if timeout is not None or not block:
-        timeout = check_block_timeout(block, timeout)
-    deadline = None
-    while True:
-        reader.check()
-        got = reader.take(copy, timeout)
-        if got is not None:
-            seq, payload, codec, pos = got
-            if codec != want_codec:
-                if pos is not None:
-                    reader.spool.pins.unpin(pos)
-                name = F.CODEC_NAMES.get(codec, codec)
-                raise ShmqError(f"frame {seq} is a {name} frame, not {F.CODEC_NAMES[want_codec]} "
-                                "(it was consumed; read mixed spools with get())")
-            return seq, payload, codec, pos
-        deadline = reader.wait(timeout, deadline)
-
-
-def _get(reader: Reader, block: bool, timeout: float | None, copy: bool, codec: int,
-         decode: Callable[[Any], Any]) -> Any:
-    """Next frame of ``codec``, decoded: over a private copy, or a PinnedView if ``copy=False``."""
-    seq, payload, _codec, pos = next_frame(reader, block, timeout, copy, codec)
-    if pos is None:
-        obj = decode(payload)
-        # copy=False, and the frame came copied (its reader lost frames): a view
-        # all the same, with nothing pinned, so that the caller's code holds
-        return obj if copy else PinnedView(obj, seq, reader.spool, None, payload)
     try:
+        if codec != want:
+            name = F.CODEC_NAMES.get(codec, codec)
+            raise ShmqError(f"frame {seq} is a {name} frame, not {F.CODEC_NAMES[want]} "
+                            "(it was consumed; read mixed spools with get())")
         obj = decode(payload)
     except BaseException:
-        reader.spool.pins.unpin(pos)  # nothing will release a view we never return
+        if pos is not None:
+            pins.unpin(pos)  # nothing will release a view we never return
         raise
-    return PinnedView(obj, seq, reader.spool, pos, payload)
+    if pos is None and copy:
+        return obj
+    return PinnedView(obj, seq, pins, pos, payload)
 
 
-def get_array(reader: Reader, block: bool = True, timeout: float | None = None,
-              copy: bool = True) -> Any:
-    """The next frame as a numpy array: a writable copy, or (``copy=False``) a PinnedView."""
-    return _get(reader, block, timeout, copy, F.CODEC_NUMPY,
-                lambda buf: decode_array(buf, writable=isinstance(buf, bytearray)))
-
-
-def get_arrow(reader: Reader, block: bool = True, timeout: float | None = None,
-              copy: bool = True) -> Any:
-    """The next frame as a pyarrow Table: over a private copy, or (``copy=False``) a PinnedView."""
-    return _get(reader, block, timeout, copy, F.CODEC_ARROW, decode_arrow)
-
-
-def get_records(reader: Reader, max_frames: int = 100, block: bool = True,
-                timeout: float | None = None) -> npt.NDArray[Any]:
-    """Concatenate up to ``max_frames`` consecutive numpy frames of one dtype into one array.
-
-    Blocks only for the first frame; stops early at a frame of another dtype
-    or codec (left for the next call).  For anonymous and named readers the
-    records are copied once, straight from the mapping into the result.
-    """
-    if not reader.shared and not reader.closed:
-        out = _records_run(reader, max_frames, None)
-        if out is not None:
-            return out
-    first = get_array(reader, block, timeout)
-    parts = [first.reshape(-1)]
-    if not reader.shared and max_frames > 1:
-        rest = _records_run(reader, max_frames - 1, first.dtype)
-        if rest is not None:
-            parts.append(rest)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-    while len(parts) < max_frames:
-        try:
-            nxt = _peek_dtype(reader)
-        except Empty:
-            break
-        if nxt != first.dtype:
-            break
-        parts.append(get_array(reader, block=False).reshape(-1))
+def join_records(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    """One array of the record runs a reader took (no copy for one)."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _records_run(reader: Reader, max_frames: int,
-                 dtype: np.dtype[Any] | None) -> npt.NDArray[Any] | None:
-    """Copy a run of plain numpy frames at the cursor into one array; None if none.
+def records_run(ring: Ring, seq: int, pos: int, max_frames: int,
+                dtype: np.dtype[Any] | None) -> tuple[npt.NDArray[Any], int, int] | None:
+    """Copy the run of plain numpy frames at cursor ``(seq, pos)`` of ``ring`` into one array:
+    ``(array, seq, pos)`` past the run (where the reader moves its cursor), or None if
+    there is none (or it was overwritten while copying).
 
-    Lock-free like the core's reads: views over the mapping are concatenated
+    Lock-free like the engine's reads: views over the mapping are concatenated
     (the one copy), then FIRST_POS is re-checked against the run's start.
     """
-    ring = reader.spool.ring
-    seq, pos = reader.cursor()
     nxt = ring.next_seq
     arrays: list[npt.NDArray[Any]] = []
     start = None
@@ -366,14 +316,14 @@ def _records_run(reader: Reader, max_frames: int,
     out = np.concatenate(arrays) if len(arrays) > 1 else arrays[0].copy()
     if not ring.still_there(start):  # overwritten while copying: take the slow path
         return None
-    reader.advance(seq, pos)
-    return out
+    return out, seq, pos
 
 
-def _peek_dtype(reader: Reader) -> np.dtype[Any]:
-    """dtype of the next frame, without consuming it."""
-    ring = reader.spool.ring
-    seq, pos = reader.cursor()
+def peek_dtype(ring: Ring, seq: int, pos: int) -> np.dtype[Any]:
+    """dtype of the numpy frame at cursor ``(seq, pos)``, without consuming it.
+
+    :raises shmq.Empty: no frame there yet, or not a numpy frame.
+    """
     if seq >= ring.next_seq:
         raise Empty
     hit = ring.header_at(ring.frame_pos(pos))

@@ -12,8 +12,11 @@ finds, for the calling user only:
   regular file anywhere under /dev/shm (scanned), not a file some live
   process has mapped, and not mapped by a live process themselves;
 * **orphaned anonymous queues** (``/dev/shm/shmq-q-PID-START-RANDOM``):
-  ours, whose creator (pid and start time, in the name) is dead, and that
-  no live process maps or has open.
+  ours, whose creator (pid and start time, in the name) is dead, and to
+  which no handle exists: its handle lock is free (one fcntl,
+  :mod:`shmq.anonymous`), or, for a file an older shmq created (whose
+  handles take no such lock), no live process maps it or has it open (a
+  scan of /proc: this module is where shmq scans /proc, never ``Queue()``).
 
 The registry is read as untrusted input: it can only *protect* semaphores
 (an entry whose file does not match is ignored), never cause a removal.
@@ -28,12 +31,18 @@ import re
 import stat
 import time
 
+from ._lock import process_alive
 from ._mapping import (
-    SEM_DIR, registry_dir, sem_prefix_of, unlink_semaphore, unregister_spool,
+    SEM_DIR, destroy_file, read_geometry, registry_dir, sem_prefix_of, unlink_semaphore,
+    unregister_spool,
 )
-from .queue import anonymous_paths, is_orphan, reclaim_if_orphan
+from .anonymous import (
+    ANONYMOUS_DIR, ANONYMOUS_PREFIX, FREE, UNKNOWN, anonymous_paths, forget_in_tracker, probe,
+    queue_creator, reclaim,
+)
+from .errors import ShmqError
 
-__all__ = ["Orphans", "sweep", "orphaned_queues"]
+__all__ = ["Orphans", "sweep", "orphaned_queues", "open_by"]
 
 _PREFIX_RE = re.compile(r"^[0-9a-f]{12}$")
 _SEM_RE = re.compile(r"^sem\.shmq\.([0-9a-f]{12})\.([A-Za-z0-9]{1,8})$")
@@ -154,10 +163,92 @@ def _in_use() -> set[str]:
     return out
 
 
+def open_by(path: str, include_self: bool = False) -> list[int]:
+    """Pids of other live processes (this one too with ``include_self``) that have the
+    file at ``path`` mapped (every open shmq handle maps its spool), from
+    /proc/PID/maps; [] if none or not readable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    me, pids = (-1 if include_self else os.getpid()), []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    ino = str(st.st_ino)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) >= 5 and parts[4] == ino and parts[3] == dev:
+                        pids.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def _open_anywhere(path: str) -> bool:
+    """True if a live process (one we can see, this one included) maps the file at
+    ``path`` or has it open: a scan of every process's maps and descriptors."""
+    if open_by(path, include_self=True):
+        return True
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        d = f"/proc/{entry}/fd"
+        try:
+            fds = os.listdir(d)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{d}/{fd}").startswith(os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX)):
+                    fst = os.stat(f"{d}/{fd}")
+                    if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+def _is_orphan(path: str) -> bool:
+    """The anonymous queue at ``path`` has a dead creator and no handle: by its handle
+    lock, or, for a file the lock cannot tell about (an older shmq's), by a scan."""
+    creator = queue_creator(path)
+    if creator is None or process_alive(*creator):
+        return False
+    verdict = probe(path)
+    return verdict == FREE or (verdict == UNKNOWN and not _open_anywhere(path))
+
+
+def _reclaim(path: str) -> None:
+    """Remove an orphaned anonymous queue, deciding again (a process may have attached
+    since the listing): under the handle lock (:func:`shmq.anonymous.reclaim`), or for
+    an older shmq's file by a second scan just before removing it."""
+    if reclaim(path) or probe(path) != UNKNOWN or not _is_orphan(path):
+        return
+    try:
+        prefix = read_geometry(path)["sem_prefix"]
+    except (OSError, ShmqError):
+        prefix = None  # damaged: destroy_file finds its semaphores from its inode
+    try:
+        destroy_file(path)
+    except (OSError, ShmqError):
+        return
+    if prefix is not None:
+        forget_in_tracker(path, prefix)
+
+
 def orphaned_queues() -> list[str]:
-    """This user's anonymous queues whose creator is dead and that no live process maps
-    or has open (:func:`shmq.queue.is_orphan`)."""
-    return [p for p in anonymous_paths() if is_orphan(p)]
+    """This user's anonymous queues whose creator is dead and to which no handle exists
+    (the handle lock; for files of an older shmq, a scan of /proc)."""
+    return [p for p in anonymous_paths() if _is_orphan(p)]
 
 
 def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
@@ -171,7 +262,7 @@ def sweep(remove: bool = False, min_age: float = MIN_AGE_S) -> Orphans:
     queues = orphaned_queues()
     if remove:
         for p in queues:
-            reclaim_if_orphan(p)  # checks again: a process may have attached since the listing
+            _reclaim(p)
     sems = _our_semaphores(min_age)
     live, stale = _registered()
     keep = live | _under_shm() | _in_use()

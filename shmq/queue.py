@@ -10,31 +10,30 @@ killed after ``put`` returned loses nothing, and one killed inside ``put``
 exposes nothing.
 
 Lifetime: a queue created without ``path`` lives in ``/dev/shm`` under a
-random name that is removed when its creator closes it, is garbage
-collected, exits, or is killed (the multiprocessing resource tracker
-removes it once the creator and the children sharing its tracker are
-gone); processes that have it open keep working until they close it.
-A queue created with ``path`` is persistent until ``shmq.Spool.destroy``.
+name carrying its creator, and is removed when its creator closes it, is
+garbage collected or exits; processes that have it open keep working until
+they close it.  If the creator is killed, it is removed once no handle to it
+is left (:mod:`shmq.anonymous`).  A queue created with ``path`` is persistent
+until ``shmq.Spool.destroy``.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
-import stat as _stat
+import pickle
 import weakref
 from collections.abc import Callable, Iterable
-from multiprocessing import resource_tracker
 from multiprocessing import util as _mp_util
 from typing import Any
-
-import posix_ipc
 
 from . import _core
 from . import _format as F
 from . import codec as _codec
-from ._lock import holder_word, process_alive
-from ._mapping import SEM_UNFINISHED, destroy_file, open_by, sem_name
+from .anonymous import (  # noqa: F401  (anonymous_paths, queue_creator, is_orphan: shmq.queue's API)
+    ANONYMOUS_DIR, ANONYMOUS_PREFIX, anonymous_path, anonymous_paths, destroy_owned, is_orphan,
+    queue_creator, reclaim, reclaim_orphans, track,
+)
+from ._mapping import SEM_UNFINISHED, sem_name
 from .errors import Empty, Full, ShmqError, Timeout
 from .spool import Spool
 from .waiting import check_block_timeout, retry_async
@@ -48,16 +47,11 @@ GROUP = "queue"
 DEFAULT_CAPACITY = "1MiB"
 #: The default ceiling: half the filesystem holding the queue (``/dev/shm``), at most this.
 MAX_DEFAULT_CEILING = 4 << 30
-#: Where a Queue made without ``path`` lives: ``/dev/shm/shmq-q-<pid>-<start>-<random>``
-#: (created exclusively, mode 0600, removed by its creator; the creator's pid and
-#: start time let a survivor reclaim it once the creator is dead, see
-#: :func:`reclaim_if_orphan`).
-ANONYMOUS_DIR = "/dev/shm"
-ANONYMOUS_PREFIX = "shmq-q-"
-_TRACKED_SEMS = ("w", "r", "f", "u")
 
 
-# The codec layer (shmq.codec) owns pickling and the trust decision.
+# The codec layer (shmq.codec) owns pickling and the trust decision; the Queue port in
+# the binding pickles with its protocol (items in one C call: shmq/core/api.c).
+_core.setup_pickle(pickle.loads, pickle.dumps, _codec.PROTOCOL)
 _encode = _codec.encode
 _decode = _codec.decode_item  # only after _codec.require_trust() at attach
 
@@ -105,25 +99,28 @@ class Queue:
                                            else os.path.dirname(os.path.abspath(path)) or ".",
                                            capacity)
         if path is None:
-            reclaim_orphans()  # bounded: queues of dead creators nobody maps any more
-            me = holder_word()
-            path = os.path.join(ANONYMOUS_DIR, f"{ANONYMOUS_PREFIX}{me & 0xFFFFFFFF}-{me >> 32:x}-"
-                                f"{secrets.token_hex(8)}")
-            spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
+            reclaim_orphans()  # bounded: an fcntl per candidate, no /proc scan (shmq.anonymous)
+            spool = Spool.create(anonymous_path(), capacity=capacity, max_capacity=max_capacity,
                                  on_full="block", readers=1, leases=0)
             spool.ring.ctl[F.W_QUEUE_MAXSIZE] = max(0, maxsize)
             self._owner = os.getpid()
-            self._track(spool)
         else:
             spool = Spool.create(path, capacity=capacity, max_capacity=max_capacity,
                                  on_full="block", exist_ok=True)
             if maxsize > 0 and not spool.ring.ctl[F.W_QUEUE_MAXSIZE] and spool.next_seq == 0:
                 spool.ring.ctl[F.W_QUEUE_MAXSIZE] = maxsize
-        self._attach(spool, trusted)
+        try:
+            self._attach(spool, trusted)
+        except BaseException:
+            if self._owner is not None:
+                destroy_owned(spool.path, spool.sem_prefix, self._owner)
+            raise
         if self._owner is not None:
+            # after _attach: the group's (and a JoinableQueue's count's) semaphores exist
+            track(spool.path, spool.sem_prefix)
             _mp_util.register_after_fork(self, Queue._watch_creator)
             # Removes the file and semaphores when the creator is done with it.
-            self._finalizer = weakref.finalize(self, _destroy_owned, spool.path, spool.sem_prefix,
+            self._finalizer = weakref.finalize(self, destroy_owned, spool.path, spool.sem_prefix,
                                                self._owner)
 
     def _attach(self, spool: Spool, trusted: bool) -> None:
@@ -156,13 +153,6 @@ class Queue:
         self._trusted = trusted
         self._closed = False
 
-    @staticmethod
-    def _track(spool: Spool) -> None:
-        # The resource tracker unlinks these if we die without closing.
-        resource_tracker.register("/" + os.path.basename(spool.path), "shared_memory")
-        for which in _TRACKED_SEMS + (f"g{0}",):
-            resource_tracker.register(sem_name(spool.sem_prefix, which), "semaphore")
-
     # -- pickling: by path, reattach ------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
@@ -178,7 +168,7 @@ class Queue:
 
     def _watch_creator(self) -> None:
         """In a process other than the creator: the last handle to close after the
-        creator died removes the queue (:func:`reclaim_if_orphan`).  multiprocessing's
+        creator died removes the queue (:func:`shmq.anonymous.reclaim`).  multiprocessing's
         Finalize runs at close, garbage collection, and the exit of a child process
         (which skips atexit); a fork child re-arms it (``register_after_fork``)."""
         if self._closed or self._owner == os.getpid() or queue_creator(self._spool.path) is None:
@@ -387,150 +377,17 @@ def _port_of(queue: Queue) -> Any:
     return port
 
 
-def anonymous_paths() -> list[str]:
-    """Paths of this user's anonymous queues (``Queue()`` without ``path``), sorted.
-
-    Regular files named like one and owned by the calling user; never follows
-    a link.  What each one is, is for the caller to validate (``shmq ls`` reads
-    its header).
-    """
-    out: list[str] = []
-    try:
-        names = sorted(os.listdir(ANONYMOUS_DIR))
-    except OSError:
-        return out
-    uid = os.getuid()
-    for name in names:
-        if not name.startswith(ANONYMOUS_PREFIX):
-            continue
-        full = os.path.join(ANONYMOUS_DIR, name)
-        try:
-            st = os.lstat(full)
-        except OSError:
-            continue
-        if _stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-            out.append(full)
-    return out
-
-
-def queue_creator(path: str) -> tuple[int, int] | None:
-    """``(pid, start)`` of the creator of the anonymous queue at ``path``, from its name
-    (``start``: low 32 bits of its start time, as :func:`shmq._lock.process_alive` takes);
-    None for another name (a named queue, or one named by an older shmq)."""
-    name = os.path.basename(path)
-    if os.path.dirname(path) != ANONYMOUS_DIR or not name.startswith(ANONYMOUS_PREFIX):
-        return None
-    parts = name[len(ANONYMOUS_PREFIX):].split("-")
-    if len(parts) != 3:
-        return None
-    try:
-        pid, start = int(parts[0]), int(parts[1], 16)
-    except ValueError:
-        return None
-    return (pid, start) if 0 < pid and 0 <= start < 1 << 32 else None
-
-
-def _open_fd_somewhere(path: str) -> bool:
-    """True if a live process (that we can see) has ``path`` open, not only mapped."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        d = f"/proc/{entry}/fd"
-        try:
-            fds = os.listdir(d)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"{d}/{fd}").startswith(os.path.join(ANONYMOUS_DIR, ANONYMOUS_PREFIX)):
-                    fst = os.stat(f"{d}/{fd}")
-                    if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
-                        return True
-            except OSError:
-                continue
-    return False
-
-
-def is_orphan(path: str) -> bool:
-    """True if the anonymous queue at ``path`` is this user's regular file, its creator
-    (named in the file name) is dead, and no live process, this one included, maps it
-    or has it open: then no handle can still attach to it.  The one test behind
-    :func:`reclaim_if_orphan`, :func:`reclaim_orphans` and ``shmq gc``."""
-    creator = queue_creator(path)
-    if creator is None or process_alive(*creator):
-        return False
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if not _stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        return False
-    return not (open_by(path, include_self=True) or _open_fd_somewhere(path))
-
-
 def reclaim_if_orphan(path: str, spool: Spool | None = None) -> bool:
-    """Remove the anonymous queue at ``path`` if :func:`is_orphan` (closing ``spool``,
-    this handle's, first); return True if removed.
-
-    Called when a non-creator handle closes or its process exits, by
-    :func:`reclaim_orphans` and by ``shmq gc --yes``.  A queue whose creator
-    lives, that some process maps or has open, or whose name does not carry its
-    creator is left alone.
-    """
+    """Close ``spool`` (this process's handle of the anonymous queue at ``path``), then
+    remove the queue if that was the last handle anywhere and its creator is dead
+    (:func:`shmq.anonymous.reclaim`); return True if removed.  What a non-creator
+    handle runs when it is closed, collected, or its process exits."""
     if spool is not None:
         try:
             spool.close()
         except Exception:
             pass
-    if not is_orphan(path):
-        return False
-    try:
-        destroy_file(path)
-    except (OSError, ShmqError):
-        return False
-    return True
-
-
-#: At most this many dead creators' queues are checked per :func:`reclaim_orphans` call.
-RECLAIM_BATCH = 4
-
-
-def reclaim_orphans(limit: int = RECLAIM_BATCH) -> int:
-    """Reclaim up to ``limit`` anonymous queues of this user whose creator is dead and
-    that no live process maps (run at each anonymous ``Queue()`` creation: bounded
-    work, a ``kill(pid, 0)`` per queue unless its creator is dead); return how many."""
-    n = checked = 0
-    for p in anonymous_paths():
-        creator = queue_creator(p)
-        if creator is None or process_alive(*creator):
-            continue
-        checked += 1
-        n += reclaim_if_orphan(p)
-        if checked >= limit:
-            break
-    return n
-
-
-def _destroy_owned(path: str, prefix: str, owner: int) -> None:
-    if os.getpid() != owner:
-        return  # a fork child inherited the finalizer: only the creator removes it
-    from ._mapping import unlink_semaphores
-
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    unlink_semaphores(prefix, 1)
-    try:
-        resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
-        for which in _TRACKED_SEMS + ("g0",):
-            resource_tracker.unregister(sem_name(prefix, which), "semaphore")
-    except Exception:
-        pass
+    return reclaim(path)
 
 
 class JoinableQueue(Queue):
@@ -556,10 +413,8 @@ class JoinableQueue(Queue):
         """
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        try:
-            self._unfinished.acquire(0)
-        except posix_ipc.BusyError:
-            raise ValueError("task_done() called too many times") from None
+        if not self._unfinished.acquire(0):
+            raise ValueError("task_done() called too many times")
         sp = self._spool
         if not self._unfinished.value and sp.space_bell.has_waiters():
             sp.space_bell.ring()

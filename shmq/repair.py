@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import time
 
+from . import _core
 from . import _format as F
-from ._format import FLAG_PAD, W_FIRST_POS, W_FIRST_SEQ, W_LOCK_HOLDER, W_LOCK_TOKEN, W_NEXT_POS, W_NEXT_SEQ
+from ._format import W_LOCK_HOLDER, W_LOCK_TOKEN
 from ._lock import RecoverableLock, holder_alive, holder_pid, holder_word, ofd_lock, ofd_unlock
 from ._mapping import SEM_WRITER, Mapping, group_sem_name, open_semaphore, resolve_path, sem_name
-from .verify import ORPHAN_LOCK_CHECK_S, Report, existing_semaphore, first_cursor, header_of, verify
+from .verify import ORPHAN_LOCK_CHECK_S, Report, existing_semaphore, first_cursor, verify
 
 __all__ = ["repair"]
 
@@ -119,15 +120,11 @@ def _fix_semaphore_value(v, actions):
     sem = existing_semaphore(sem_name(v.geo["sem_prefix"], SEM_WRITER))
     if sem is None:
         return
-    import posix_ipc
-
     ofd_lock(v.fd, F.RECOVERY_LOCK_BYTE, wait=True)
     try:
         before = sem.value
         while sem.value > 1:
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
+            if not sem.acquire(0):
                 break
         if before > 1:
             actions.append(f"writer semaphore value {before} -> {sem.value}")
@@ -137,42 +134,13 @@ def _fix_semaphore_value(v, actions):
 
 
 def _recover_control(v, actions):
-    """The engine's post-crash re-derivation of the control words (writer lock held).
-
-    Mirrors :meth:`shmq.ring.Ring.repair_after_writer_death`: FIRST_SEQ is re-read from the header
-    at FIRST_POS, NEXT_POS from walking the headers up to NEXT_SEQ.  Unlike
-    the engine, a ring that cannot be walked is left alone (its contents are
-    never dropped by fsck): that stays a reported problem.
-    """
-    ctl = v.ctl
-    nseq = ctl[W_NEXT_SEQ]
-    if ctl[W_FIRST_SEQ] >= nseq:
-        if ctl[W_FIRST_POS] != ctl[W_NEXT_POS]:
-            actions.append(f"reset the empty ring's head from position {ctl[W_FIRST_POS]} to "
-                           f"NEXT_POS {ctl[W_NEXT_POS]}")
-            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
-            ctl[W_FIRST_SEQ] = nseq
-        return
-    pos = ctl[W_FIRST_POS]
-    hit = header_of(v, pos)
-    if hit is None or not ctl[W_FIRST_SEQ] <= hit.seq < nseq:
-        actions.append("left the control words alone: the oldest frame's header is unreadable")
-        return
-    if ctl[W_FIRST_SEQ] != hit.seq:
-        actions.append(f"FIRST_SEQ {ctl[W_FIRST_SEQ]} -> {hit.seq} (a writer died while evicting)")
-        ctl[W_FIRST_SEQ] = hit.seq
-    seq, limit = hit.seq, pos + v.geo["ring_bytes"]
-    while seq < nseq:
-        h = header_of(v, pos)
-        if h is None or h.seq != seq or h.pos + h.stored > limit:
-            actions.append(f"left NEXT_POS alone: frame {seq}'s header is unreadable")
-            return
-        pos = h.pos + h.stored
-        if not h.flags & FLAG_PAD:
-            seq += 1
-    if ctl[W_NEXT_POS] != pos:
-        actions.append(f"NEXT_POS {ctl[W_NEXT_POS]} -> {pos} (re-derived from the frame headers)")
-        ctl[W_NEXT_POS] = pos
+    """The engine's post-crash re-derivation of the control words (writer lock held):
+    ``eng_repair_control``, what the engine's own lock recovery runs (FIRST_SEQ re-read
+    from the header at FIRST_POS, NEXT_POS from walking the headers up to NEXT_SEQ).
+    Unlike the engine's recovery, a ring that cannot be walked is left alone (fsck never
+    drops frames): that stays a reported problem."""
+    _changed, done = _core.repair_control(v.mm, v.geo["ring_offset"], v.geo["ring_bytes"], False)
+    actions.extend(done)
 
 
 def _finish_commit(v, actions):
@@ -180,13 +148,9 @@ def _finish_commit(v, actions):
 
 
 def _with_writer_lock(v, actions, timeout, fn):
-    import posix_ipc
-
     sem = _sem(v, sem_name(v.geo["sem_prefix"], SEM_WRITER))
     try:
-        try:
-            sem.acquire(timeout)
-        except posix_ipc.BusyError:
+        if not sem.acquire(timeout):
             actions.append(f"skipped a repair: the writer lock stayed busy for {timeout} s")
             return
         v.ctl[W_LOCK_HOLDER] = holder_word()

@@ -9,8 +9,10 @@ whose lengths are known to keep it inside the ring.  Read its fields by name.
 Everything here is safe to call without the writer lock: reads either see a
 committed frame or report that it is gone (the seqlock check against
 ``FIRST_POS``), and never read outside the mapping, whatever the bytes say.
-The header layout itself is :mod:`shmq._format`'s; the hot reads are the
-compiled core's (:mod:`shmq._core`).
+Decoding a header, the oldest frame, the control-word checks and the
+repair after a writer died are the engine's (shmq/engine/inspect.c, through
+:mod:`shmq._core`), written once for the engine, fsck (:mod:`shmq.verify`)
+and repair; so are the hot reads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import time
 from typing import NamedTuple
 
+from . import _core
 from . import _format as F
 from ._format import FLAG_PAD, FRAME_BYTES, W_FIRST_POS, W_FIRST_SEQ, W_NEXT_POS, W_NEXT_SEQ
 from .errors import FrameLost, SpoolFormatError
@@ -27,8 +30,7 @@ __all__ = ["Ring", "HeaderHit", "header_at", "raw_header_at"]
 
 log = logging.getLogger("shmq")
 
-_unpack_frame = F.FRAME.unpack_from
-_valid = F.valid_frame_header
+_decode = _core.header_at
 
 
 class HeaderHit(NamedTuple):
@@ -57,31 +59,19 @@ def raw_header_at(buf, base, size, pos) -> HeaderHit:
     Only for reporting bad headers (fsck); everything else uses :func:`header_at`.
     Follows the short-tail skip (``hit.pos`` is then past it); never reads outside the ring.
     """
-    off = pos % size
-    if size - off < FRAME_BYTES:
-        pos += size - off
-        off = 0
-    hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(buf, base + off)
-    return _hit(HeaderHit, (hseq, pos, stored, length, ts, crc, flags, codec))
+    return _hit(HeaderHit, _decode(buf, base, size, pos, False))
 
 
 def header_at(buf, base, size, pos) -> HeaderHit | None:
     """The header hit at/after ring position ``pos`` of the ring of ``size`` bytes at
     offset ``base`` of ``buf``, or None if its lengths are out of bounds.
 
-    Follows the short-tail skip; never reads outside the ring.  (With
-    :func:`raw_header_at`, the one decoder of frame headers above the core:
-    :class:`Ring`, fsck and the tools use it.)
+    Follows the short-tail skip; never reads outside the ring.  The engine's one
+    decoder of frame headers (``eng_header_at``), which its own reads check the same
+    way: :class:`Ring`, fsck and the tools use it.
     """
-    # raw_header_at's body, inlined: this runs once per frame on export paths.
-    off = pos % size
-    if size - off < FRAME_BYTES:
-        pos += size - off
-        off = 0
-    hseq, stored, length, ts, crc, flags, codec, _x = _unpack_frame(buf, base + off)
-    if not _valid(stored, length, off, size):
-        return None
-    return _hit(HeaderHit, (hseq, pos, stored, length, ts, crc, flags, codec))
+    t = _decode(buf, base, size, pos)
+    return None if t is None else _hit(HeaderHit, t)
 
 
 class Ring:
@@ -184,49 +174,17 @@ class Ring:
     def repair_after_writer_death(self, dead_pid) -> None:
         """Repair the control words after breaking a dead writer's lock (lock held).
 
-        A writer stores, in order: FIRST_POS, FIRST_SEQ (eviction), frame
-        bytes, NEXT_SEQ (the commit), NEXT_POS.  Killed anywhere in that
-        sequence, at most FIRST_SEQ lags its position's header and NEXT_POS
-        lags the committed frames; both are re-derived from the frame
-        headers, walking the ring once (O(frames resident), recovery only).
-        An unreadable ring is dropped whole (readers count the frames lost).
+        The engine's re-derivation (``eng_repair_control``, what a C writer's
+        recovery runs too): FIRST_SEQ re-read from the header at FIRST_POS,
+        NEXT_POS from the headers up to NEXT_SEQ, walking the ring once
+        (O(frames resident), recovery only).  An unreadable ring is dropped
+        whole (readers count the frames lost).
         """
-        ctl = self.ctl
         log.warning("shmq: recovered the writer lock of %s from dead pid %s (token now %s)",
-                    self.path, dead_pid, ctl[F.W_LOCK_TOKEN])
-        next_seq = ctl[W_NEXT_SEQ]
-        if ctl[W_FIRST_SEQ] >= next_seq:  # empty: nothing committed since any eviction
-            ctl[W_FIRST_POS] = ctl[W_NEXT_POS]
-            ctl[W_FIRST_SEQ] = next_seq
-            return
-        pos = ctl[W_FIRST_POS]
-        hit = self.header_at(pos)
-        end = None
-        if hit is not None and ctl[W_FIRST_SEQ] <= hit.seq < next_seq:
-            ctl[W_FIRST_SEQ] = hit.seq  # it died between FIRST_POS and FIRST_SEQ
-            end = self.walk_end(hit.seq, pos, next_seq)
-        if end is None:
-            log.error("shmq: %s: ring unreadable after writer death; dropping its contents "
-                      "(readers will count them lost)", self.path)
-            end = max(ctl[W_NEXT_POS], ctl[W_FIRST_POS])
-            ctl[W_NEXT_POS] = end
-            ctl[W_FIRST_POS] = end
-            ctl[W_FIRST_SEQ] = next_seq
-            return
-        ctl[W_NEXT_POS] = end  # it may have died between NEXT_SEQ and NEXT_POS
-
-    def walk_end(self, seq, pos, next_seq):
-        """Position right after frame ``next_seq - 1``, walking from frame ``seq`` at ``pos``;
-        None if a header on the way is invalid (recovery and repair only: O(frames))."""
-        limit = pos + self.size
-        while seq < next_seq:
-            hit = self.header_at(pos)
-            if hit is None or hit.seq != seq or hit.pos + hit.stored > limit:
-                return None
-            pos = hit.pos + hit.stored
-            if not hit.flags & FLAG_PAD:
-                seq += 1
-        return pos
+                    self.path, dead_pid, self.ctl[F.W_LOCK_TOKEN])
+        done = self.core.repair_after_writer_death()
+        if "unreadable" in done:
+            log.error("shmq: %s: %s", self.path, done)
 
     # -- cursors ------------------------------------------------------------
 
@@ -316,26 +274,17 @@ class Ring:
     def check_control(self) -> None:
         """Refuse control words no writer could have left (bit rot, foreign writes).
 
-        Read lock-free while writers may be running: FIRST_* before NEXT_*
-        (both only grow), and a suspicious reading is re-read a few times
-        before it is believed, so a live spool is never called corrupt.
+        Read lock-free while writers may be running (the engine's checks,
+        ``eng_control_problems``, which fsck reports too); a suspicious reading
+        is re-read a few times before it is believed, so a live spool is never
+        called corrupt.
 
         :raises shmq.SpoolFormatError: the control block is corrupt.
         """
-        ctl, ring = self.ctl, self.size
         for attempt in range(5):
-            fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
-            nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
-            if max(nseq, npos, fseq, fpos) >= F.MAX_COUNTER:
-                problem = "counter out of range"
-            elif fseq > nseq:
-                problem = f"first seq {fseq} > next seq {nseq}"
-            elif npos - fpos > ring if npos >= fpos else fpos - npos > ring:
-                problem = f"positions {fpos}..{npos} span more than the ring"
-            else:
+            problems = _core.control_problems(self.mm, self.size)
+            if not problems:
                 return
-            # (finer consistency, e.g. frames vs bytes, is fsck's job: a writer
-            # killed between two control stores leaves them briefly out of step)
-            time.sleep(0.001 * attempt)
-        raise SpoolFormatError(f"{self.path}: control block is corrupt ({problem}); "
+            time.sleep(0.001 * attempt)  # a writer between two stores
+        raise SpoolFormatError(f"{self.path}: control block is corrupt ({problems[0]}); "
                                "it cannot be repaired: remove it ('shmq rm') and create it again")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -48,8 +47,7 @@ from ._mapping import (
     destroy_file, resolve_path, sem_name,
 )
 from ._notify import Doorbell
-from .codec import PROTOCOL
-from .errors import Empty, SpoolFormatError
+from .errors import Empty, ShmqError, SpoolFormatError
 from .pins import Pins
 from .ring import Ring
 from .slots import SlotTable
@@ -61,15 +59,13 @@ from . import writer as _writer
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, StrPath
     from numpy.typing import NDArray
-    from posix_ipc import Semaphore
 
-    from .reader import GroupReader, NamedReader, Reader
+    from .group import GroupReader
+    from .reader import NamedReader, Reader
 
-# (shmq.Queue items: pickled with the protocol of shmq.codec, which owns the item codecs)
-_core.setup(SpoolFormatError, pickle.loads, pickle.dumps, PROTOCOL, Empty)
-# The core mirrors the layout, limits and texts of _format: refuse to run if they
-# ever disagree (a core built from another version).
-F.check_core(_core)
+# The engine's errors as this package's exceptions (shmq.Queue hands the binding its
+# pickling: the spool carries bytes).
+_core.setup(SpoolFormatError, Empty, ShmqError)
 
 log = logging.getLogger("shmq")
 
@@ -177,7 +173,7 @@ class Spool:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         self.holder = holder_word()
 
-    def _destroyed_while_opening(self, sems: tuple[Semaphore, ...]) -> NoReturn:
+    def _destroyed_while_opening(self, sems: tuple[_core.Semaphore, ...]) -> NoReturn:
         # Our O_CREAT may have re-created semaphores destroy() had unlinked, and
         # a handle on a file already gone is of no use to the caller: refuse it
         # as the path's absence would have, with no name left behind.
@@ -188,7 +184,7 @@ class Spool:
         raise FileNotFoundError(errno.ENOENT, "the spool was destroyed while being opened",
                                 self.mapping.path)
 
-    def open_semaphore(self, name: str, initial: int) -> Semaphore:
+    def open_semaphore(self, name: str, initial: int) -> _core.Semaphore:
         """Open (or create) named semaphore ``name`` with this spool's mode, refusing one
         that another user squatted (see :func:`shmq._mapping.open_semaphore`).
 
@@ -449,7 +445,9 @@ class Spool:
         if type(items).__module__ == "numpy" and getattr(items, "ndim", 0) == 1:
             from .columnar import put_records
 
-            return put_records(self, items, block=block, timeout=timeout)  # type: ignore[arg-type]
+            timeout = check_block_timeout(block, timeout)
+            self.check_open()
+            return put_records(self.writer, items, timeout)  # type: ignore[arg-type]
         if type(items) is not list and type(items) is not tuple:
             items = list(items)
         if not items:
@@ -499,7 +497,9 @@ class Spool:
         """
         from .columnar import put_array
 
-        return put_array(self, arr, block=block, timeout=timeout)
+        timeout = check_block_timeout(block, timeout)
+        self.check_open()
+        return put_array(self.writer, arr, timeout)
 
     def put_arrow(self, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
         """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).
@@ -509,7 +509,9 @@ class Spool:
         """
         from .columnar import put_arrow
 
-        return put_arrow(self, data, block=block, timeout=timeout)
+        timeout = check_block_timeout(block, timeout)
+        self.check_open()
+        return put_arrow(self.writer, data, timeout)
 
     def notify_space(self) -> None:
         """Wake writers blocked on a full spool (call after a consumer advances)."""
@@ -566,7 +568,8 @@ class Spool:
         :raises shmq.ShmqError: the reader table is full, or the name is a
             group/reader of the other kind.
         """
-        from .reader import GroupReader, NamedReader, Reader
+        from .group import GroupReader
+        from .reader import NamedReader, Reader
 
         self.check_open()
         if name is None:

@@ -27,6 +27,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
+from . import _core
 from . import _format as F
 from ._format import (
     FLAG_CRC, FLAG_EXT, FLAG_PAD, FLAG_SUPERSEDED, FRAME_BYTES, MAX_COUNTER, W_FIRST_POS,
@@ -35,7 +36,7 @@ from ._format import (
 from ._lock import holder_alive, holder_pid, ofd_locked_by_other
 from ._mapping import SEM_WRITER, Mapping, resolve_path, sem_name
 from .errors import NotASpool, SpoolFormatError
-from .ring import HeaderHit, header_at, raw_header_at
+from .ring import header_at, raw_header_at
 
 __all__ = ["Report", "verify"]
 
@@ -104,31 +105,19 @@ def _open_geometry(view, rep):
 
 def existing_semaphore(name):
     """Named semaphore ``name`` if it exists and we may open it, else None (creates nothing)."""
-    import posix_ipc
-
     try:
-        return posix_ipc.Semaphore(name)
-    except posix_ipc.Error:  # missing, or not ours to open (read-only fsck by another user)
+        return _core.Semaphore(name, existing=True)
+    except OSError:  # missing, or not ours to open (read-only fsck by another user)
         return None
 
 
-def header_of(v, pos) -> HeaderHit | None:
-    """The header hit (see :mod:`shmq.ring`) at/after ring position ``pos`` of mapping ``v``,
-    or None if its lengths are out of bounds."""
-    return header_at(v.mm, v.geo["ring_offset"], v.geo["ring_bytes"], pos)
-
-
 def first_cursor(v):
-    """``(FIRST_SEQ, FIRST_POS)`` of mapping ``v`` as a pair: an evicting writer stores POS
-    then SEQ, so a SEQ read first may lag; the header at POS names the frame (as the core's
-    ``first_cursor``)."""
-    ctl = v.ctl
-    seq, pos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
-    if seq < ctl[W_NEXT_SEQ] and pos < MAX_COUNTER:
-        hit = header_of(v, pos)
-        if hit is not None and seq <= hit.seq < ctl[W_NEXT_SEQ]:
-            seq = hit.seq
-    return seq, pos
+    """``(FIRST_SEQ, FIRST_POS)`` of mapping ``v`` as a consistent pair, the engine's
+    (an evicting writer stores POS then SEQ: the header at POS names the frame); the
+    words as they are when no consistent pair can be read (a damaged ring, reported
+    by the walk)."""
+    got = _core.first_cursor(v.mm, v.geo["ring_offset"], v.geo["ring_bytes"])
+    return got if got is not None else (v.ctl[W_FIRST_SEQ], v.ctl[W_FIRST_POS])
 
 
 def verify(path) -> Report:
@@ -160,38 +149,12 @@ def verify(path) -> Report:
 # --- control words and locks ----------------------------------------------
 
 
-def _control_problems(ctl, ring):
-    # FIRST_* before NEXT_*: both only grow and FIRST_SEQ <= NEXT_SEQ at every
-    # instant, so this order never sees a live writer's words out of order.
-    # The span check needs the opposite order (NEXT_POS read before FIRST_POS
-    # can only underestimate it): a writer that evicts and writes between two
-    # loads would otherwise look like a ring spanning more than its size.
-    npos_before = ctl[W_NEXT_POS]
-    fseq, fpos = ctl[W_FIRST_SEQ], ctl[W_FIRST_POS]
-    nseq, npos = ctl[W_NEXT_SEQ], ctl[W_NEXT_POS]
-    bad = []
-    for name, value in (("NEXT_SEQ", nseq), ("NEXT_POS", npos), ("FIRST_SEQ", fseq),
-                        ("FIRST_POS", fpos)):
-        if value >= MAX_COUNTER:
-            bad.append(f"control word {name} = {value} is out of range")
-    if not bad:
-        if fseq > nseq:
-            bad.append(f"control words: FIRST_SEQ {fseq} > NEXT_SEQ {nseq}")
-        if fpos > npos and fseq != nseq:
-            bad.append(f"control words: FIRST_POS {fpos} > NEXT_POS {npos}")
-        elif npos_before > fpos and npos_before - fpos > ring:
-            bad.append(f"control words: positions {fpos}..{npos_before} span "
-                       f"{npos_before - fpos} bytes, more than the ring's {ring}")
-        elif fseq <= nseq and nseq - fseq > max(0, npos - fpos) // FRAME_BYTES + 1:
-            bad.append(f"control words: {nseq - fseq} frames cannot fit in "
-                       f"{max(0, npos - fpos)} bytes")
-    return fseq, nseq, bad
-
-
 def _check_control(v, rep) -> bool:
     ctl = v.ctl
     for attempt in range(3):
-        fseq, nseq, bad = _control_problems(ctl, v.geo["ring_bytes"])
+        # the engine's checks (what opening a spool refuses), read lock-free
+        fseq, nseq = ctl[W_FIRST_SEQ], ctl[W_NEXT_SEQ]
+        bad = _core.control_problems(v.mm, v.geo["ring_bytes"])
         if not bad:
             break
         time.sleep(0.01)  # a live writer between two stores: a damaged word stays damaged
@@ -387,6 +350,7 @@ def _walk(v, rep, cursors, fseq, fpos, nseq, npos):
         # Unchecked (raw_header_at): a header whose lengths point outside the
         # ring is reported with those lengths, not just found unreadable.
         hit = raw_header_at(mm, base, ring, pos)
+        sane = header_at(mm, base, ring, pos) is not None
         if hit.pos != pos:
             pos = hit.pos  # short tail: skipped without a header (then the checks above again)
             continue
@@ -396,7 +360,7 @@ def _walk(v, rep, cursors, fseq, fpos, nseq, npos):
         if ctl[W_FIRST_POS] > pos:
             raise _Overtaken
         where = f"ring offset {off}, position {pos}"
-        if not F.valid_frame_header(stored, length, off, ring):
+        if not sane:
             rep.problems.append(
                 f"ring: frame {seq} ({where}): header lengths out of bounds (stored {stored}, "
                 f"length {length}, {ring - off} bytes to the ring's end); frames {seq}.."

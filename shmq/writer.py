@@ -74,6 +74,7 @@ class Writer:
         self.policy = policy
         self.checksum = checksum
         self.sync = sync
+        self.ring_bytes = ring.size
         self.max_payload = min(ring.size - FRAME_BYTES, F.MAX_FRAME_PAYLOAD)
         #: shmq.Queue's rule: a ring full to its ceiling raises Full at once
         #: (``multiprocessing.Queue(maxsize=0)`` never blocks a put)

@@ -168,8 +168,10 @@ def micro(n: int = 40_000, loops: int = 5) -> None:
 
 IR_FUNCS = {"Ring_put_api": "Spool.put 100 B", "Cursor_get_api": "Reader.get 100 B",
             "QueuePort_put": "Queue.put dict", "QueuePort_get": "Queue.get dict",
-            "core_encode_batch": "Queue.put_many 100: encode", "Ring_put_many": "Queue.put_many 100: write",
+            "queue_encode_batch": "Queue.put_many 100: encode", "Ring_put_many": "Queue.put_many 100: write",
             "Cursor_get_obj_many": "Queue.get_many 100"}
+#: Earlier names of IR_FUNCS entry points (stress/engine_ab.py counts a base revision too).
+IR_ALIASES = {"core_encode_batch": "queue_encode_batch"}
 IR_CALLS = 2000  # calls of each single entry point; IR_CALLS // 100 batches of 100
 
 
@@ -213,7 +215,7 @@ def instructions(target: str, out: str, variant: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=target, PYTHONHASHSEED="0")
     env.pop("SHMQ_LIMITED_API", None)
     cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={cg}",
-           *(f"--toggle-collect={f}" for f in IR_FUNCS), sys.executable, __file__, "--ir"]
+           *(f"--toggle-collect={f}" for f in [*IR_FUNCS, *IR_ALIASES]), sys.executable, __file__, "--ir"]
     r = subprocess.run(cmd, env=env, cwd=target, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise RuntimeError(f"callgrind failed:\n{r.stderr[-1500:]}")
@@ -226,7 +228,7 @@ def instructions(target: str, out: str, variant: str) -> dict[str, float]:
         m = re.match(r"\s*([\d,]+) .*?:(\w+) \[", line)
         if not m:
             continue
-        name = m.group(2)
+        name = IR_ALIASES.get(m.group(2), m.group(2))
         if name in IR_FUNCS and name not in per_call:
             calls = IR_CALLS if name in ("Ring_put_api", "Cursor_get_api", "QueuePort_put", "QueuePort_get") \
                 else IR_CALLS // 100
@@ -235,6 +237,19 @@ def instructions(target: str, out: str, variant: str) -> dict[str, float]:
     if missing:
         raise RuntimeError(f"callgrind_annotate shows no {sorted(missing)}; see {cg}")
     return per_call
+
+
+def print_micro(mic: dict, a: str, b: str) -> None:
+    """The single-process table: ns per call of build ``b`` against build ``a``, every run."""
+    print(f"\n{'single process':26s} {'':17s} {a + ' ns':>9s} {b + ' ns':>9s} {b + '/' + a:>9s} {'pair med':>8s}"
+          f"  runs {a} | {b}")
+    names = {"put": "Spool.put 100 B", "get": "Reader.get 100 B", "qput": "Queue.put dict", "qget": "Queue.get dict"}
+    for k in MICRO:
+        f, s = mic[k][a], mic[k][b]
+        mf, ms = statistics.median(f), statistics.median(s)
+        pair = statistics.median(y / x for x, y in zip(f, s))
+        print(f"{names[k]:26s} {'':17s} {mf:9.0f} {ms:9.0f} {ms / mf:9.3f} {pair:8.3f}  "
+              + " ".join(f"{x:.0f}" for x in f) + " | " + " ".join(f"{x:.0f}" for x in s))
 
 
 def spread(xs: list[float]) -> str:
@@ -285,16 +300,7 @@ def main() -> None:
               + " ".join(f"{x:.2f}" for x in f) + " | " + " ".join(f"{x:.2f}" for x in s))
         print(f"{'':26s} {'':17s} spread full {spread(f)}, abi3 {spread(s)}")
     if not a.no_micro:
-        print(f"\n{'single process':26s} {'':17s} {'full ns':>9s} {'abi3 ns':>9s} {'abi3/full':>9s} {'pair med':>8s}"
-              "  runs full | abi3")
-        names = {"put": "Spool.put 100 B", "get": "Reader.get 100 B", "qput": "Queue.put dict",
-                 "qget": "Queue.get dict"}
-        for k in MICRO:
-            f, s = mic[k]["full"], mic[k]["abi3"]
-            mf, ms = statistics.median(f), statistics.median(s)
-            pair = statistics.median(y / x for x, y in zip(f, s))
-            print(f"{names[k]:26s} {'':17s} {mf:9.0f} {ms:9.0f} {ms / mf:9.3f} {pair:8.3f}  "
-                  + " ".join(f"{x:.0f}" for x in f) + " | " + " ".join(f"{x:.0f}" for x in s))
+        print_micro(mic, "full", "abi3")
     irs: dict = {}
     if not a.no_callgrind:
         if not (shutil.which("valgrind") and shutil.which("callgrind_annotate")):

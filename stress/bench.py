@@ -13,7 +13,9 @@ targets (issue 14's first) with where each stands.
 
 Contenders (bench_contenders.py, bench_peers.py): ``spool`` (shmq.Spool
 put/get: a named reader, or a group when there are several consumers),
-``spool-batch`` (put_many/get_many), ``spool-wrapped`` (a 1 MiB ring in
+``spool-batch`` (put_many/get_many), ``C producer`` (a C program putting
+through shmq.h, stress/bench_cproducer.c, a Python named reader getting:
+the C API with Python on the other end), ``spool-wrapped`` (a 1 MiB ring in
 steady state), ``spool-growable`` (1 MiB of pages growing up to the fixed
 spool's 64 MiB, as ``shmq.Queue()``'s rings do; ``spool-grown``: the same
 after one untimed pass of the row's workload), ``spool-reserve`` (zero-copy writes with ``Spool.reserve``,
@@ -46,6 +48,7 @@ import psutil
 import shmq
 from bench_contenders import (
     BIG_CAPACITY, BIG_WRAPS_BEFORE_TIMING, CTX, FasterFifo, FasterFifoRecords, Memcpy, MpQueue, NumpyRing, Ring, ShmqQueue, Spool, SpoolArrow,
+    SpoolCProducer,
     SpoolGrowable, SpoolGrown, SpoolRecords, SpoolReserve, SpoolView, SpoolWrapped, Threaded, faster_fifo, nbytes_of, payload,
 )
 from bench_extras import run_idle_and_memory, run_latency, run_syscalls
@@ -83,7 +86,7 @@ PEERS = ("pyzmq", "posix-mq")
 S = Scenario
 SCENARIOS = {
     "1->1 100 B": S("bytes", 100, 300_000, 1, 1, 1, False,
-                    contenders(*ALL, "ring", *PEERS) + [SpoolGrowable(), SpoolGrown()]),
+                    contenders(*ALL, "ring", *PEERS) + [SpoolGrowable(), SpoolGrown(), SpoolCProducer()]),
     "1->1 100 B wrapped 1 MiB": S("bytes", 100, 300_000, 1, 1, 1, False,
                                   [SpoolWrapped()] + contenders("spool", "mp.Queue", "faster-fifo")),
     "1->1 100 B wrapped 64 MiB": S("bytes", 100, 300_000, 1, 1, 1, False,
@@ -95,7 +98,7 @@ SCENARIOS = {
                                             [Threaded(ShmqQueue()), Threaded(MpQueue())]),
     "1->1 100 B batch 100": S("bytes", 100, 2_000_000, 1, 1, 100, False,
                               contenders("spool", "shmq.Queue", "faster-fifo", "pyzmq", batch=True)
-                              + contenders("mp.Queue")),
+                              + contenders("mp.Queue") + [SpoolCProducer(batch=True)]),
     "1->1 small dict batch 100": S("dict", 0, 1_000_000, 1, 1, 100, False,
                                    contenders("shmq.Queue", "faster-fifo", batch=True) + contenders("mp.Queue")),
     "1->1 1 KiB": S("bytes", 1024, 200_000, 1, 1, 1, False, contenders(*ALL, *PEERS)),
@@ -103,7 +106,8 @@ SCENARIOS = {
                                   [SpoolWrapped()] + contenders("spool", "mp.Queue", "faster-fifo")),
     "1->1 4 KiB": S("bytes", 4096, 100_000, 1, 1, 1, False, contenders(*ALL)),
     "1->1 64 KiB": S("bytes", 65536, 20_000, 1, 1, 1, False, contenders(*ALL)),
-    "1->1 1 MiB": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, contenders(*ALL, *PEERS) + [SpoolGrowable(), SpoolGrown()]),
+    "1->1 1 MiB": S("bytes", 1 << 20, 2_000, 1, 1, 1, False,
+                    contenders(*ALL, *PEERS) + [SpoolGrowable(), SpoolGrown(), SpoolCProducer()]),
     "1->1 1 MiB reserve": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, [SpoolReserve(), Iceoryx2(), Spool()]),
     "1->1 1 MiB numpy": S("numpy", 1 << 20, 2_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
     "1->4 fan-out 100 B": S("bytes", 100, 100_000, 1, 4, 1, True, contenders("spool")),

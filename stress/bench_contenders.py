@@ -293,6 +293,63 @@ class SpoolReserve(Spool):
                 buf[:] = item
 
 
+class SpoolCProducer(Spool):
+    """A C program puts through shmq.h (stress/bench_cproducer.c, built here with the
+    engine's sources), a Python named reader gets: the C API's producer with Python on
+    the other end.  The program is started and opens the spool before the timed run,
+    which starts when it reads a byte on its stdin."""
+
+    _binary = None
+
+    def __init__(self, batch=False):
+        super().__init__(batch)
+        self.name = "C producer" + (" batch" if batch else "")
+
+    def unavailable(self, sc):
+        if sc.kind != "bytes" or sc.producers != 1:
+            return "n/a (bytes, one producer)"
+        return None if self._build() else "n/a (no C compiler)"
+
+    @classmethod
+    def _build(cls):
+        if cls._binary is None:
+            import shutil
+            import subprocess
+            import tempfile
+
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            here = os.path.dirname(os.path.abspath(__file__))
+            engine = os.path.join(here, "..", "shmq", "engine")
+            out = os.path.join(tempfile.mkdtemp(prefix="shmq-bench-c-"), "bench_cproducer")
+            srcs = [os.path.join(engine, f) for f in sorted(os.listdir(engine)) if f.endswith(".c")]
+            ok = cc and subprocess.run([cc, "-std=c11", "-O2", "-I", engine, "-o", out,
+                                        os.path.join(here, "bench_cproducer.c"), *srcs, "-pthread"],
+                                       capture_output=True).returncode == 0
+            cls._binary = out if ok else ""
+        return cls._binary
+
+    def open(self, path, role, index, sc):
+        if role != "producer":
+            return super().open(path, role, index, sc)
+        import subprocess
+
+        # started and attached now; the count on its stdin starts the timed run
+        return subprocess.Popen([self._build(), path, str(sc.size), str(sc.batch if self.batch else 1)],
+                                stdin=subprocess.PIPE), None
+
+    def producer(self, h, item, n, sc):
+        h[0].communicate(f"{n}\n".encode())
+        if h[0].returncode:
+            raise RuntimeError(f"bench_cproducer exited with {h[0].returncode}")
+
+    def close(self, h):
+        if h[1] is not None:
+            h[0].close()
+        elif h[0].poll() is None:
+            h[0].kill()
+            h[0].wait()
+
+
 class ShmqQueue(Contender):
     def __init__(self, batch=False):
         self.batch = batch

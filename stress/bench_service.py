@@ -22,6 +22,17 @@ Three measurements, each against the same handler behind its peers
 * ``arrow``: 64k rows x 10 float64 columns in, one column (their row sum)
   out, one client, one worker: calls/s.  Peer: a Unix socket carrying Arrow
   IPC streams both ways.
+* ``concurrency``: N concurrent ``call_async`` (``--concurrency``, default
+  2,000, 20,000 and 100,000) on one ``Client`` in one event loop, all
+  issued at once, until all are answered; calls/s.  Peer: 64 threads
+  calling ``call()`` on one ``Client`` (``--thread-calls`` in all).  The
+  service has 2 workers (``--concurrency-workers``); each run is a fresh
+  service and a fresh client process (forked), which checks every reply
+  against its request and reports its CPU time per call, its peak RSS
+  and the event loop's ``call_soon_threadsafe`` calls (self-pipe writes:
+  wake-ups from outside the loop's own callbacks) per reply.  On a
+  shared host the calls/s move with the other load; the client's CPU per
+  call is the steadier figure.
 
     python stress/bench_service.py --quick
     python stress/bench_service.py --repeats 5 --json out.json
@@ -30,11 +41,13 @@ Three measurements, each against the same handler behind its peers
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
 import pickle
 import platform
+import resource
 import selectors
 import shutil
 import signal
@@ -43,6 +56,7 @@ import statistics
 import struct
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -425,6 +439,101 @@ def arrow_socket(d, n, batch):
         os.unlink(path)
 
 
+class CountingLoop(asyncio.SelectorEventLoop):
+    """An event loop that counts ``call_soon_threadsafe`` calls: each writes to its
+    self-pipe, waking it from outside its own callbacks."""
+
+    threadsafe = 0
+
+    def call_soon_threadsafe(self, *args, **kwargs):
+        self.threadsafe += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+async def _many_async(cl, n):
+    """``n`` concurrent ``call_async``, all issued at once; the replies that do not
+    match their request."""
+    async def one(i):
+        rep = await cl.call_async(small_request(i), timeout=600)
+        return rep["id"] != i or rep["score"] != 3.0
+
+    return sum(await asyncio.gather(*[one(i) for i in range(n)]))
+
+
+def _many_threads(cl, threads, calls):
+    """``threads`` threads calling ``call()`` ``calls`` times in all; mismatched replies."""
+    start = threading.Barrier(threads + 1)
+    bad = [0] * threads
+
+    def work(k):
+        start.wait(60)
+        for i in range(k, calls, threads):
+            rep = cl.call(small_request(i), timeout=600)
+            bad[k] += rep["id"] != i or rep["score"] != 3.0
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    start.wait(60)
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0, sum(bad)
+
+
+def _concurrency_client(path, kind, n, out):
+    """A client process: one run of ``n`` calls (``kind``: "async" or "threads")."""
+    try:
+        with shmq.Client(path) as cl:
+            cl.call(small_request(0), timeout=60)  # set up: reply queue, ring attached
+            wakes = 0
+            cpu = time.process_time()
+            if kind == "threads":
+                elapsed, bad = _many_threads(cl, THREADS, n)
+            else:
+                loop = CountingLoop()
+                try:
+                    t0 = time.perf_counter()
+                    bad = loop.run_until_complete(_many_async(cl, n))
+                    elapsed = time.perf_counter() - t0
+                    wakes = loop.threadsafe
+                finally:
+                    loop.close()
+            cpu = time.process_time() - cpu
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+            out.put((n / elapsed, bad, rss, wakes / n, cpu / n * 1e6))
+    except BaseException as exc:  # noqa: BLE001  (reported by the parent)
+        out.put(repr(exc))
+        raise
+
+
+#: Threads calling ``call()`` in the concurrency row's peer.
+THREADS = 64
+
+
+def concurrency(kind, d, n, workers):
+    """One run: (calls/s, mismatched replies, client peak RSS in MiB, wake-ups per reply,
+    the client process's CPU time per call in us)."""
+    path = os.path.join(d, "conc")
+    shmq.Service(path).close()
+    server = FORK.Process(target=service_server, args=(path, small_handler, workers))
+    server.start()
+    out = FORK.Queue()
+    client = FORK.Process(target=_concurrency_client, args=(path, kind, n, out))
+    try:
+        client.start()
+        got = out.get(timeout=1800)
+        client.join(60)
+        if isinstance(got, str):
+            raise RuntimeError(f"concurrency client ({kind}, {n}) failed: {got}")
+        return got
+    finally:
+        if client.is_alive():
+            client.kill()
+        stop(server)
+        shmq.Service.destroy(path)
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -443,12 +552,21 @@ def main(argv=None):
     ap.add_argument("--prefetch", type=int, default=1, help="Service(prefetch=) when pipelining")
     ap.add_argument("--arrow-calls", type=int, default=60)
     ap.add_argument("--rows", type=int, default=65536)
-    ap.add_argument("--only", choices=["small", "pipelined", "arrow"], action="append")
+    ap.add_argument("--concurrency", default="2000,20000,100000",
+                    help="concurrent call_async runs, comma-separated (the first two are the ratio's)")
+    ap.add_argument("--thread-calls", type=int, default=20000,
+                    help=f"calls of the {THREADS} threads' run, in all")
+    ap.add_argument("--concurrency-workers", type=int, default=2)
+    ap.add_argument("--only", choices=["small", "pipelined", "arrow", "concurrency"], action="append")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.quick:
         a.repeats, a.calls, a.pipe_calls, a.arrow_calls = 1, 1000, 512, 10
-    only = a.only or ["small", "pipelined", "arrow"]
+        a.concurrency, a.thread_calls = "100,1000,3000", 640
+    sweep = [int(x) for x in a.concurrency.split(",")]
+    if len(sweep) < 2 or min(sweep) < 1:
+        ap.error("--concurrency needs at least two positive counts")
+    only = a.only or ["small", "pipelined", "arrow", "concurrency"]
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # shared by every forked client (see the docstring)
@@ -482,6 +600,20 @@ def main(argv=None):
                     add(("arrow", name, "calls/s"), v)
                     print(f"  [{r}] arrow {name:16s} {v:8.1f} calls/s "
                           f"({v * a.rows / 1e6:.2f} M rows/s)", flush=True)
+            if "concurrency" in only:
+                for kind, n in [("threads", a.thread_calls)] + [("async", n) for n in sweep]:
+                    name = f"{THREADS} threads" if kind == "threads" else f"async {n}"
+                    v, bad, rss, wakes, cpu = concurrency(kind, d, n, a.concurrency_workers)
+                    if bad:
+                        raise SystemExit(f"concurrency {name}: {bad} replies did not match their call")
+                    add(("concurrency", name, "calls/s"), v)
+                    add(("concurrency", name, "rss MiB"), rss)
+                    add(("concurrency", name, "cpu us/call"), cpu)
+                    if kind == "async":
+                        add(("concurrency", name, "wakes/reply"), wakes)
+                    print(f"  [{r}] concurrency {name:14s} {v:9.0f} calls/s  client CPU {cpu:5.1f} us/call"
+                          f"  peak RSS {rss:6.1f} MiB"
+                          + (f"  {wakes:.4f} wake-ups/reply" if kind == "async" else ""), flush=True)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -505,6 +637,22 @@ def main(argv=None):
         lines.append(f"arrow {a.rows} rows x 10 cols in, 1 col out: shmq {s:.1f} calls/s, socket+IPC "
                      f"{k:.1f} calls/s: shmq {s / k:.2f}x (target >= 1.5x); Service(copy=False) "
                      f"{v:.1f} calls/s: {v / k:.2f}x")
+    if "concurrency" in only:
+        th = med[("concurrency", f"{THREADS} threads", "calls/s")]
+        lines.append(f"concurrency, one Client, {a.concurrency_workers} workers: {THREADS} threads "
+                     f"on call() {th:,.0f} calls/s (client CPU "
+                     f"{med[('concurrency', f'{THREADS} threads', 'cpu us/call')]:.1f} us/call, peak RSS "
+                     f"{med[('concurrency', f'{THREADS} threads', 'rss MiB')]:.0f} MiB)")
+        for n in sweep:
+            v = med[("concurrency", f"async {n}", "calls/s")]
+            lines.append(f"  {n:>7,} concurrent call_async {v:9,.0f} calls/s ({v / th:.2f}x the threads), "
+                         f"client CPU {med[('concurrency', f'async {n}', 'cpu us/call')]:.1f} us/call, "
+                         f"peak RSS {med[('concurrency', f'async {n}', 'rss MiB')]:.0f} MiB, "
+                         f"{med[('concurrency', f'async {n}', 'wakes/reply')]:.4f} wake-ups/reply")
+        lo, hi = sweep[0], sweep[1]
+        v0, v1 = med[("concurrency", f"async {lo}", "calls/s")], med[("concurrency", f"async {hi}", "calls/s")]
+        lines.append(f"  {hi:,} / {lo:,} concurrent: {v1 / v0:.2f}x (target >= 0.8x); {hi:,} / "
+                     f"{THREADS} threads: {v1 / th:.2f}x (target >= 1x); every reply matched its call")
     print("\n".join(lines))
     if a.json:
         with open(a.json, "w") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coverage-guided fuzzing of the compiled core's frame decoder and reader (atheris).
 
-The compiled core (``shmq/core/*.c``, the sources ``pyproject.toml`` lists) reads words and frame headers that
+The compiled core (the engine ``shmq/engine/*.c`` and its binding ``shmq/core/*.c``, the sources ``pyproject.toml`` lists) reads words and frame headers that
 other processes write.  This program drives ``shmq._core.Ring`` and
 ``shmq._core.Cursor`` over a mapping whose control words, reader/group
 slot table and ring bytes all come from the fuzzer's input, and requires
@@ -208,7 +208,20 @@ def _child(args):
         print(f"{(time.perf_counter() - t) / args.bench / len(seeds) * 1e6:.0f} us per input")
         return 0
     one_input = atheris.instrument_func(one_input)
-    atheris.Setup([sys.argv[0], *args.libfuzzer], one_input)
+
+    def checked(data):
+        # A violation is a Python exception, which atheris turns into a C++ throw; under
+        # gcc's ASan runtime that can die in an ASan CHECK (no real __cxa_throw) before
+        # anything is printed, so the traceback goes to the log first.
+        try:
+            one_input(data)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
+
+    atheris.Setup([sys.argv[0], *args.libfuzzer], checked)
     atheris.Fuzz()
 
 

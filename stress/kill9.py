@@ -462,7 +462,12 @@ def scenario_restart(tmp, rng, duration, quick):
             p.start()
         start = sp.next_seq
         deadline = time.monotonic() + 20
-        while sp.next_seq - start < 2000 and time.monotonic() < deadline:
+        logs = [os.path.join(logdir, f"{n}-{gen}") for n in names]
+        # until the writers have put 2000 frames and every reader has resumed (its log has its
+        # first record: a loaded machine may start a reader late), bounded by the deadline
+        while ((sp.next_seq - start < 2000 or not all(os.path.exists(f) and os.path.getsize(f) >= 16
+                                                      for f in logs))
+               and time.monotonic() < deadline):
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 0.2))
         for p in procs:  # everything at once

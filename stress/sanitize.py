@@ -2,7 +2,8 @@
 """Run the compiled core under AddressSanitizer + UndefinedBehaviorSanitizer.
 
 Builds the compiled core (the sources ``pyproject.toml``'s
-``[[tool.setuptools.ext-modules]]`` lists, ``shmq/core/*.c``) with ``-fsanitize=address,undefined
+``[[tool.setuptools.ext-modules]]`` lists: the engine, ``shmq/engine/*.c``,
+and its binding, ``shmq/core/*.c``) with ``-fsanitize=address,undefined
 -fno-omit-frame-pointer -g`` into ``build/sanitize/`` (a package of
 symlinks to the worktree's ``shmq/*.py`` beside the sanitized
 ``_core`` module: the normal in-place ``.so`` is never touched), then runs,

@@ -292,7 +292,8 @@ def main(argv=None):
     ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between SIGKILLs")
     ap.add_argument("--warmup", type=float, default=None, help="seconds ignored for growth "
                     "(default: a fifth of the run, at most 300)")
-    ap.add_argument("--max-growth", type=float, default=1.0, help="% per 10 minutes (default 1)")
+    ap.add_argument("--max-growth", type=float, default=1.0,
+                    help="allowed growth of each watched metric, %% per 10 minutes (default 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="build/soak", help="directory for soak.json, soak.png")
     a = ap.parse_args(argv)

@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -331,6 +332,26 @@ CORE_SOURCES = os.path.join(
 #: child alone takes ~15 s to start (CPython's test.support scales its
 #: SHORT_TIMEOUT/LONG_TIMEOUT for slow buildbots the same way).
 TIMEOUT_SCALE = float(os.environ.get("SHMQ_TEST_TIMEOUT_SCALE") or 1)
+
+
+def pyspark_unsupported():
+    """Why the installed pyspark is not run on this CPython, or None (also when it is not
+    installed: the tests' importorskip says that).  pyspark must list this version in its
+    "Programming Language :: Python :: X.Y" classifiers: pip installs it anywhere its
+    requires-python allows (>=3.11), including versions it was never released for."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        md = metadata("pyspark")
+    except PackageNotFoundError:
+        return None
+    prefix = "Programming Language :: Python :: "
+    claimed = [c[len(prefix):] for c in md.get_all("Classifier") or [] if c.startswith(prefix + "3.")]
+    here = "%d.%d" % sys.version_info[:2]
+    if here in claimed:
+        return None
+    return (f"pyspark {md['Version']} does not support CPython {here} "
+            f"(its classifiers list {', '.join(claimed) or 'no 3.x version'})")
 
 
 def bound(seconds):

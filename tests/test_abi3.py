@@ -76,3 +76,21 @@ def test_limited_api_older_than_312_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "needs Py_LIMITED_API >= 0x030c0000" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arg,compiles", [("t", False), ("(PyObject *)t", True)])
+def test_a_struct_pointer_passed_as_object_is_an_error(tmp_path, arg, compiles):
+    """What GCC 14+ rejects by default, the build above rejects with any GCC and any 3.12+ headers:
+    abi.h must not hide a mistyped Py_TYPE() behind a casting macro (3.14's limited-API headers
+    define Py_TYPE as a macro without the cast, 3.12's and 3.13's as a function of PyObject *)."""
+    cc = _cc()
+    _, incs, args = _core()
+    src = tmp_path / "mistyped.c"
+    src.write_text('#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include "abi.h"\n'
+                   "typedef struct { PyObject_HEAD int x; } Thing;\n"
+                   f"PyTypeObject *type_of(Thing *t) {{ return Py_TYPE({arg}); }}\n")
+    proc = subprocess.run([cc, "-fsyntax-only", *args, *STRICT, LIMITED, *incs, str(src)],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode == 0) == compiles, proc.stderr[-2000:]
+    if not compiles:
+        assert "incompatible-pointer-types" in proc.stderr, proc.stderr[-2000:]

@@ -125,7 +125,8 @@ def test_bench_dispatch_runs_and_reports(tmp_path):
 
 def test_bench_service_runs_every_row_against_its_peers(tmp_path):
     """stress/bench_service.py (a smoke run: tiny, one repeat; no timing asserted):
-    every measurement and peer of issue 30 runs and is summarized with its target."""
+    every measurement and peer runs and is summarized with its target (the concurrency
+    sweep's with its quick sizes)."""
     pytest.importorskip("zmq")
     pytest.importorskip("pyarrow")
     out = tmp_path / "s.json"
@@ -134,10 +135,33 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    conc = ["64 threads"] + [f"async {n}" for n in (100, 1000, 3000)]  # --quick's sweep
     assert set(data["medians"]) == {
         f"small/{k}/{q}" for k in ("shmq", "socket", "pyzmq", "mp.connection") for q in ("p50", "p99")
     } | {"pipelined/shmq/calls/s", "pipelined/socket/calls/s", "arrow/shmq/calls/s",
-         "arrow/shmq copy=False/calls/s", "arrow/socket+arrow-ipc/calls/s"}
-    assert all(v > 0 for v in data["medians"].values())
+         "arrow/shmq copy=False/calls/s", "arrow/socket+arrow-ipc/calls/s"} | {
+        f"concurrency/{k}/{q}" for k in conc for q in ("calls/s", "rss MiB", "cpu us/call")
+    } | {f"concurrency/{k}/wakes/reply" for k in conc[1:]}
+    assert all(v > 0 for k, v in data["medians"].items() if not k.endswith("wakes/reply"))
     text = "\n".join(data["summary"])
     assert "target >= 3x" in text and "target >= 1.5x" in text and "Service(copy=False)" in text
+    assert "target >= 0.8x" in text and "target >= 1x" in text and "every reply matched" in text
+
+
+def test_bench_create_runs_and_holders_remove_their_orphans(tmp_path):
+    """stress/bench_create.py --quick (one round; no timing asserted): every host state
+    and every way of checking a candidate is measured, the resource tracker says
+    nothing, and each holder removed its orphan as it exited (exit status 0)."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, "-W", "error", os.path.join(STRESS, "bench_create.py"),
+                           "--quick", "--others", "20", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr == ""
+    data = json.loads(out.read_text())
+    assert set(data["median_ms"]) == {"clean", "held", "busy"} and all(
+        v > 0 for v in data["median_ms"].values())
+    assert {n for by in data["probe_median_us"].values() for n in by} == {
+        "handle lock", "flock", "/proc scan"}
+    assert data["orphans_not_removed_by_their_holders"] == []
+    assert "target: busy within 1.5x of clean" in proc.stdout

@@ -5,7 +5,7 @@
 reader on the hot path.  These tests check, byte for byte:
 
 * frames the core writes decode with a pure-Python walker built only from
-  ``_format`` (FRAME, valid_frame_header, FLAG_PAD pads, the short-tail
+  ``_format`` (FRAME, FLAG_PAD pads, the short-tail
   rule, zeroed alignment padding) to exactly the frames put, and land at
   the same positions with the same control words as the same operations
   through ``SpecWriter``, the placement, eviction and commit of
@@ -17,8 +17,7 @@ reader on the hot path.  These tests check, byte for byte:
   ``timestamps``, ``sync=True``, segment tuples) and a zero-copy pin writes
   the same ring as plain puts, under all three policies, on fixed and
   growable rings, through wrap-around;
-* ``_core.crc32`` is zlib's CRC-32 and the core's layout constants are
-  ``_format``'s.
+* ``_core.crc32`` is zlib's CRC-32.
 
 The walker and ``SpecWriter`` read and write the spool file with plain file
 I/O, not through any shmq object, so they share no code with the
@@ -80,7 +79,8 @@ def spec_walk(path):
             pos += ring - off
             continue
         hseq, stored, length, ts, crc, flags, codec, ext = F.FRAME.unpack_from(raw, base + off)
-        assert F.valid_frame_header(stored, length, off, ring), (pos, stored, length)
+        # inside the ring: the lengths docs/format.md allows
+        assert stored >= F.FRAME_BYTES + length and stored % F.ALIGN == 0 and off + stored <= ring, (pos, stored)
         assert hseq == seq, f"header at {pos} says seq {hseq}, expected {seq}"
         if flags & F.FLAG_PAD:
             # filler to the ring's end, carrying the seq of the frame after it
@@ -538,22 +538,3 @@ def test_core_crc32_is_zlib_crc32(data, start):
     assert _core.crc32(data) == zlib.crc32(data)
     assert _core.crc32(data, start) == zlib.crc32(data, start)
     assert _core.crc32(memoryview(data)[1::1]) == zlib.crc32(data[1:])
-
-
-def test_core_layout_matches_format_spec():
-    """The import-time LAYOUT table and the C source's constants are _format's."""
-    assert _core.LAYOUT, "the core exports its layout"
-    assert {k: v for k, v in _core.LAYOUT.items() if getattr(F, k) != v} == {}
-    for name in ("FRAME_BYTES", "W_NEXT_SEQ", "W_NEXT_POS", "W_FIRST_SEQ", "W_FIRST_POS",
-                 "W_LOCK_HOLDER", "SLOT_BYTES", "S_SEQ", "S_POS", "S_LOCK_HOLDER"):
-        assert name in _core.LAYOUT
-    # Every constant the C source #defines under a _format name has _format's
-    # value (also those LAYOUT does not list, e.g. flags and codec tags).
-    src = "\n".join(open(os.path.join(CORE_SOURCES, f)).read() for f in sorted(os.listdir(CORE_SOURCES))
-                    if f.endswith((".c", ".h")))
-    defines = dict(re.findall(r"^#define\s+([A-Z][A-Z0-9_]*)\s+(0x[0-9A-Fa-f]+|\d+)\s*(?:/\*.*)?$",
-                              src, re.M))
-    shared = {k: int(v, 0) for k, v in defines.items() if hasattr(F, k)}
-    assert {"FRAME_BYTES", "FLAG_PAD", "FLAG_CRC", "CODEC_PICKLE_OOB", "W_NEXT_SEQ"} <= set(shared)
-    assert {k: v for k, v in shared.items() if getattr(F, k) != v} == {}
-    assert F.FRAME.size == F.FRAME_BYTES == 32

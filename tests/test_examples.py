@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import pyspark_unsupported
 
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.py")))
 OPTIONAL = {"spark_pipeline.py": "pyspark", "spark_sidecar.py": "pyspark"}
@@ -19,6 +20,8 @@ VARIANTS = [(s, []) for s in EXAMPLES] + [(s, ["--columnar"]) for s in EXAMPLES
                          ids=[os.path.basename(s) + "".join(a) for s, a in VARIANTS])
 def test_example_runs(script, args):
     needs = OPTIONAL.get(os.path.basename(script))
+    if needs == "pyspark" and pyspark_unsupported():
+        pytest.skip(pyspark_unsupported())
     if needs:
         pytest.importorskip(needs)
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,

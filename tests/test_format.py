@@ -4,7 +4,9 @@ Round trips are property tests (hypothesis); every malformed geometry header
 we can construct is rejected with a SpoolFormatError that says what is wrong.
 """
 
+import os
 import pickle
+import runpy
 import struct
 import zlib
 
@@ -81,13 +83,24 @@ def test_frame_stored_bytes(length):
     assert stored % F.ALIGN == 0 and F.FRAME_BYTES + length <= stored < F.FRAME_BYTES + length + F.ALIGN
 
 
-@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.integers(1, 1 << 30))
-def test_valid_frame_header_keeps_frames_inside_the_ring(length, offset, ring_bytes):
-    stored = F.frame_stored_bytes(length)
-    ok = F.valid_frame_header(stored, length, offset, ring_bytes)
-    assert ok == (offset + stored <= ring_bytes)
-    assert not F.valid_frame_header(stored - 1, length, 0, 1 << 31)  # not aligned / too short
-    assert not F.valid_frame_header(F.FRAME_BYTES + length - F.ALIGN, length, 0, 1 << 31)
+@given(st.integers(0, 1 << 12), st.integers(0, 1 << 13), st.integers(-16, 16), st.integers(0, 1 << 40))
+def test_the_engines_header_decoder_keeps_frames_inside_the_ring(length, slot, delta, seq):
+    """_core.header_at (the engine's one decoder: ring.py, fsck and the engine's reads)
+    decodes a header at a ring position, follows the short tail, and refuses (checked)
+    lengths that leave the ring: too short, misaligned, or past the ring's end."""
+    from shmq import _core
+
+    ring = 1 << 14
+    off = slot * F.ALIGN % ring
+    stored = max(0, F.frame_stored_bytes(length) + delta)
+    buf = bytearray(8 + ring)
+    head = off if ring - off >= F.FRAME_BYTES else 0  # a short tail: the header is at offset 0
+    F.FRAME.pack_into(buf, 8 + head, seq, stored, length, 7, 9, F.FLAG_CRC, F.CODEC_UTF8, 0)
+    pos = 3 * ring + off
+    raw = _core.header_at(buf, 8, ring, pos, False)
+    assert raw == (seq, pos if head == off else pos + ring - off, stored, length, 7, 9, F.FLAG_CRC, F.CODEC_UTF8)
+    inside = stored >= F.FRAME_BYTES + length and stored % F.ALIGN == 0 and head + stored <= ring
+    assert (_core.header_at(buf, 8, ring, pos) is not None) == inside
 
 
 # --- geometry ----------------------------------------------------------------------------
@@ -337,58 +350,39 @@ def test_key_hash_is_stable_and_never_zero(key):
     assert h == F.key_hash(key.encode("utf-8")) == F.key_hash(bytearray(key.encode("utf-8")))
 
 
-# --- the compiled core's copy of the spec -----------------------------------------------
+# --- the one layout source ------------------------------------------------------------
 
 
-def test_the_core_states_the_limits_and_texts_of_format():
-    from shmq import _core
-
-    assert F.core_mismatches(_core) == {}
-    F.check_core(_core)  # what importing shmq runs
-    assert _core.MAX_COUNTER == F.MAX_COUNTER == 1 << 62
-    assert _core.NO_PIN == F.NO_PIN == F.MAX_COUNTER  # above every valid position
-    assert _core.RING_ADVICE == F.RING_ADVICE and "shmq fsck" in F.RING_ADVICE
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUT_H = os.path.join(ROOT, "shmq", "engine", "shmq_layout.h")
 
 
-@pytest.mark.parametrize("name, value", [
-    ("MAX_COUNTER", 1 << 63), ("NO_PIN", (1 << 62) - 8), ("RING_ADVICE", "see the manual"),
-    ("W_NEXT_SEQ", 99),
-])
-def test_check_core_refuses_a_core_that_disagrees(monkeypatch, name, value):
-    from shmq import _core
-
-    theirs = getattr(_core, name, None) if name != "W_NEXT_SEQ" else _core.LAYOUT[name]
-    monkeypatch.setattr(F, name, value)
-    assert F.core_mismatches(_core) == {name: (theirs, value)}
-    with pytest.raises(ImportError, match=f"does not match shmq._format.*{name}: core "):
-        F.check_core(_core)
+def _generator():
+    return runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="shmq-layout")["layout_module"]
 
 
-def test_check_core_refuses_a_core_without_a_constant():
-    from shmq import _core
+def test_the_layout_module_is_generated_from_the_engine_header():
+    """shmq/_layout.py is what setup.py makes of shmq/engine/shmq_layout.h now: the layout
+    is written once, in the header (a build from another header fails here)."""
+    import shmq._layout as L
 
-    class OldCore:  # a core built before it exported RING_ADVICE
-        LAYOUT = _core.LAYOUT
-        MAX_COUNTER = _core.MAX_COUNTER
-        NO_PIN = _core.NO_PIN
-
-    assert F.core_mismatches(OldCore) == {"RING_ADVICE": (None, F.RING_ADVICE)}
-    with pytest.raises(ImportError, match="RING_ADVICE: core None"):
-        F.check_core(OldCore)
+    with open(LAYOUT_H) as f:
+        assert open(L.__file__).read() == _generator()(f.read())
+    assert F.W_NEXT_SEQ == L.W_NEXT_SEQ == 16 and F.RING_ADVICE == L.RING_ADVICE
+    assert F.GEOMETRY.size == F.GEOMETRY_BYTES == 128 and F.FRAME.size == F.FRAME_BYTES == 32
+    assert F.MAGIC == b"SHMQSPL\x00" and F.POLICIES == ("overwrite", "block", "error")
 
 
-def test_importing_shmq_runs_the_core_check():
-    import subprocess
-    import sys
+@pytest.mark.parametrize("line", ["#define SHMQ_X foo(1)", "#define SHMQ_Y SHMQ_UNKNOWN + 1"])
+def test_the_layout_generator_refuses_what_it_cannot_read(line):
+    with pytest.raises(ValueError, match="SHMQ_"):
+        _generator()(line + "\n")
 
-    # _format first, changed, then the package's __init__ (which imports the spool layer)
-    code = ("import importlib.util, sys\n"
-            "spec = importlib.util.find_spec('shmq')\n"
-            "pkg = sys.modules['shmq'] = importlib.util.module_from_spec(spec)\n"
-            "from shmq import _format as F\n"
-            "F.RING_ADVICE = 'see the manual'\n"
-            "spec.loader.exec_module(pkg)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert "ImportError: shmq._core does not match shmq._format" in out.stderr
-    assert "RING_ADVICE: core" in out.stderr
+
+def test_the_layout_generator_evaluates_expressions_and_field_lists():
+    text = ("#define SHMQ_A 8\n#define SHMQ_B (SHMQ_A / 2) /* half */\n#define SHMQ_C (1ull << 62)\n"
+            "#define SHMQ_S \"text\"\n#define SHMQ_T_FIELDS(X) X(uint64_t, seq, Q) X(char, tag[4], 4s)\n")
+    ns = {}
+    exec(_generator()(text), ns)
+    assert (ns["A"], ns["B"], ns["C"], ns["S"]) == (8, 4, 1 << 62, "text")
+    assert ns["T_FORMAT"] == "<Q4s" and ns["T_FIELD_NAMES"] == ("seq", "tag")

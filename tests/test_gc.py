@@ -1,6 +1,6 @@
-"""shmq gc: orphaned semaphores and anonymous queues are found (and removed with --yes);
-semaphores of spools that exist, open or not, on /dev/shm or on disk, are never touched.
-Anonymous queues whose creator was SIGKILLed are reclaimed once nobody maps them."""
+"""shmq gc: orphaned semaphores are found (and removed with --yes); semaphores of
+spools that exist, open or not, on /dev/shm or on disk, are never touched.  (Anonymous
+queues whose creator was SIGKILLed: tests/test_anonymous.py.)"""
 
 import json
 import multiprocessing as mp
@@ -150,96 +150,3 @@ def test_destroy_forgets_the_registry_entry(disk_dir):
     shmq.Spool.destroy(path)
     assert not os.path.exists(os.path.join(registry_dir(), prefix))
     assert not _sem_files(prefix)
-
-
-# -- anonymous queues whose creator was SIGKILLed ------------------------------------
-
-
-def _consumer(q, conn, go):
-    q.put("from the consumer")
-    conn.send(q.get(timeout=10))
-    if go.wait(30):
-        conn.send(q.get(timeout=10))
-    # exits normally: its handle's finalizer runs
-
-
-def _creator(conn, go, method):
-    q = shmq.Queue()
-    ctx = mp.get_context(method)
-    r, w = ctx.Pipe(duplex=False)
-    b = ctx.Process(target=_consumer, args=(q, w, go))
-    b.start()
-    conn.send((q._spool.path, b.pid, r.recv()))
-    q.put("for the consumer")
-    conn.send("ready")
-    conn.recv()  # until SIGKILLed (bounded by the test's join)
-    b.join(30)
-
-
-def _wait_gone(path, timeout):
-    deadline = time.monotonic() + timeout
-    while os.path.exists(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_killed_creators_queue_is_reclaimed_after_last_unmap(method):
-    ctx = mp.get_context("fork")
-    parent_end, child_end = ctx.Pipe()
-    go = mp.get_context(method).Event()
-    c = ctx.Process(target=_creator, args=(child_end, go, method))
-    c.start()
-    try:
-        assert parent_end.poll(60)
-        path, bpid, first = parent_end.recv()
-        assert first == "from the consumer" and queue_creator(path)[0] == c.pid
-        prefix = shmq.Spool.open(path)
-        sem_prefix = prefix.sem_prefix
-        prefix.close()
-        assert parent_end.poll(30) and parent_end.recv() == "ready"
-        os.kill(c.pid, signal.SIGKILL)
-        c.join(10)
-        # the consumer still has it open: kept
-        assert os.path.exists(path)
-        assert path not in _gc("--min-age", "0")["queues"]
-        go.set()  # the consumer takes its item and exits
-        assert _wait_gone(path, DEADLINE_S), f"{path} still there {DEADLINE_S} s after the last unmap"
-        assert not _sem_files(sem_prefix)
-    finally:
-        if c.is_alive():
-            c.kill()
-        c.join(10)
-
-
-def _creator_then_wait(conn):
-    q = shmq.Queue()
-    q.put(1)
-    conn.send(q._spool.path)
-    conn.recv()
-
-
-def test_queue_of_dead_creator_nobody_maps_is_reclaimed_by_next_queue():
-    ctx = mp.get_context("fork")
-    a, b = ctx.Pipe()
-    c = ctx.Process(target=_creator_then_wait, args=(b,))
-    c.start()
-    assert a.poll(30)
-    path = a.recv()
-    alive_one = shmq.Queue()  # our own live queue: never reclaimed
-    try:
-        os.kill(c.pid, signal.SIGKILL)
-        c.join(10)
-        # Listed by gc while it exists.  Any process of this user that creates a
-        # Queue meanwhile (another xdist worker) may reclaim it first: by design.
-        listed = _gc("--min-age", "0")["queues"]
-        assert path in listed or not os.path.exists(path)
-        shmq.Queue().close()  # a new queue reclaims (bounded work)
-        assert not os.path.exists(path)
-        assert os.path.exists(alive_one._spool.path)
-    finally:
-        alive_one.close()
-        if os.path.exists(path):
-            shmq.Spool.destroy(path)

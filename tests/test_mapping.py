@@ -14,6 +14,8 @@ from shmq import _format as F
 from shmq import _mapping as M
 from shmq.errors import ShmqError, SpoolFormatError
 
+from conftest import bound
+
 GEOMETRY = dict(ring_bytes=1 << 16, policy="block", slots=8, leases=4, checksum=True)
 
 
@@ -251,3 +253,71 @@ def test_open_semaphore_creates_with_the_mode(spool_dir):
         M.unlink_semaphores("fedcba987654", 4)
     with pytest.raises(posix_ipc.ExistentialError):
         posix_ipc.Semaphore(name)
+
+
+# --- the engine's semaphores are plain POSIX named semaphores ------------------------
+#
+# The engine creates, opens and unlinks a spool's semaphores itself (sem_open:
+# shmq/engine/sem.c); posix_ipc is only in the test extra, to show that what the
+# engine makes is what any other sem_open user sees and operates.
+
+
+def test_a_spools_semaphores_are_posix_named_semaphores(spool_dir):
+    import shmq
+
+    sp = shmq.Spool.create(os.path.join(spool_dir, "posix"), capacity="64KiB", mode=0o640)
+    try:
+        names = [M.sem_name(sp.sem_prefix, w) for w in (M.SEM_WRITER, M.SEM_READ_WAITERS,
+                                                          M.SEM_SPACE_WAITERS)]
+        for name, value in zip(names, (1, 0, 0)):
+            sem = posix_ipc.Semaphore(name)  # opens what the engine created ...
+            try:
+                assert sem.value == value
+                assert stat.S_IMODE(os.stat(M.semaphore_file(name)).st_mode) == 0o640
+            finally:
+                sem.close()
+        writer = posix_ipc.Semaphore(names[0])
+        try:
+            writer.acquire(0)  # ... and takes the writer lock the engine's writers take
+            assert sp.core.put(b"x", 0, -1, 0.0) == shmq._core.LOCK_STUCK
+            writer.release()
+            assert sp.put(b"y") == 0
+        finally:
+            writer.close()
+        r = sp.reader("workers", group=True)  # a group's semaphore, made on first use
+        g = posix_ipc.Semaphore(M.group_sem_name(sp.sem_prefix, r.slot))
+        try:
+            assert g.value == 1
+            g.acquire(0)
+            assert r.core_cursor.get(0.0) == shmq._core.LOCK_STUCK
+            g.release()
+            assert r.get(timeout=bound(10)).data == b"y"
+        finally:
+            g.close()
+            r.close()
+    finally:
+        sp.close()
+        shmq.Spool.destroy(os.path.join(spool_dir, "posix"))
+    for name in names:
+        with pytest.raises(posix_ipc.ExistentialError):  # destroy unlinked them
+            posix_ipc.Semaphore(name)
+
+
+def test_the_engine_opens_a_semaphore_posix_ipc_created(spool_dir):
+    from shmq import _core
+
+    name = f"/shmq.test-posix-{os.getpid()}"
+    posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=2).close()
+    try:
+        sem = _core.Semaphore(name, 0, 0o600)  # exists: opened, not re-initialized
+        try:
+            assert sem.value == 2 and sem.acquire(0) and sem.value == 1
+        finally:
+            sem.close()
+        with pytest.raises(FileExistsError):
+            _core.Semaphore(name, 0, 0o600, create=True)
+    finally:
+        M.unlink_semaphore(name)
+    with pytest.raises(FileNotFoundError):
+        _core.Semaphore(name, existing=True)
+    M.unlink_semaphore(name)  # a missing one is fine

@@ -342,3 +342,27 @@ def test_a_get_with_a_timeout_waits_in_c_and_keeps_it(make_spool, kind, timeout)
     finally:
         if kind == "queue":
             q.close()
+
+
+def test_a_coroutine_cancelled_as_its_doorbell_rings_is_cancelled(make_spool):
+    """A waiting coroutine cancelled in the loop turn that its wake-up resolved its
+    future in raises CancelledError.  With asyncio.wait_for around that future,
+    CPython 3.11 returned the future's result instead and the wait went on:
+    the cancellation was lost (a client's reading coroutine then finished its
+    call as if never cancelled)."""
+    sp = make_spool(capacity="64KiB")
+    ready = [False]
+
+    async def main():
+        waiting = asyncio.create_task(sp.data_bell.wait_async(lambda: ready[0], 30))
+        for _ in range(3):  # it parks on its future
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        ready[0] = True
+        _notify.watcher()._bump()  # what an inotify event does: resolve parked futures
+        await asyncio.sleep(0)  # ... in this turn, before the waiting task runs
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())

@@ -112,6 +112,25 @@ def test_writer_killed_between_first_pos_and_first_seq_still_opens(spool_path):
     sp.close()
 
 
+@pytest.mark.parametrize("word,value", [("W_NEXT_SEQ", 1 << 63), ("W_NEXT_SEQ", (1 << 64) - 1),
+                                        ("W_NEXT_SEQ", 0xFEFEFEFEFEFEFEFE), ("W_NEXT_SEQ", 1 << 62),
+                                        ("W_NEXT_POS", 1 << 62), ("W_NEXT_POS", (1 << 64) - 8)])
+def test_write_counters_no_writer_reaches_are_refused_as_corrupt(make_spool, word, value):
+    """stress/corefuzz.py found it: a write's seq is a signed 64-bit result, so a NEXT_SEQ
+    of 2**63 or more came back from the engine as a negative "code" (SystemError).  The
+    writer refuses NEXT_SEQ / NEXT_POS at or past 2**62 (F.MAX_COUNTER, as the readers and
+    the open-time checks do) as a corrupt header, before placing anything."""
+    sp = make_spool(capacity=4096)
+    sp.put(b"x")
+    good = int(sp.ring.ctl[getattr(F, word)])
+    sp.ring.ctl[getattr(F, word)] = value
+    for call in (lambda: sp.put(b"y"), lambda: sp.put_many([b"a", b"b"]), lambda: sp.reserve(8)):
+        with pytest.raises(shmq.SpoolFormatError, match="out of range"):
+            call()
+    sp.ring.ctl[getattr(F, word)] = good
+    assert sp.put(b"z") == 1  # nothing was placed or left locked
+
+
 def test_read_at_negative_seq_is_value_error(make_spool):
     with pytest.raises(ValueError):
         make_spool().read_at(-1)

@@ -210,7 +210,7 @@ def _claim_record_and_die(path, ready):
 def test_a_dead_workers_row_keeps_its_counts_and_is_taken_over(spool_dir):
     import mmap
 
-    from shmq._lock import _start_time
+    from shmq._lock import process_start
 
     path = os.path.join(spool_dir, "svc")
     shmq.Service(path).close()
@@ -222,7 +222,7 @@ def test_a_dead_workers_row_keeps_its_counts_and_is_taken_over(spool_dir):
     d = B.service_status(path)
     assert d["workers"] == 0 and d["calls"] == 1  # its holder is dead; its counts stay
     assert abs(d["latency"]["p50"] - 2e-3) <= 0.125 * 2e-3
-    live = 1 | (_start_time(1) & 0xFFFFFFFF) << 32  # pid 1: alive for as long as we run
+    live = 1 | (process_start(1) & 0xFFFFFFFF) << 32  # pid 1: alive for as long as we run
     with open(path + ".svc", "r+b") as f:
         mm = mmap.mmap(f.fileno(), B.FILE_BYTES)
         w = memoryview(mm).cast("Q")

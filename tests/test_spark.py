@@ -15,6 +15,10 @@ import time
 
 import pytest
 
+from conftest import pyspark_unsupported
+
+if pyspark_unsupported():
+    pytest.skip(pyspark_unsupported(), allow_module_level=True)
 pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
 

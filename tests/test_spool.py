@@ -4,6 +4,7 @@ import asyncio
 import os
 import pickle
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -39,6 +40,24 @@ def test_put_accepts_bytes_like(make_spool):
     r = sp.reader()
     assert [f.data for f in r.get_many(10)] == [
         b"abc", b"defg", np.arange(3, dtype=np.int32).tobytes(), b""]
+
+
+def test_put_keeps_no_reference_and_takes_bytes_subclasses(make_spool):
+    """An exact bytes object is written from its own storage (no buffer view): the
+    reference held during the write is dropped after it, on success and on refusal."""
+    class B(bytes):
+        pass
+    sp = make_spool(capacity=4096, on_full="error")
+    x, big = b"payload-" + bytes(range(50)), b"z" * 10000
+    before = (sys.getrefcount(x), sys.getrefcount(big))
+    for _ in range(5):
+        sp.put(x)
+        sp.put_many([x, B(b"sub"), (x, b"-", bytearray(b"ba"))])
+        with pytest.raises(ValueError):
+            sp.put(big)  # larger than the ring
+    assert (sys.getrefcount(x), sys.getrefcount(big)) == before
+    r = sp.reader(start="earliest")
+    assert [f.data for f in r.get_many(4)] == [x, x, b"sub", x + b"-ba"]
 
 
 @pytest.mark.parametrize("bad", ["text", 12, None, 1.5, [b"a"]])

@@ -133,6 +133,30 @@ def test_spool_layer_is_not_a_cycle(house):
         assert not {"shmq.spool", "shmq.reader", "shmq.columnar"} & set(comp), comp
 
 
+def _imports(module):
+    """Every shmq module ``module``'s source names in an import, TYPE_CHECKING ones too."""
+    import ast
+
+    path = os.path.join(HERE, "..", *module.split(".")) + ".py"
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = module.rsplit(".", node.level)[0]
+            names.add(f"{base}.{node.module}" if node.module else base)
+            names.update(f"{base}.{a.name}" for a in node.names if not node.module)
+    return names
+
+
+def test_layers_only_go_down():
+    """Spool and readers carry bytes: they never import the codec layer (the Queue hands
+    the binding its pickling); columnar sits above the parts that carry bytes and is
+    handed them (the writer, the ring, the pins), never the facade: it imports neither
+    the spool nor a reader, not even for annotations."""
+    for facade in ("shmq.spool", "shmq.reader", "shmq.group"):
+        assert not {"shmq.codec", "shmq.queue"} & _imports(facade), facade
+    assert not {"shmq.spool", "shmq.reader", "shmq.group", "shmq.queue"} & _imports("shmq.columnar")
+
+
 def test_c_files_are_counted_and_small(house):
     """The compiled core is split into files of at most 900 lines, each counted
     (issue "One core, one writer"); shmq._core is a module of the import graph."""

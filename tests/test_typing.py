@@ -43,7 +43,7 @@ strict = True
 python_version = 3.11
 [mypy-shmq,shmq.*]
 follow_imports = silent
-[mypy-posix_ipc,inotify_simple,pyarrow,pyarrow.*,psutil]
+[mypy-inotify_simple,pyarrow,pyarrow.*]
 ignore_missing_imports = True
 """
 

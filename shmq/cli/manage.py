@@ -55,7 +55,7 @@ def cmd_create(a) -> int:
 
 
 def cmd_rm(a) -> int:
-    from .._mapping import open_by
+    from ..gc import open_by
     from ..spool import Spool
 
     for path in a.paths:
@@ -132,15 +132,14 @@ def _ls_rows(directory, damaged):
 
 def _anonymous_rows(damaged):
     """Rows for this user's anonymous queues, each with the pids that have it open."""
-    from ..queue import anonymous_paths
-
-    from ..gc import orphaned_queues
+    from ..anonymous import anonymous_paths
+    from ..gc import open_by, orphaned_queues
 
     rows = _peek_rows(anonymous_paths(), None, damaged)
     orphans = set(orphaned_queues())
     for p in rows:
         p["anonymous"] = True
-        p["open_by"] = _mapping.open_by(p["path"])
+        p["open_by"] = open_by(p["path"])
         p["orphan"] = p["path"] in orphans  # creator dead, open by nobody: shmq gc removes it
     return rows
 

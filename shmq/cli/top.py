@@ -111,7 +111,8 @@ class Top:
             return [ln[:width] for ln in lines]
         anon = set()
         if self.anonymous:
-            from ..queue import anonymous_paths
+            from ..anonymous import anonymous_paths
+            from ..gc import open_by
 
             anon = set(anonymous_paths())
         named = [os.path.dirname(p) for p, _ in snaps if p not in anon]
@@ -132,7 +133,7 @@ class Top:
                            human_rate(series.get(now_s - 1, 0)),
                            human_rate(reads.get(now_s - 1, 0)), spark, lock])
             if self.anonymous:  # who has each anonymous queue open (its creator, usually)
-                spools[-1].append(",".join(map(str, _mapping.open_by(path))) or "-"
+                spools[-1].append(",".join(map(str, open_by(path))) or "-"
                                   if path in anon else "")
             svc = self._service(path, name, mono)
             if svc is not None:

@@ -51,26 +51,19 @@ static inline void shmq_err_type_name(PyObject *exc, const char *msg, PyObject *
     Py_DECREF(name);
 }
 #define SHMQ_ERR_TYPE_NAME(exc, msg, o) shmq_err_type_name((exc), msg, (PyObject *)(o))
+/* A PySequence_Fast result is a list or a tuple.  Its size and item macros are
+ * not limited API, and from 3.14 the limited headers no longer define them
+ * (Include/cpython/abstract.h): the lists' and tuples' checked accessors. */
+#ifndef PySequence_Fast_GET_SIZE
+#define PySequence_Fast_GET_SIZE(o) (PyList_Check(o) ? PyList_Size(o) : PyTuple_Size(o))
+#endif
+#ifndef PySequence_Fast_GET_ITEM
+#define PySequence_Fast_GET_ITEM(o, i) (PyList_Check(o) ? PyList_GetItem((o), (i)) : PyTuple_GetItem((o), (i)))
+#endif
 /* No item array in the limited API: the sequence itself, one checked read per item. */
 typedef PyObject *shmq_fast_items;
 #define SHMQ_FAST_ITEMS(seq) (seq)
 #define SHMQ_FAST_AT(items, k) PySequence_Fast_GET_ITEM((items), (k))
-
-/* The limited API declares these as functions of PyObject * without the
- * casting macros the full API wraps them in (Include/object.h, "Py_LIMITED_API+0
- * < 0x030b0000"); the core passes its own struct pointers. */
-#ifndef Py_TYPE
-#define Py_TYPE(ob) Py_TYPE((PyObject *)(ob))
-#endif
-#ifndef Py_INCREF
-#define Py_INCREF(op) Py_INCREF((PyObject *)(op))
-#endif
-#ifndef Py_XINCREF
-#define Py_XINCREF(op) Py_XINCREF((PyObject *)(op))
-#endif
-#ifndef Py_XDECREF
-#define Py_XDECREF(op) Py_XDECREF((PyObject *)(op))
-#endif
 
 /* Py_SETREF / Py_XSETREF, as Include/cpython/object.h defines them. */
 #define Py_SETREF(dst, src)                                                                        \
@@ -108,6 +101,7 @@ static inline void shmq_list_set_item(PyObject *l, Py_ssize_t i, PyObject *v) {
 #define PyTuple_SET_ITEM(op, i, v) shmq_tuple_set_item((PyObject *)(op), (i), (PyObject *)(v))
 #define PyList_SET_ITEM(op, i, v) shmq_list_set_item((PyObject *)(op), (i), (PyObject *)(v))
 #define PyBytes_AS_STRING(op) PyBytes_AsString((PyObject *)(op))
+#define PyBytes_GET_SIZE(op) PyBytes_Size((PyObject *)(op))
 #define PyByteArray_AS_STRING(op) PyByteArray_AsString((PyObject *)(op))
 #define PyStructSequence_GET_ITEM(op, i) PyStructSequence_GetItem((PyObject *)(op), (i))
 #define PyStructSequence_SET_ITEM(op, i, v) PyStructSequence_SetItem((PyObject *)(op), (i), (v))
@@ -129,6 +123,10 @@ static inline PyObject *shmq_call_one_arg(PyObject *func, PyObject *arg) {
  * PyWeakref_GetRef, limited API only from 3.13; this is it on PyWeakref_GetObject
  * (stable ABI, deprecated from 3.13: borrowed, taken at once under the GIL). */
 #if PY_VERSION_HEX >= 0x030D0000 && Py_LIMITED_API + 0 < 0x030D0000
+#if PY_VERSION_HEX >= 0x030F0000
+/* 3.15's headers no longer declare it; libpython still exports it (stable ABI). */
+PyAPI_FUNC(PyObject *) PyWeakref_GetObject(PyObject *ref);
+#endif
 static inline int shmq_weakref_get_ref(PyObject *ref, PyObject **pobj) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"

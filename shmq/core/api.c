@@ -11,7 +11,7 @@
  * queue's own state (its owner, maxsize) lives on its QueuePort, not in the
  * Ring or the Cursor.
  */
-#include "core.h"
+#include "binding.h"
 
 /* A new reference to what weak reference `ref` points at, or NULL with
  * ValueError when it is gone (the handle was collected: closed). */
@@ -124,7 +124,7 @@ int parse_api(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, const 
 static int fast_put_wait(Ring *r, PyObject *block, PyObject *timeout, double *lock_wait) {
     uint64_t deadline;
     if (!park_deadline(block, timeout, &deadline)) return 0;
-    *lock_wait = deadline ? 0.0 : r->lock_wait;
+    *lock_wait = deadline ? 0.0 : r->eng.lock_wait;
     return 1;
 }
 
@@ -142,13 +142,13 @@ PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObjec
     int codec = 0;
     if (a[3] && (codec = (int)PyLong_AsLong(a[3])) == -1 && PyErr_Occurred()) return NULL;
     double lock_wait;
-    if (r->fast_put && r->have_buf && fast_put_wait(r, a[1], a[2], &lock_wait)) {
+    if (r->fast_put && r->eng.base && fast_put_wait(r, a[1], a[2], &lock_wait)) {
         Item item;
-        if (load_item(&item, a[0], r->checksum) < 0) return NULL;
-        int64_t res = ring_write(r, &item, 1, codec, -1, lock_wait, 1);
+        if (load_item(&item, &item.item, a[0], r->eng.checksum) < 0) return NULL;
+        int64_t res = eng_write(&r->eng, &item.item, 1, codec, -1, lock_wait, 1, NULL);
         release_items(&item, 1);
-        if (res == ST_PYERR) return NULL;
         if (res >= 0) return PyLong_FromLongLong(res);
+        if (!is_status(res)) return ring_error(r, (int)res);
     }
     PyObject *cd = PyLong_FromLong(codec);
     if (!cd) return NULL;
@@ -171,9 +171,9 @@ PyObject *Ring_bind(Ring *r, PyObject *args) {
 
 /* ---- shmq.Reader.get ---- */
 
-/* One frame from the cursor: a Frame, None (nothing now) or ST_LOCK_STUCK (a
+/* One frame from the cursor: a Frame, None (nothing now) or SHMQ_ELOCKED (a
  * group whose lock was not free within the handle's lock wait). */
-PyObject *take_one(Cursor *c) { return cursor_take(c, 1, 0, c->ring->lock_wait, NULL, NULL); }
+PyObject *take_one(Cursor *c) { return cursor_take(c, 1, 0, c->ring->eng.lock_wait, NULL, NULL); }
 
 PyObject *Cursor_get_api(Cursor *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     /* Reader.get(block=True, timeout=None): a frame in one C call when one is
@@ -252,9 +252,9 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     double lock_wait;
-    if (q->fast_put && r->have_buf && st->pickle_dumps && fast_put_wait(r, a[1], a[2], &lock_wait)) {
+    if (q->fast_put && r->eng.base && st->pickle_dumps && fast_put_wait(r, a[1], a[2], &lock_wait)) {
         PyObject *data;
-        int codec = 0;
+        int codec = SHMQ_CODEC_RAW;
         if (PyBytes_CheckExact(a[0])) {
             data = Py_NewRef(a[0]);
         } else {
@@ -264,18 +264,18 @@ static PyObject *QueuePort_put(QueuePort *q, PyObject *const *args, Py_ssize_t n
             unsigned long before = st->buffers_seen;
             data = dumps_inband(st, a[0]);
             if (!data) return NULL; /* unpicklable: at once, as the Python put */
-            codec = 1;
+            codec = SHMQ_CODEC_PICKLE;
             if (st->buffers_seen != before) Py_CLEAR(data);
         }
-        if (data && r->have_buf) { /* (__reduce__ code may have closed the handle) */
+        if (data && r->eng.base) { /* (__reduce__ code may have closed the handle) */
             Item item;
-            int rc = load_item(&item, data, r->checksum);
+            int rc = load_item(&item, &item.item, data, r->eng.checksum);
             Py_DECREF(data);
             if (rc < 0) return NULL;
-            int64_t res = ring_write(r, &item, 1, codec, q->backlog, lock_wait, 1);
+            int64_t res = eng_write(&r->eng, &item.item, 1, codec, q->backlog, lock_wait, 1, NULL);
             release_items(&item, 1);
-            if (res == ST_PYERR) return NULL;
             if (res >= 0) Py_RETURN_NONE;
+            if (!is_status(res)) return ring_error(r, (int)res);
         } else {
             Py_XDECREF(data);
         }
@@ -291,8 +291,8 @@ PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
      * lock was not free in time) or UNDECODED (another codec: see .last). */
     if (cursor_check(c) < 0) return NULL;
     CoreState *st = c->ring->st;
-    FrameHeader h; /* the data alone: no Frame object unless it goes to Python */
-    PyObject *d = cursor_take(c, 1, 0, c->ring->lock_wait, &h, NULL);
+    shmq_frame_header h; /* the data alone: no Frame object unless it goes to Python */
+    PyObject *d = cursor_take(c, 1, 0, c->ring->eng.lock_wait, &h, NULL);
     if (!d) return NULL;
     if (d == Py_None) {
         Py_DECREF(d);
@@ -302,8 +302,8 @@ PyObject *Cursor_get_obj(Cursor *c, PyObject *unused) {
         Py_DECREF(d);
         return Py_NewRef(st->STUCK);
     }
-    if (h.codec == 0) return d; /* after the group lock was released */
-    if (h.codec == 1 && st->pickle_loads) {
+    if (h.codec == SHMQ_CODEC_RAW) return d; /* after the group lock was released */
+    if (h.codec == SHMQ_CODEC_PICKLE && st->pickle_loads) {
         PyObject *out = PyObject_CallOneArg(st->pickle_loads, d);
         Py_DECREF(d);
         return out;
@@ -353,7 +353,7 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
     PyObject *ring, *cur, *queue, *put_slow, *get_slow, *port_of = NULL;
     long long backlog;
     int fast;
-    CoreState *st = PyType_GetModuleState(Py_TYPE(q));
+    CoreState *st = PyType_GetModuleState(Py_TYPE((PyObject *)q));
     if (!st) return -1;
     if (!PyArg_ParseTuple(args, "O!O!OOOLp|O", st->RingType, &ring, st->CursorType, &cur, &queue, &put_slow,
                           &get_slow, &backlog, &fast, &port_of))
@@ -377,7 +377,7 @@ static int QueuePort_init(QueuePort *q, PyObject *args, PyObject *kw) {
 }
 
 static int QueuePort_traverse(QueuePort *q, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(q));
+    Py_VISIT(Py_TYPE((PyObject *)q));
     Py_VISIT(q->ring);
     Py_VISIT(q->cur);
     Py_VISIT(q->owner);
@@ -397,12 +397,12 @@ static void QueuePort_dealloc(QueuePort *q) {
     PyObject_GC_UnTrack(q);
     Py_XDECREF(q->keep);
     Py_XDECREF(q->port_of);
-    Py_XDECREF(q->ring);
-    Py_XDECREF(q->cur);
+    Py_XDECREF((PyObject *)q->ring);
+    Py_XDECREF((PyObject *)q->cur);
     Py_XDECREF(q->owner);
     Py_XDECREF(q->put_slow);
     Py_XDECREF(q->get_slow);
-    PyTypeObject *tp = Py_TYPE(q);
+    PyTypeObject *tp = Py_TYPE((PyObject *)q);
     SHMQ_TP_FREE(tp)((PyObject *)q);
     Py_DECREF(tp);
 }
@@ -447,3 +447,45 @@ static PyType_Slot queue_port_slots[] = {
 PyType_Spec queue_port_spec = {"shmq._core.QueuePort", sizeof(QueuePort), 0,
                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
                                queue_port_slots};
+
+/* encode_batch(items) -> (tuple of frame items, codec), or None: shmq.Queue.put_many's
+ * encoder in one call when the batch is of one kind: every item bytes (raw,
+ * codec 0) or every item pickled with no out-of-band buffer (codec 1).  None
+ * for a mixed batch or one with buffers: the Python encoder's (shmq.codec). */
+PyObject *queue_encode_batch(PyObject *m, PyObject *items) {
+    CoreState *st = PyModule_GetState(m);
+    if (!st->pickle_dumps) Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(items, "put_many() needs an iterable of objects");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyTuple_New(n);
+    if (!out) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int codec = -1;
+    unsigned long before = st->buffers_seen;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i), *data;
+        int kind = PyBytes_CheckExact(o) ? SHMQ_CODEC_RAW : SHMQ_CODEC_PICKLE;
+        if (codec >= 0 && kind != codec) goto python; /* mixed: item by item, in Python */
+        codec = kind;
+        if (kind == SHMQ_CODEC_RAW) {
+            data = Py_NewRef(o);
+        } else {
+            if (!(data = dumps_inband(st, o))) {
+                Py_DECREF(out);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        PyTuple_SET_ITEM(out, i, data);
+        if (st->buffers_seen != before) goto python; /* out-of-band buffers: kept uncopied in Python */
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(Ni)", out, codec < 0 ? SHMQ_CODEC_RAW : codec);
+python:
+    Py_DECREF(out);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}

@@ -1,29 +1,8 @@
 /*
  * shmq/core/frame.c: what a frame becomes in Python (the Frame struct
- * sequence) and its checksum (CRC-32, the same as zlib.crc32).
+ * sequence).  Its checksum is the engine's (crc.c).
  */
-#include "core.h"
-#include <pthread.h>
-
-/* ---- CRC-32 (IEEE 802.3, the same as zlib.crc32) ---- */
-/* Filled once per process (pthread_once: interpreters may import the module
- * concurrently), read-only afterwards. */
-static uint32_t crc_table[256];
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-static void crc_fill(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[i] = c;
-    }
-}
-void crc_init(void) { pthread_once(&crc_once, crc_fill); }
-
-uint32_t crc_update(uint32_t crc, const unsigned char *p, size_t n) {
-    crc = ~crc;
-    while (n--) crc = crc_table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
-    return ~crc;
-}
+#include "binding.h"
 
 /* A new Frame (steals `data`), or NULL with an exception. */
 PyObject *make_frame(CoreState *st, uint64_t seq, uint64_t ts, PyObject *data, int codec) {

@@ -1,18 +1,18 @@
 /*
- * shmq/core/options.c: what put_many's options add to the one writer
- * (write.c): the shmq.Deferred type, parsing the keywords (before_commit=,
- * timestamps=, sync=) into a WriteOpts, and the work write_locked does for
- * them with the writer lock held -- the Python callouts (a Deferred's
- * fill, before_commit) and msync.  Placement, eviction and commit stay
- * write.c's: an option never changes where a frame goes.
+ * shmq/core/options.c: what put_many's options add to the engine's one
+ * writer (shmq/engine/write.c): the shmq.Deferred type, parsing the
+ * keywords (before_commit=, timestamps=, sync=) into the engine's
+ * eng_wopts, and the Python callouts the engine calls with the writer lock
+ * held (a Deferred's fill, before_commit).  Placement, eviction and commit
+ * stay the engine's: an option never changes where a frame goes.
  *
  * A callout runs Python with the writer lock held (docs/format.md, "The
- * compiled core"): the handle is marked busy (a close() meanwhile is
- * deferred) and the thread recorded (a put or reserve from it raises
- * instead of deadlocking); an exception aborts the batch (write.c's
- * unplace).
+ * engine"): the engine marks the handle busy (a close() meanwhile is
+ * deferred) and records the thread (a put or reserve from it raises
+ * instead of deadlocking); an exception aborts the batch (nothing
+ * published).
  */
-#include "core.h"
+#include "binding.h"
 
 typedef struct {
     PyObject_HEAD
@@ -39,7 +39,7 @@ static int Deferred_init(Deferred *d, PyObject *args, PyObject *kw) {
 }
 
 static int Deferred_traverse(Deferred *d, visitproc visit, void *arg) {
-    Py_VISIT(Py_TYPE(d));
+    Py_VISIT(Py_TYPE((PyObject *)d));
     Py_VISIT(d->fill);
     return 0;
 }
@@ -52,7 +52,7 @@ static int Deferred_clear(Deferred *d) {
 static void Deferred_dealloc(Deferred *d) {
     PyObject_GC_UnTrack(d);
     Py_XDECREF(d->fill);
-    PyTypeObject *tp = Py_TYPE(d);
+    PyTypeObject *tp = Py_TYPE((PyObject *)d);
     SHMQ_TP_FREE(tp)((PyObject *)d);
     Py_DECREF(tp);
 }
@@ -82,17 +82,70 @@ static PyType_Slot deferred_slots[] = {
 PyType_Spec deferred_spec = {"shmq.spool.Deferred", sizeof(Deferred), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC, deferred_slots};
 
-int load_deferred(Ring *r, Item *it, PyObject *o) {
+/* fill(view) writes a Deferred's n bytes at dst (the engine's fill callout,
+ * writer lock held).  The view is released after the call, so a fill that
+ * keeps it cannot write once the lock is gone (unless it exported it
+ * further: documented as not allowed).  0, or -1 with an exception. */
+static int fill_payload(void *fill, char *dst, uint64_t n) {
+    PyObject *view = PyMemoryView_FromMemory(dst, (Py_ssize_t)n, PyBUF_WRITE);
+    if (!view) return -1;
+    PyObject *res = PyObject_CallOneArg((PyObject *)fill, view);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+#endif
+    PyObject *done = PyObject_CallMethod(view, "release", NULL);
+    if (!done) PyErr_Clear(); /* still exported: the view stays valid (fill broke its contract) */
+    Py_XDECREF(done);
+    Py_DECREF(view);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(et, ev, tb);
+#endif
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
+int load_deferred(Ring *r, Item *it, eng_item *e, PyObject *o) {
     if (!r->st || !Py_IS_TYPE(o, r->st->DeferredType)) return 0;
     if (!((Deferred *)o)->fill) {
         PyErr_SetString(PyExc_ValueError, "Deferred was not initialized");
         return -1;
     }
     it->nviews = 0;
-    it->n = (uint64_t)((Deferred *)o)->nbytes;
-    it->crc = 0; /* computed after fill, under the lock */
-    it->fill = ((Deferred *)o)->fill;
+    it->hold = NULL;
+    e->segs = it->segs;
+    e->nsegs = 0;
+    e->n = (uint64_t)((Deferred *)o)->nbytes;
+    e->crc = 0; /* computed after fill, under the lock */
+    e->fill = fill_payload;
+    e->fill_ctx = ((Deferred *)o)->fill;
     return 1;
+}
+
+/* before_commit(first_seq, [positions]) (the engine's callout, writer lock
+ * held).  0, or -1 with an exception. */
+static int call_before_commit(void *ctx, uint64_t seq0, const uint64_t *placed, size_t count) {
+    WriteOpts *o = ctx;
+    PyObject *positions = PyList_New((Py_ssize_t)count), *first = PyLong_FromUnsignedLongLong(seq0);
+    int rc = -1;
+    if (!positions || !first) goto out;
+    for (size_t k = 0; k < count; k++) {
+        PyObject *p = PyLong_FromUnsignedLongLong(placed[k]);
+        if (!p) goto out;
+        PyList_SET_ITEM(positions, (Py_ssize_t)k, p);
+    }
+    PyObject *args[2] = {first, positions};
+    PyObject *res = PyObject_Vectorcall(o->before_commit, args, 2, NULL);
+    rc = res ? 0 : -1;
+    Py_XDECREF(res);
+out:
+    Py_XDECREF(positions);
+    Py_XDECREF(first);
+    return rc;
 }
 
 /* put_many's keyword options (kwargs: their values, named by kwnames) for a
@@ -111,10 +164,12 @@ int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssi
                 return -1;
             }
             o->before_commit = v == Py_None ? NULL : v;
+            o->eng.before_commit = o->before_commit ? call_before_commit : NULL;
+            o->eng.ctx = o;
         } else if (strcmp(name, "timestamps") == 0) {
             stamps = v == Py_None ? NULL : v;
         } else if (strcmp(name, "sync") == 0) {
-            if ((o->sync = PyObject_IsTrue(v)) < 0) return -1;
+            if ((o->eng.sync = PyObject_IsTrue(v)) < 0) return -1;
         } else {
             PyErr_Format(PyExc_TypeError, "put_many() got an unexpected keyword argument '%s'", name);
             return -1;
@@ -147,118 +202,12 @@ int parse_write_opts(Ring *r, PyObject *const *kwargs, PyObject *kwnames, Py_ssi
         }
     }
     Py_DECREF(seq);
-    o->timestamps = ts;
+    o->eng.timestamps = ts;
     return 0;
 }
 
 void free_write_opts(WriteOpts *o) {
-    PyMem_Free(o->timestamps);
-    o->timestamps = NULL;
+    PyMem_Free((void *)o->eng.timestamps);
+    o->eng.timestamps = NULL;
 }
 
-/* ---- with the writer lock held (write_locked, ring_write_opts) ---- */
-
-/* Around a Python call with the writer lock held: the handle's close() is
- * deferred (busy) and a put from the same thread refused (callout).  0, or
- * -1 with an exception if the call raised or the handle was closed in it. */
-static int callout(Ring *r, PyObject *fn, PyObject *const *args, size_t nargs) {
-    r->busy++;
-    r->callout = PyThread_get_thread_ident();
-    PyObject *res = PyObject_Vectorcall(fn, args, nargs, NULL);
-    r->callout = 0;
-    r->busy--;
-    Py_XDECREF(res);
-    if (res && r->closing) {
-        PyErr_SetString(PyExc_ValueError, "spool handle was closed inside a write's callout (fill or before_commit)");
-        return -1;
-    }
-    return res ? 0 : -1;
-}
-
-int call_before_commit(Ring *r, PyObject *fn, uint64_t seq0, const uint64_t *placed, Py_ssize_t count) {
-    PyObject *positions = PyList_New(count), *first = PyLong_FromUnsignedLongLong(seq0);
-    int rc = -1;
-    if (!positions || !first) goto out;
-    for (Py_ssize_t k = 0; k < count; k++) {
-        PyObject *p = PyLong_FromUnsignedLongLong(placed[k]);
-        if (!p) goto out;
-        PyList_SET_ITEM(positions, k, p);
-    }
-    PyObject *args[2] = {first, positions};
-    rc = callout(r, fn, args, 2);
-out:
-    Py_XDECREF(positions);
-    Py_XDECREF(first);
-    return rc;
-}
-
-/* fill(view) writes a Deferred's n bytes at dst.  The view is released after
- * the call, so a fill that keeps it cannot write once the lock is gone
- * (unless it exported it further: documented as not allowed). */
-int fill_payload(Ring *r, PyObject *fill, char *dst, uint64_t n) {
-    PyObject *view = PyMemoryView_FromMemory(dst, (Py_ssize_t)n, PyBUF_WRITE);
-    if (!view) return -1;
-    int rc = callout(r, fill, &view, 1);
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject *exc = PyErr_GetRaisedException();
-#else
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-#endif
-    PyObject *done = PyObject_CallMethod(view, "release", NULL);
-    if (!done) PyErr_Clear(); /* still exported: the view stays valid (fill broke its contract) */
-    Py_XDECREF(done);
-    Py_DECREF(view);
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(exc);
-#else
-    PyErr_Restore(et, ev, tb);
-#endif
-    return rc;
-}
-
-/* msync ring positions [a, b) (a span of up to a lap; more: the whole ring),
- * GIL released, close() deferred.  0, or -1 with OSError. */
-int sync_ring(Ring *r, uint64_t a, uint64_t b) {
-    uint64_t ring = r->ring_bytes, spans[2][2];
-    int n = 0;
-    if (b - a >= ring) {
-        spans[n][0] = 0, spans[n++][1] = ring;
-    } else {
-        uint64_t lo = a % ring, hi = lo + (b - a);
-        spans[n][0] = lo, spans[n++][1] = hi < ring ? hi : ring;
-        if (hi > ring) spans[n][0] = 0, spans[n++][1] = hi - ring;
-    }
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    int rc = 0, err = 0;
-    r->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    for (int i = 0; i < n && rc == 0; i++) {
-        uintptr_t lo = (uintptr_t)(r->ring + spans[i][0]) & ~(page - 1), hi = (uintptr_t)(r->ring + spans[i][1]);
-        rc = msync((void *)lo, hi - lo, MS_SYNC);
-        err = errno;
-    }
-    Py_END_ALLOW_THREADS
-    r->busy--;
-    if (rc != 0) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
-}
-
-/* msync the header page (the commit) of a sync=True batch, after it. */
-int sync_header(Ring *r) {
-    int rc;
-    r->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    rc = msync(r->base, HEADER_BYTES, MS_SYNC);
-    Py_END_ALLOW_THREADS
-    r->busy--;
-    if (rc != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
-    }
-    return 0;
-}

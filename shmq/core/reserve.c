@@ -1,58 +1,11 @@
 /*
- * shmq/core/reserve.c: reservations -- zero-copy writes.  Ring.reserve
- * takes the writer lock and places one frame (write.c's place_batch, as a
- * put does); the caller writes the payload in place through a memoryview;
- * commit publishes it (write.c's commit_batch) and releases the lock.
- *
- * reserve_locked and commit_reserved are the Python-free halves (the TSan
- * harness calls them under the writer lock); the rest is the Reservation
- * type.
+ * shmq/core/reserve.c: the Reservation type -- zero-copy writes over the
+ * engine's reservation (eng_reserve: the writer lock taken, one frame
+ * placed; eng_resv_commit publishes it).  The payload is written through a
+ * memoryview over the mmap object itself, so closing the spool cannot unmap
+ * it under the view.
  */
-#include "core.h"
-
-/* Place one frame of `nbytes` (writer lock held): 0 and *rv's seq, off,
- * stored, end filled, or a status (nothing changed), or ST_PYERR. */
-int reserve_locked(Ring *r, uint64_t nbytes, Reservation *rv) {
-    uint64_t need = FRAME_BYTES + ((nbytes + 7) & ~(uint64_t)7), placed;
-    Placement pl;
-    int st = place_batch(r, 1, &need, need, -1, &placed, &pl);
-    if (st != 0) return st;
-    write_pads(r, &pl, now_ns());
-    populate_ahead(r, placed, need); /* the caller writes the payload in place: no fault per page */
-    /* A header that is not frame `seq` yet: nothing past NEXT_SEQ is read, and
-     * recovery after a kill re-derives NEXT_POS from committed frames only. */
-    memset(r->ring + placed % r->ring_bytes, 0, FRAME_BYTES);
-    rv->seq = pl.seq0;
-    rv->off = placed % r->ring_bytes;
-    rv->nbytes = nbytes;
-    rv->stored = need;
-    rv->end = pl.end;
-    rv->start = pl.start;
-    return 0;
-}
-
-/* Publish a reserved frame whose payload is written (writer lock held;
- * the caller releases it). */
-void commit_reserved(Ring *r, const Reservation *rv) {
-    char *payload = r->ring + rv->off + FRAME_BYTES;
-    uint64_t pad = rv->stored - FRAME_BYTES - rv->nbytes;
-    if (pad) memset(payload + rv->nbytes, 0, (size_t)pad);
-    uint64_t ts = now_ns();
-    FrameHeader h = {rv->seq, (uint32_t)rv->stored, (uint32_t)rv->nbytes, ts, 0, 0, (uint8_t)rv->codec, 0};
-    if (r->checksum) {
-        h.crc = crc_update(0, (const unsigned char *)payload, (size_t)rv->nbytes);
-        h.flags = FLAG_CRC;
-    }
-    memcpy(r->ring + rv->off, &h, FRAME_BYTES);
-    commit_batch(r, rv->seq + 1, rv->end, 1, rv->nbytes, ts);
-}
-
-static void reservation_unlock(Reservation *rv) {
-    Ring *r = rv->ring;
-    rv->open = 0;
-    if (r->reserved_by == rv) r->reserved_by = NULL;
-    if (r->have_buf) wlock_release(r);
-}
+#include "binding.h"
 
 static void reservation_drop_view(Reservation *rv) {
     if (rv->view) {
@@ -64,34 +17,29 @@ static void reservation_drop_view(Reservation *rv) {
 }
 
 static PyObject *Reservation_commit(Reservation *rv, PyObject *unused) {
-    if (!rv->open) {
+    if (!rv->eng.open) {
         PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
         return NULL;
     }
-    Ring *r = rv->ring;
-    if (!r->have_buf) {
-        rv->open = 0;
-        PyErr_SetString(PyExc_ValueError, "spool handle is closed");
+    reservation_drop_view(rv);
+    int64_t seq = eng_resv_commit(&rv->eng);
+    if (seq < 0) {
+        PyErr_SetString(PyExc_ValueError, seq == SHMQ_ECLOSED ? "spool handle is closed" : shmq_errmsg());
         return NULL;
     }
-    reservation_drop_view(rv);
-    commit_reserved(r, rv);
-    reservation_unlock(rv);
-    ring_bell(r, r->rsem);
-    return PyLong_FromUnsignedLongLong(rv->seq);
+    return PyLong_FromLongLong(seq);
 }
 
 static PyObject *Reservation_abandon(Reservation *rv, PyObject *unused) {
-    if (rv->open) {
+    if (rv->eng.open) {
         reservation_drop_view(rv);
-        if (rv->ring->have_buf) unplace(rv->ring, rv->seq, rv->start);
-        reservation_unlock(rv); /* nothing was published: the space is reused by the next write */
+        eng_resv_abandon(&rv->eng); /* nothing was published: the space is reused by the next write */
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *Reservation_enter(Reservation *rv, PyObject *unused) {
-    if (!rv->open) {
+    if (!rv->eng.open) {
         PyErr_SetString(PyExc_ValueError, "the reservation is closed (committed or abandoned)");
         return NULL;
     }
@@ -102,8 +50,8 @@ static PyObject *Reservation_enter(Reservation *rv, PyObject *unused) {
         if (ring_check_open(r) < 0) return NULL;
         PyObject *mv = PyMemoryView_FromObject(r->buf.obj);
         if (!mv) return NULL;
-        Py_ssize_t a = (Py_ssize_t)(r->ring - r->base + rv->off + FRAME_BYTES);
-        PyObject *lo = PyLong_FromSsize_t(a), *hi = PyLong_FromSsize_t(a + (Py_ssize_t)rv->nbytes);
+        Py_ssize_t a = (Py_ssize_t)(r->eng.ring - r->eng.base + rv->eng.off + SHMQ_FRAME_BYTES);
+        PyObject *lo = PyLong_FromSsize_t(a), *hi = PyLong_FromSsize_t(a + (Py_ssize_t)rv->eng.nbytes);
         PyObject *sl = lo && hi ? PySlice_New(lo, hi, NULL) : NULL;
         Py_XDECREF(lo);
         Py_XDECREF(hi);
@@ -130,20 +78,17 @@ static PyObject *Reservation_exit(Reservation *rv, PyObject *args) {
 }
 
 static void Reservation_dealloc(Reservation *rv) {
-    if (rv->open) { /* dropped without commit: abandoned */
-        if (rv->ring->have_buf) unplace(rv->ring, rv->seq, rv->start);
-        reservation_unlock(rv);
-    }
+    eng_resv_abandon(&rv->eng); /* dropped without commit: abandoned */
     Py_XDECREF(rv->view);
-    Py_XDECREF(rv->ring);
-    PyTypeObject *tp = Py_TYPE(rv);
+    Py_XDECREF((PyObject *)rv->ring);
+    PyTypeObject *tp = Py_TYPE((PyObject *)rv);
     SHMQ_TP_FREE(tp)((PyObject *)rv);
     Py_DECREF(tp);
 }
 
-static PyObject *Reservation_get_seq(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->seq); }
-static PyObject *Reservation_get_nbytes(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->nbytes); }
-static PyObject *Reservation_get_open(Reservation *rv, void *x) { return PyBool_FromLong(rv->open); }
+static PyObject *Reservation_get_seq(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->eng.seq); }
+static PyObject *Reservation_get_nbytes(Reservation *rv, void *x) { return PyLong_FromUnsignedLongLong(rv->eng.nbytes); }
+static PyObject *Reservation_get_open(Reservation *rv, void *x) { return PyBool_FromLong(rv->eng.open); }
 
 static PyGetSetDef Reservation_getset[] = {
     {"seq", (getter)Reservation_get_seq, NULL, "the seq the frame gets when committed", NULL},
@@ -178,43 +123,16 @@ PyObject *Ring_reserve(Ring *r, PyObject *args) {
     double wait;
     if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    if (r->reserved_by && r->reserved_by->thread == PyThread_get_thread_ident()) {
-        PyErr_SetString(PyExc_RuntimeError, "this thread already holds an open reservation of this spool: "
-                                            "commit or abandon it first (it holds the writer lock)");
-        return NULL;
-    }
-    if (r->callout && r->callout == PyThread_get_thread_ident()) {
-        PyErr_SetString(PyExc_RuntimeError, "reserve from a fill() or before_commit() of the same spool would "
-                                            "deadlock (they run under the writer lock)");
-        return NULL;
-    }
-    if (nbytes > r->max_payload) return PyLong_FromLong(ST_TOO_LARGE);
-    int lk = sem_lock_as(r->wsem, wait, r, &r->ctl[W_LOCK_HOLDER], r->holder); /* holder recorded at once */
-    if (lk < 0) return NULL;
-    if (lk > 0) return PyLong_FromLong(ST_LOCK_STUCK);
     Reservation *rv = PyObject_New(Reservation, r->st->ReservationType);
-    if (!rv) {
-        wlock_release(r);
-        ring_finish(r);
-        return NULL;
-    }
+    if (!rv) return NULL;
     rv->ring = NULL;
     rv->view = NULL;
-    rv->open = 0;
-    rv->codec = codec;
-    int st = reserve_locked(r, nbytes, rv);
+    memset(&rv->eng, 0, sizeof rv->eng);
+    int st = eng_reserve(&r->eng, nbytes, codec, wait, &rv->eng);
     if (st != 0) {
-        wlock_release(r);
-        ring_finish(r);
         Py_DECREF(rv);
-        if (st == ST_PYERR) return NULL;
-        return PyLong_FromLong(st);
+        return is_status(st) ? PyLong_FromLong(st) : ring_error(r, st);
     }
     rv->ring = (Ring *)Py_NewRef((PyObject *)r);
-    rv->open = 1;
-    rv->thread = PyThread_get_thread_ident();
-    r->reserved_by = rv;
     return (PyObject *)rv;
 }
-
-

@@ -1,38 +1,135 @@
 /*
- * shmq/core/ring.c: the Ring type -- one spool mapping: its geometry and
- * semaphores, open and close (deferred while another thread waits with
- * the GIL released), and the methods Python's slow paths call (read,
- * locate, latest, trim, doorbells).  The put entry points live in api.c,
- * the writer in write.c, the reader in read.c.
+ * shmq/core/ring.c: the Ring type -- one spool mapping over the engine's
+ * eng_ring: its init over the mmap object's buffer, close (deferred by the
+ * engine while another thread waits in it), the put / put_many entry
+ * points' argument parsing, and the methods Python's slow paths call (read,
+ * locate, latest, trim, doorbells, room markers).  Spool.put's fast entry
+ * point lives in api.c, the writer in the engine.
  */
-#include "core.h"
+#include "binding.h"
 
-/* After a GIL-released wait on `s`: if the handle was closed meanwhile, give
- * back what we took (`held`: the semaphore was acquired), finish the deferred
- * close and raise.  1: closed (exception set); 0: carry on. */
-int ring_closed_meanwhile(Ring *r, int held, sem_t *s) {
-    if (!r->closing) return 0;
-    if (held) sem_post(s);
-    ring_finish(r);
-    PyErr_SetString(PyExc_ValueError, "spool handle was closed by another thread");
-    return 1;
-}
+/* ---- errors ---- */
 
-/* Raise SpoolFormatError "<path>: <message>"; returns NULL. */
-PyObject *corrupt(Ring *r, const char *fmt, ...) {
-    char msg[400];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    PyObject *err = r->st && r->st->SpoolFormatError ? r->st->SpoolFormatError : PyExc_RuntimeError;
-    PyErr_Format(err, "%U: %s", r->path, msg);
+PyObject *engine_error(CoreState *st, PyObject *path, int code) {
+    const char *msg = shmq_errmsg();
+    switch (code) {
+    case SHMQ_ECALLBACK:
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_SystemError, "shmq engine: a callback failed without an error");
+        return NULL;
+    case SHMQ_ECORRUPT:
+    case SHMQ_EFORMAT:
+        PyErr_SetString(st && st->SpoolFormatError ? st->SpoolFormatError : PyExc_RuntimeError, msg);
+        return NULL;
+    case SHMQ_ESQUATTED:
+        PyErr_SetString(st && st->ShmqError ? st->ShmqError : PyExc_RuntimeError, msg);
+        return NULL;
+    case SHMQ_ECLOSED:
+        PyErr_SetString(PyExc_ValueError, msg[0] ? msg : "spool handle is closed");
+        return NULL;
+    case SHMQ_ESTATE:
+        PyErr_SetString(PyExc_RuntimeError, msg);
+        return NULL;
+    case -ENOMEM:
+        return PyErr_NoMemory();
+    default:
+        break;
+    }
+    if (code < 0 && code > -4096) {
+        errno = -code;
+        return path ? PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path) : PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyErr_Format(PyExc_SystemError, "shmq engine: unexpected code %d (%s)", code, shmq_strerror(code));
     return NULL;
 }
 
+/* ---- items: Python buffers as the engine's segments ---- */
+
+static int get_segment(PyObject *o, Py_buffer *v) {
+    if (PyUnicode_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "frames are bytes-like objects, not str: encode it first (e.g. s.encode())");
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, v, PyBUF_C_CONTIGUOUS) == 0) return 0;
+    if (PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+        Py_buffer probe;
+        PyErr_Clear();
+        if (PyObject_GetBuffer(o, &probe, PyBUF_STRIDES) == 0) {
+            PyBuffer_Release(&probe);
+            PyErr_SetString(PyExc_ValueError, "frame buffer must be C-contiguous");
+            return -1;
+        }
+        PyErr_Clear();
+    } else if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+        return -1;
+    }
+    PyErr_Clear();
+    SHMQ_ERR_TYPE_NAME(PyExc_TypeError, "frames are bytes-like objects, not", o);
+    return -1;
+}
+
+void release_items(Item *items, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        for (int j = 0; j < items[i].nviews; j++) PyBuffer_Release(&items[i].views[j]);
+        Py_XDECREF(items[i].hold);
+    }
+}
+
+/* A bytes-like object, or a tuple of them (segments), as engine item *e,
+ * its buffers held in *it (release_items). */
+int load_item(Item *it, eng_item *e, PyObject *o, int checksum) {
+    e->segs = it->segs;
+    e->crc = 0;
+    e->fill = NULL;
+    it->hold = NULL;
+    if (PyBytes_CheckExact(o)) {
+        /* bytes are immutable: their storage is the segment for as long as a
+         * reference is held, without the buffer protocol's view and release */
+        it->segs[0].buf = PyBytes_AS_STRING(o);
+        it->segs[0].len = (size_t)PyBytes_GET_SIZE(o);
+        Py_INCREF(o);
+        it->hold = o;
+        it->nviews = 0;
+        e->nsegs = 1;
+        e->n = (uint64_t)it->segs[0].len;
+        if (checksum) eng_item_crc(e);
+        return 0;
+    }
+    e->nsegs = 0;
+    e->n = 0;
+    if (PyTuple_CheckExact(o)) {
+        Py_ssize_t k = PyTuple_GET_SIZE(o);
+        if (k > MAX_SEGS) {
+            PyErr_Format(PyExc_ValueError, "a frame has at most %d segments", MAX_SEGS);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (get_segment(PyTuple_GET_ITEM(o, j), &it->views[j]) < 0) {
+                for (int q = 0; q < e->nsegs; q++) PyBuffer_Release(&it->views[q]);
+                it->nviews = e->nsegs = 0;
+                return -1;
+            }
+            it->segs[j].buf = it->views[j].buf;
+            it->segs[j].len = (size_t)it->views[j].len;
+            e->nsegs++;
+            e->n += (uint64_t)it->views[j].len;
+        }
+    } else {
+        if (get_segment(o, &it->views[0]) < 0) return -1;
+        it->segs[0].buf = it->views[0].buf;
+        it->segs[0].len = (size_t)it->views[0].len;
+        e->nsegs = 1;
+        e->n = (uint64_t)it->views[0].len;
+    }
+    it->nviews = e->nsegs;
+    if (checksum) eng_item_crc(e);
+    return 0;
+}
+
+/* ---- Ring methods ---- */
+
 static PyObject *Ring_trim_due(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
-    return PyBool_FromLong(trim_due(r));
+    return PyBool_FromLong(trim_due(&r->eng));
 }
 
 /* The optional (codec, max_backlog, lock_wait) arguments of put / put_many. */
@@ -41,11 +138,17 @@ static int parse_put_args(Ring *r, PyObject *const *args, Py_ssize_t nargs, int 
     if (ring_check_open(r) < 0) return -1;
     *codec = 0;
     *backlog = -1;
-    *wait = r->lock_wait;
+    *wait = r->eng.lock_wait;
     if (nargs > 1 && (*codec = (int)PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return -1;
     if (nargs > 2 && (*backlog = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) return -1;
     if (nargs > 3 && args[3] != Py_None && (*wait = PyFloat_AsDouble(args[3])) == -1 && PyErr_Occurred()) return -1;
     return 0;
+}
+
+/* A write's result for Python: the seq or a status, or NULL with the error. */
+static PyObject *write_result(Ring *r, int64_t res) {
+    if (res >= 0 || is_status(res)) return PyLong_FromLongLong(res);
+    return ring_error(r, (int)res);
 }
 
 static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
@@ -59,11 +162,10 @@ static PyObject *Ring_put(Ring *r, PyObject *const *args, Py_ssize_t nargs) {
     double wait;
     if (parse_put_args(r, args, nargs, &codec, &backlog, &wait) < 0) return NULL;
     Item item;
-    if (load_item(&item, args[0], r->checksum) < 0) return NULL;
-    int64_t res = ring_write(r, &item, 1, codec, backlog, wait, 0);
+    if (load_item(&item, &item.item, args[0], r->eng.checksum) < 0) return NULL;
+    int64_t res = eng_write(&r->eng, &item.item, 1, codec, backlog, wait, 0, NULL);
     release_items(&item, 1);
-    if (res == ST_PYERR) return NULL;
-    return PyLong_FromLongLong(res);
+    return write_result(r, res);
 }
 
 static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -87,7 +189,9 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
         PyErr_SetString(PyExc_ValueError, "put_many() needs at least one item");
         return NULL;
     }
-    WriteOpts opts = {NULL, NULL, 0, 0};
+    WriteOpts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.ring = r;
     if (kwnames && parse_write_opts(r, args + nargs, kwnames, count, &opts) < 0) {
         Py_DECREF(seq);
         return NULL;
@@ -95,10 +199,12 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
     if (count > MAX_BATCH) {
         free_write_opts(&opts);
         Py_DECREF(seq);
-        return PyLong_FromLong(ST_TOO_LARGE);
+        return PyLong_FromLong(SHMQ_ETOOLARGE);
     }
-    Item *items = PyMem_Malloc(sizeof(Item) * (size_t)count);
-    if (!items) {
+    /* one block: the engine's items, then the buffers that keep them alive */
+    eng_item *eitems = PyMem_Malloc((sizeof(eng_item) + sizeof(Item)) * (size_t)count);
+    Item *items = (Item *)(eitems + count);
+    if (!eitems) {
         free_write_opts(&opts);
         Py_DECREF(seq);
         return PyErr_NoMemory();
@@ -106,29 +212,30 @@ static PyObject *Ring_put_many(Ring *r, PyObject *const *args, Py_ssize_t nargs,
     shmq_fast_items objs = SHMQ_FAST_ITEMS(seq);
     Py_ssize_t k;
     for (k = 0; k < count; k++) {
-        if (load_item(&items[k], SHMQ_FAST_AT(objs, k), r->checksum) < 0) {
+        if (load_item(&items[k], &eitems[k], SHMQ_FAST_AT(objs, k), r->eng.checksum) < 0) {
             /* a Deferred is no buffer: recognized only here, off the plain path */
-            int d = PyErr_ExceptionMatches(PyExc_TypeError) ? load_deferred(r, &items[k], SHMQ_FAST_AT(objs, k)) : 0;
+            int d = PyErr_ExceptionMatches(PyExc_TypeError) ?
+                load_deferred(r, &items[k], &eitems[k], SHMQ_FAST_AT(objs, k)) : 0;
             if (d > 0) {
                 PyErr_Clear();
-                opts.deferred = 1;
+                opts.eng.deferred = 1;
                 continue;
             }
             release_items(items, k);
-            PyMem_Free(items);
+            PyMem_Free(eitems);
             free_write_opts(&opts);
             Py_DECREF(seq);
             return NULL;
         }
     }
-    const WriteOpts *o = opts.before_commit || opts.timestamps || opts.sync || opts.deferred ? &opts : NULL;
-    int64_t res = ring_write_opts(r, items, count, codec, backlog, wait, 0, o);
+    const eng_wopts *o =
+        opts.eng.before_commit || opts.eng.timestamps || opts.eng.sync || opts.eng.deferred ? &opts.eng : NULL;
+    int64_t res = eng_write(&r->eng, eitems, (size_t)count, codec, backlog, wait, 0, o);
     release_items(items, count);
-    PyMem_Free(items);
+    PyMem_Free(eitems);
     free_write_opts(&opts);
     Py_DECREF(seq);
-    if (res == ST_PYERR) return NULL;
-    return PyLong_FromLongLong(res);
+    return write_result(r, res);
 }
 
 /* ---- Ring methods used by Python's slow paths ---- */
@@ -140,9 +247,9 @@ static PyObject *Ring_read(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KK|p", &seq, &pos, &verify)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
     uint64_t s = seq, p = pos, lost = 0;
-    PyObject *f = read_one(r, &s, &p, verify, &lost, NULL, 0, NULL);
+    PyObject *f = read_one(r, &s, &p, verify, &lost);
     if (!f) return NULL;
-    if (f == RD_NONE) return Py_BuildValue("(OKKKi)", Py_None, s, p, lost, 0);
+    if (f == Py_None) return Py_BuildValue("(NKKKi)", f, s, p, lost, 0);
     PyObject *codec = PyStructSequence_GET_ITEM(f, 3);
     return Py_BuildValue("(NKKKO)", f, s, p, lost, codec);
 }
@@ -154,73 +261,42 @@ static PyObject *Ring_locate(Ring *r, PyObject *args) {
     unsigned long long want, hseq, hpos;
     if (!PyArg_ParseTuple(args, "KKK", &want, &hseq, &hpos)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    uint64_t *c = r->ctl, ring = r->ring_bytes;
-    for (int attempt = 0; attempt < 100; attempt++) {
-        uint64_t s, p;
-        if (first_cursor(r, &s, &p) < 0) return NULL;
-        if (want < s) return PyLong_FromLong(-1);
-        if (s <= hseq && hseq <= want && hpos >= p) {
-            s = hseq;
-            p = hpos;
-        }
-        uint64_t limit = ld_acq(&c[W_NEXT_POS]) + ring; /* a sane walk never gets this far */
-        int pads = 0;
-        for (;;) {
-            uint64_t off = p % ring;
-            if (ring - off < FRAME_BYTES) {
-                p += ring - off;
-                off = 0;
-            }
-            FrameHeader h;
-            read_header(r, off, &h);
-            atomic_thread_fence(memory_order_acquire);
-            if (ld_rlx(&c[W_FIRST_POS]) > p) break; /* overtaken by the writer: start again */
-            if (h.seq != s || !header_sane(&h, off, ring) || p > limit)
-                return corrupt(r, "ring is corrupt near seq %llu; " RING_ADVICE, (unsigned long long)s);
-            if (h.flags & FLAG_PAD) {
-                if (off == 0 || ++pads > 2)
-                    return corrupt(r, "corrupt padding near seq %llu", (unsigned long long)s);
-                p += h.stored;
-                continue;
-            }
-            pads = 0;
-            if (s == want) return PyLong_FromUnsignedLongLong(p);
-            s++;
-            p += h.stored;
-        }
-    }
-    return PyLong_FromLong(-2);
+    uint64_t at;
+    int rc = eng_locate(&r->eng, want, hseq, hpos, &at);
+    if (rc < 0) return ring_error(r, rc);
+    if (rc > 0) return PyLong_FromLong(-rc);
+    return PyLong_FromUnsignedLongLong(at);
 }
 
 static PyObject *Ring_first_cursor(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
     uint64_t s, p;
-    if (first_cursor(r, &s, &p) < 0) return NULL;
+    int rc = first_cursor(&r->eng, &s, &p);
+    if (rc < 0) return ring_error(r, rc);
     return Py_BuildValue("(KK)", s, p);
 }
 
 static PyObject *Ring_latest(Ring *r, PyObject *args) {
     /* latest(lock_wait) -> (NEXT_SEQ, NEXT_POS) as a consistent pair, or None if the lock is stuck */
-    double wait = r->lock_wait;
+    double wait = r->eng.lock_wait;
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    int lk = sem_lock_on(r->wsem, wait, r);
-    if (lk < 0) return NULL;
-    if (lk > 0) Py_RETURN_NONE;
-    uint64_t s = ld_rlx(&r->ctl[W_NEXT_SEQ]), p = ld_rlx(&r->ctl[W_NEXT_POS]);
-    sem_post(r->wsem);
+    uint64_t s, p;
+    int rc = eng_latest(&r->eng, wait, &s, &p);
+    if (rc < 0) return ring_error(r, rc);
+    if (rc > 0) Py_RETURN_NONE;
     return Py_BuildValue("(KK)", s, p);
 }
 
 static PyObject *Ring_ring_space(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
-    ring_bell(r, r->fsem);
+    ring_bell(&r->eng, r->eng.fsem);
     Py_RETURN_NONE;
 }
 
 static PyObject *Ring_ring_data(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
-    ring_bell(r, r->rsem);
+    ring_bell(&r->eng, r->eng.rsem);
     Py_RETURN_NONE;
 }
 
@@ -230,32 +306,21 @@ static PyObject *Ring_bell_seen(Ring *r, PyObject *space) {
     if (ring_check_open(r) < 0) return NULL;
     int sp = PyObject_IsTrue(space);
     if (sp < 0) return NULL;
-    int word = sp ? W_SPACE_BELL : W_DATA_BELL;
-    return PyLong_FromUnsignedLong(atomic_load_explicit(bell_word(r, word), memory_order_acquire));
+    return PyLong_FromUnsignedLong(eng_bell_seen(&r->eng, sp));
 }
 
 /* bell_wait(space, seen, timeout): sleep, GIL released, until the doorbell
  * word is no longer `seen` (someone rang), a signal arrives or `timeout`
  * seconds pass.  Any return means "re-check"; a signal handler's exception
- * propagates (nothing is held here).  The futex is a shared one (keyed by
- * the file's page), so rings from any process wake it. */
+ * propagates (nothing is held here). */
 static PyObject *Ring_bell_wait(Ring *r, PyObject *args) {
     int space;
     unsigned long seen;
     double timeout;
     if (!PyArg_ParseTuple(args, "pkd", &space, &seen, &timeout)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    if (timeout <= 0) Py_RETURN_NONE;
-    if (timeout > 3600) timeout = 3600;
-    struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
-    _Atomic uint32_t *w = bell_word(r, space ? W_SPACE_BELL : W_DATA_BELL);
-    r->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    syscall(SYS_futex, w, FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0); /* any return means re-check */
-    Py_END_ALLOW_THREADS
-    r->busy--;
-    if (ring_closed_meanwhile(r, 0, NULL)) return NULL;
-    if (PyErr_CheckSignals() < 0) return NULL;
+    int rc = eng_bell_wait(&r->eng, space, (uint32_t)seen, timeout);
+    if (rc < 0) return ring_error(r, rc);
     Py_RETURN_NONE;
 }
 
@@ -265,10 +330,9 @@ static PyObject *Ring_set_fd(Ring *r, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iK", &fd, &holder)) return NULL;
     int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (mine < 0) return PyErr_SetFromErrno(PyExc_OSError);
-    if (r->fd_owned) close(r->fd);
-    r->fd = mine;
-    r->fd_owned = 1;
-    r->holder = holder;
+    if (r->eng.fd >= 0) close(r->eng.fd);
+    r->eng.fd = mine;
+    r->eng.holder = holder;
     Py_RETURN_NONE;
 }
 
@@ -280,139 +344,106 @@ static PyObject *Ring_trim(Ring *r, PyObject *args) {
     double wait = 0;
     if (!PyArg_ParseTuple(args, "|d", &wait)) return NULL;
     if (ring_check_open(r) < 0) return NULL;
-    if (!r->segment) Py_RETURN_TRUE;
-    int lk = sem_lock_as(r->wsem, wait, r, &r->ctl[W_LOCK_HOLDER], r->holder); /* holder recorded at once */
-    if (lk < 0) return NULL;
-    if (lk > 0) Py_RETURN_NONE;
-    int rc = trim_locked(r);
-    wlock_release(r);
-    ring_finish(r);
-    if (rc == ST_PYERR) return NULL;
-    ring_bell(r, r->fsem);
+    int rc = eng_trim(&r->eng, wait);
+    if (rc < 0) return ring_error(r, rc);
+    if (rc > 0) Py_RETURN_NONE;
     Py_RETURN_TRUE;
 }
 
 static PyObject *Ring_full_marker(Ring *r, PyObject *unused) {
-    return Py_BuildValue("(KK)", r->full_floor, r->full_pin);
+    uint64_t f, p;
+    eng_full_marker(&f, &p); /* this thread's last write that found no room */
+    return Py_BuildValue("(KK)", f, p);
 }
 
 /* The room marker now (no lock: each word is one atomic load), computed as
- * take_full_marker computes full_marker()'s, so a waiter compares like with
- * like; the handle's recorded marker is left alone. */
+ * the full marker is, so a waiter compares like with like. */
 static PyObject *Ring_room_marker(Ring *r, PyObject *unused) {
     if (ring_check_open(r) < 0) return NULL;
-    uint64_t f;
-    if (!slot_floor(r, S_POS, &f)) f = ld_rlx(&r->ctl[W_FIRST_POS]);
-    return Py_BuildValue("(KK)", f, pin_floor(r));
+    uint64_t f, p;
+    room_marker(&r->eng, &f, &p);
+    return Py_BuildValue("(KK)", f, p);
 }
 
-void ring_release(Ring *r) {
-    if (r->busy) { /* another thread is in fallocate or a lock wait on this handle */
-        r->closing = 1;
-        return;
-    }
-    if (r->fd_owned) {
-        close(r->fd); /* our own duplicate: never reused under a concurrent fallocate */
-        r->fd_owned = 0;
-        r->fd = -1;
-    }
-    if (r->reserved_by) { /* closing with a reservation open: abandon it (release the lock) */
-        r->reserved_by->open = 0;
-        if (r->have_buf && r->wsem) wlock_release(r);
-        r->reserved_by = NULL;
-    }
+/* repair_after_writer_death() -> [actions]: the engine's re-derivation of
+ * the control words (writer lock held by the caller); an unreadable ring is
+ * dropped whole (readers count the frames lost). */
+static PyObject *Ring_repair_after_writer_death(Ring *r, PyObject *unused) {
+    if (ring_check_open(r) < 0) return NULL;
+    char log[1024];
+    eng_repair_control(r->eng.ctl, r->eng.ring, r->eng.ring_bytes, 1, log, sizeof log);
+    return PyUnicode_FromString(log);
+}
+
+static PyObject *Ring_close(Ring *r, PyObject *unused) {
+    eng_ring_release(&r->eng);
+    Py_RETURN_NONE;
+}
+
+/* The engine's release of the mapping (now, or by the last thread out of a
+ * blocking section): the GIL is held there. */
+static void ring_unmap(eng_ring *e) {
+    Ring *r = e->owner;
     if (r->have_buf) {
         PyBuffer_Release(&r->buf);
         r->have_buf = 0;
     }
-    if (r->wsem) sem_close(r->wsem);
-    if (r->rsem) sem_close(r->rsem);
-    if (r->fsem) sem_close(r->fsem);
-    r->wsem = r->rsem = r->fsem = NULL;
-    r->base = r->ring = NULL;
-    r->ctl = r->slots = NULL;
-}
-
-static PyObject *Ring_close(Ring *r, PyObject *unused) {
-    ring_release(r);
-    Py_RETURN_NONE;
-}
-
-sem_t *open_sem(const char *name) {
-    sem_t *s = sem_open(name, 0);
-    if (s == SEM_FAILED) {
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
-        return NULL;
-    }
-    return s;
 }
 
 static int Ring_init(Ring *r, PyObject *args, PyObject *kw) {
     /* Ring(mm, path, ring_offset, ring_bytes, slot_offset, slot_count, policy, checksum,
-            writer_sem, read_waiters_sem, space_waiters_sem, fd, holder, lock_wait) */
+            writer_sem, read_waiters_sem, space_waiters_sem, fd, holder, lock_wait[, recovery_timeout]) */
     PyObject *mm, *path;
     unsigned long long ring_offset, ring_bytes, slot_offset, slot_count, holder;
     int policy, checksum, fd;
     const char *wname, *rname, *fname;
-    double lock_wait;
-    if (!PyArg_ParseTuple(args, "OUKKKKipsssiKd", &mm, &path, &ring_offset, &ring_bytes, &slot_offset, &slot_count,
-                          &policy, &checksum, &wname, &rname, &fname, &fd, &holder, &lock_wait))
+    double lock_wait, recovery = 1.0;
+    if (!PyArg_ParseTuple(args, "OUKKKKipsssiKd|d", &mm, &path, &ring_offset, &ring_bytes, &slot_offset, &slot_count,
+                          &policy, &checksum, &wname, &rname, &fname, &fd, &holder, &lock_wait, &recovery))
         return -1;
-    ring_release(r);
-    r->st = PyType_GetModuleState(Py_TYPE(r));
+    eng_ring_release(&r->eng);
+    if (r->eng.base) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring is in use by another thread");
+        return -1;
+    }
+    r->st = PyType_GetModuleState(Py_TYPE((PyObject *)r));
     if (!r->st) return -1;
+    const char *cpath = PyUnicode_AsUTF8(path);
+    if (!cpath) return -1;
+    Py_XSETREF(r->path, Py_NewRef(path));
     if (PyObject_GetBuffer(mm, &r->buf, PyBUF_WRITABLE) < 0) return -1;
     r->have_buf = 1;
-    if (ring_bytes < 4096 || ring_bytes % 4096 || ring_offset % 4096 || ring_offset < HEADER_BYTES ||
-        slot_offset < HEADER_BYTES || slot_offset + slot_count * SLOT_BYTES > ring_offset ||
-        (uint64_t)r->buf.len < ring_offset + ring_bytes || policy < 0 || policy > 2 ||
-        ((uint64_t *)r->buf.buf)[W_SEGMENT] % 4096 || ((uint64_t *)r->buf.buf)[W_SEGMENT] > ring_bytes) {
-        ring_release(r);
-        PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
+    eng_ring_spec s = {r->buf.buf, (uint64_t)r->buf.len, ring_offset, ring_bytes, slot_offset, slot_count, policy,
+                       checksum, fd, wname, rname, fname, holder, lock_wait, recovery, cpath, &r->st->hooks};
+    int rc = eng_ring_init(&r->eng, &s);
+    if (rc < 0) {
+        PyBuffer_Release(&r->buf);
+        r->have_buf = 0;
+        if (rc == -EINVAL) {
+            PyErr_SetString(PyExc_ValueError, "inconsistent ring geometry");
+            return -1;
+        }
+        errno = -rc;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, shmq_errmsg()); /* the file or the semaphore */
         return -1;
     }
-    Py_XSETREF(r->path, Py_NewRef(path));
-    r->base = r->buf.buf;
-    r->ctl = (uint64_t *)r->base;
-    r->slots = (uint64_t *)(r->base + slot_offset);
-    r->ring = r->base + ring_offset;
-    r->ring_bytes = ring_bytes;
-    r->ring_offset = ring_offset;
-    r->segment = ld_rlx(&r->ctl[W_SEGMENT]);
-    r->slot_count = slot_count;
-    r->max_payload = ring_bytes - FRAME_BYTES;
-    if (r->max_payload > 0xFFFFFFFFull - FRAME_BYTES - ALIGN) r->max_payload = 0xFFFFFFFFull - FRAME_BYTES - ALIGN;
-    r->policy = policy;
-    r->checksum = checksum;
-    r->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (r->fd < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        ring_release(r);
-        return -1;
-    }
-    r->fd_owned = 1;
-    r->holder = holder;
-    r->lock_wait = lock_wait;
-    r->rate_until = 0;
-    r->rate_word = W_RATE + 1;
-    if (!(r->wsem = open_sem(wname)) || !(r->rsem = open_sem(rname)) || !(r->fsem = open_sem(fname))) {
-        ring_release(r);
-        return -1;
-    }
+    r->eng.owner = r;
+    r->eng.unmap = ring_unmap;
     return 0;
 }
 
 static void Ring_dealloc(Ring *r) {
-    ring_release(r);
+    eng_ring_release(&r->eng);
+    if (r->eng.base) ring_unmap(&r->eng); /* (busy at dealloc: cannot be, every wait holds a reference) */
     Py_XDECREF(r->path);
     Py_XDECREF(r->owner);
     Py_XDECREF(r->put_slow);
-    PyTypeObject *tp = Py_TYPE(r);
+    PyTypeObject *tp = Py_TYPE((PyObject *)r);
     SHMQ_TP_FREE(tp)((PyObject *)r);
     Py_DECREF(tp);
 }
 
-static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->max_payload); }
+static PyObject *Ring_get_max_payload(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->eng.max_payload); }
 
 static PyMethodDef Ring_methods[] = {
     {"__reduce__", (PyCFunction)Ring_reduce, METH_NOARGS, "pickles as its spool's core: sp.put pickles as the spool's put"},
@@ -442,13 +473,21 @@ static PyMethodDef Ring_methods[] = {
     {"set_fd", (PyCFunction)Ring_set_fd, METH_VARARGS, "set_fd(fd, holder): after fork"},
     {"full_marker", (PyCFunction)Ring_full_marker, METH_NOARGS, "room marker taken under the lock when full"},
     {"room_marker", (PyCFunction)Ring_room_marker, METH_NOARGS, "the room marker now (compare with full_marker())"},
+    {"repair_after_writer_death", (PyCFunction)Ring_repair_after_writer_death, METH_NOARGS,
+     "re-derive the control words after a dead writer's lock was broken (lock held) -> what was done"},
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},
     {NULL}};
 
 static PyGetSetDef Ring_getset[] = {{"max_payload", (getter)Ring_get_max_payload, NULL, NULL, NULL}, {NULL}};
 
+static PyObject *Ring_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
+    Ring *r = (Ring *)PyType_GenericNew(tp, args, kw);
+    if (r) r->eng.fd = -1;
+    return (PyObject *)r;
+}
+
 static PyType_Slot ring_slots[] = {
-    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_new, Ring_new},
     {Py_tp_init, Ring_init},
     {Py_tp_dealloc, Ring_dealloc},
     {Py_tp_methods, Ring_methods},

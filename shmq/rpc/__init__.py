@@ -4,7 +4,8 @@ Parts: :mod:`.wire` (what travels), :mod:`.requests` (the request ring),
 :mod:`.board` (the service's status file ``PATH.svc``: serving processes,
 call counts, latency histograms), :mod:`.replies` (a worker's handles on
 its callers' reply queues), :mod:`.service` (the serving side),
-:mod:`.client` (the calling side).
+:mod:`.client` (the calling side) and :mod:`.waiters` (a client's waiting
+callers: its window, the reading role, wake-ups of one caller at a time).
 
 How it maps onto the layers below (docs/service.md has the full design):
 

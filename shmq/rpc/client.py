@@ -12,8 +12,16 @@ worker's take and its board update; a call sent twice is answered twice,
 and the second answer is dropped here by call id.
 
 ``call_many`` sends bundles (:mod:`shmq.rpc.requests`) and waits for each as
-one :class:`_Group`; a bundle found lost as above is split, and its calls
+one :class:`Group`; a bundle found lost as above is split, and its calls
 are sent again one by one (each with its own attempts from then on).
+
+Waiting (threads and coroutines alike, on one handle): a call first takes
+a slot of the client's window (``window`` calls in flight; beyond it,
+calls wait in order), then waits for its reply while one waiter, holding
+the *reading role*, reads the reply queue, hands each reply to its call
+and wakes that call's caller alone; its own calls answered, it hands the
+role to one parked waiter.  Who waits, and how each is woken alone, is
+:mod:`shmq.rpc.waiters`.
 
 See the package docstring (:mod:`shmq.rpc`) and docs/service.md.
 """
@@ -34,6 +42,7 @@ from ..errors import Empty, Full, RemoteError, ShmqError, Timeout, UntrustedSpoo
 from ..queue import Queue
 from .board import held_ranges, service_status
 from .requests import encode_bundles, open_ring, put_bundles, send, taken_up_to
+from .waiters import EXPIRED, AsyncWaiter, Group, Pending, Waiter, Waiters, flush
 from .wire import BATCH_S, BUNDLE_MAX, NS, OK, label
 
 if TYPE_CHECKING:
@@ -49,80 +58,16 @@ RECHECK_S = 0.25
 BUNDLE_START = 8
 
 
-class _Pending:
-    """A call waiting for its reply; ``event`` (asyncio) or the client's condition wakes it.
-
-    ``obj``, ``wall`` and ``attempt`` are what sending it again needs; ``seq`` is
-    where it sits in the request ring, ``strikes`` how many looks in a row found it
-    nowhere (2 send it again the first time, 4 after that).
-    """
-
-    __slots__ = ("done", "status", "value", "loop", "event", "obj", "wall", "attempt", "seq",
-                 "strikes", "group", "index")
-
-    def __init__(self, obj=None, wall=0, loop=None):
-        self.done = False
-        self.status = self.value = None
-        self.loop = loop
-        self.event = asyncio.Event() if loop is not None else None
-        self.obj, self.wall, self.attempt, self.seq, self.strikes = obj, wall, 1, -1, 0
-        self.group = self.index = None  # a bundle's call sent again alone: its place there
-
-    def answer(self, status, value):
-        self.status, self.value, self.done = status, value, True
-        if self.group is not None:
-            self.group.answer(self.index, status, value)
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.event.set)
-
-
-class _Group:
-    """The calls of one bundle (ids ``first`` .. ``first + n - 1``), pending under
-    ``first``: one bundle reply answers them all at once, without a :class:`_Pending`
-    per call.  A bundle lost with its worker is *split*: each unanswered call gets a
-    :class:`_Pending` of its own (``parts``) and is sent again alone."""
-
-    __slots__ = ("first", "objs", "wall", "seq", "strikes", "statuses", "values", "done", "left",
-                 "parts")
-    attempt = 1
-    loop = None
-
-    def __init__(self, first, objs, wall):
-        self.first, self.objs, self.wall = first, objs, wall
-        self.seq, self.strikes, self.done = -1, 0, False
-        self.statuses = self.values = self.parts = None
-        self.left = len(objs)
-
-    def answer_all(self, statuses, values):
-        self.statuses, self.values, self.done, self.left = statuses, values, True, 0
-
-    def split(self):
-        """Each call as a _Pending of its own, for the caller to register (none is answered
-        yet: a bundle's reply answers all of them at once)."""
-        n = len(self.objs)
-        if self.values is None:
-            self.statuses, self.values = bytearray(n), [None] * n
-        self.parts = {}
-        for i, obj in enumerate(self.objs):
-            p = _Pending(obj, self.wall)
-            p.group, p.index, p.seq = self, i, self.seq
-            self.parts[self.first + i] = p
-        return self.parts
-
-    def answer(self, i, status, value):
-        self.statuses[i], self.values[i] = status, value
-        self.left -= 1
-        if self.left == 0:
-            self.done = True
-
-
 class Client:
     """Calls a :class:`Service` and waits for its replies.
 
-    One handle can be used by many threads at once (they share one reply
-    queue: whichever thread is waiting reads replies for all of them) and
-    from asyncio (:meth:`call_async`).  After ``fork`` the child makes its
-    own reply queue on first use; handles pickle by service path.
+    One handle can be used by many threads and coroutines at once (they
+    share one reply queue: one waiting caller reads replies for all of them
+    and wakes each reply's caller alone).  At most ``window`` calls of a
+    process's handle are in flight; more wait for a slot in order, without
+    polling, and a call that times out or is cancelled frees its slot at
+    once.  After ``fork`` the child makes its own reply queue on first
+    use; handles pickle by service path.
 
     ``call`` never creates the service: with no service at the path it
     waits up to its timeout for one to appear, then raises
@@ -154,13 +99,12 @@ class Client:
 
     def _setup(self):
         """Per-process state, made on first use (and again in a forked child)."""
-        self._lock = threading.Lock()       # guards what follows, and the role
-        self._cv = threading.Condition(self._lock)
+        self._waits = Waiters(self.window)  # the window, the reading role, the waiters
+        self._lock = self._waits.lock       # guards what follows, and the waits
         self._put_lock = threading.Lock()   # one writer at a time on our work queue handle
-        self._pending = {}  # call id -> _Pending: single calls, and split bundles' calls
-        self._groups = {}   # first call id -> _Group: bundles
-        self._reading = False
-        self._sleepers = 0  # threads waiting on _cv (notified only when there are some)
+        self._pending = {}  # call id -> Pending: single calls, and split bundles' calls
+        self._groups = {}   # first call id -> Group: bundles
+        self._hint = (0.0, "")  # (when, what) of the last Timeout's look at the service
         self._next_id = 1
         self._ring = None
         self._next_look = 0.0
@@ -229,40 +173,42 @@ class Client:
             # No doorbell exists before the file does: look again in a moment.
             time.sleep(0.02 if left is None else min(0.02, left))
 
-    def _send(self, objs, deadline, wall_deadline, loop=None):
-        """Register and enqueue calls: several in bundles (:class:`_Group`), else one
-        :class:`_Pending` each.  Returns what waits for their replies, in order."""
+    def _send(self, objs, deadline, wall_deadline, w):
+        """Register and enqueue calls: several in bundles (:class:`Group`), else one
+        :class:`Pending` each, all waited for by ``w`` (its ``left`` set to how
+        many).  Returns the first call id and what waits for their replies, in order."""
         ring = self._attach(deadline)
         n = len(objs)
-        with self._lock:
-            if not self._pending and not self._groups:  # the first look for lost calls:
-                self._next_look = time.monotonic() + RECHECK_S  # when these are RECHECK_S old
-            first = self._next_id
-            self._next_id += n
         parts = None
         if n > 1:
+            with self._lock:
+                first = self._ids(n)
             k = self._bundle
-            groups = [_Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
+            groups = [Group(first + i, objs[i:i + k], wall_deadline) for i in range(0, n, k)]
             parts = encode_bundles([(g.first, self._reply_path, self._me, wall_deadline, 1, g.objs,
                                      len(g.objs)) for g in groups])
         if parts is not None:
             with self._lock:
                 for g in groups:
                     self._groups[g.first] = g
+                    g.waiter = w
+                w.left = len(groups)
             waiting = groups
         else:
-            waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+            waiting = [Pending(obj, wall_deadline) for obj in objs]
             with self._lock:
-                self._pending.update(zip(range(first, first + n), waiting))
+                if n == 1:
+                    first = self._ids(1)
+                self._register(first, waiting, w)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             with self._put_lock:
                 seqs = put_bundles(ring, parts, left) if parts is not None else None
                 if parts is not None and seqs is None:  # larger than the ring: one by one
                     self._abandon(first, waiting)
-                    waiting = [_Pending(obj, wall_deadline, loop) for obj in objs]
+                    waiting = [Pending(obj, wall_deadline) for obj in objs]
                     with self._lock:
-                        self._pending.update(zip(range(first, first + n), waiting))
+                        self._register(first, waiting, w)
                 if seqs is None:
                     seqs = send(ring, [(first + i, self._reply_path, self._me, wall_deadline, 1, obj)
                                        for i, obj in enumerate(objs)], left)
@@ -273,9 +219,24 @@ class Client:
         except BaseException:
             self._abandon(first, waiting)
             raise
-        for w, seq in zip(waiting, seqs):
-            w.seq = seq
+        for x, seq in zip(waiting, seqs):
+            x.seq = seq
         return first, waiting
+
+    def _ids(self, n):
+        """Lock held: the first of ``n`` new call ids."""
+        if not self._pending and not self._groups:  # the first look for lost calls:
+            self._next_look = time.monotonic() + RECHECK_S  # when these are RECHECK_S old
+        first = self._next_id
+        self._next_id += n
+        return first
+
+    def _register(self, first, waiting, w):
+        """Lock held: calls ``first`` onwards (:class:`Pending` each) wait for replies."""
+        for p in waiting:
+            p.waiter = w
+        self._pending.update(zip(range(first, first + len(waiting)), waiting))
+        w.left = len(waiting)
 
     def _abandon(self, first, waiting):
         with self._lock:
@@ -285,7 +246,7 @@ class Client:
         """Lock held: forget calls (``first`` and ``waiting`` as :meth:`_send` returned
         them); their late replies are dropped."""
         pending = self._pending
-        if waiting and type(waiting[0]) is _Group:
+        if waiting and type(waiting[0]) is Group:
             for g in waiting:
                 self._groups.pop(g.first, None)
                 for cid in g.parts or ():
@@ -314,9 +275,15 @@ class Client:
             held = []  # no board: nothing is known to be held (backoff below bounds resends)
         except (OSError, ShmqError):
             return
-        items = self._read(0)
+        # Every reply written before the looks above, not only a window's worth: one
+        # still unread would make its call look lost and send it again.
+        items = got = self._read(0)
+        while len(got) == self.window:
+            got = self._read(0)
+            items += got
         now = time.time_ns()
         lost = []
+        far = {}
 
         def found(p):
             return p.seq >= taken or any(lo <= p.seq < hi and not (since and lease and now - since > lease)
@@ -324,7 +291,7 @@ class Client:
 
         with self._lock:
             if items:
-                self._deliver(items)
+                self._deliver(items, far)
             for g in list(self._groups.values()):
                 if g.done or g.parts is not None or g.seq < 0:
                     continue
@@ -348,6 +315,8 @@ class Client:
                 # sent again once a second while it runs, not twice
                 if p.strikes >= (2 if p.attempt == 1 else 4):
                     lost.append((cid, p))
+        if far:
+            flush(far)
         # Never wait here for another thread's put (it may wait for room for as long
         # as its timeout, and we hold the reader role): the next look tries again.
         if not lost or not self._put_lock.acquire(blocking=False):
@@ -365,8 +334,9 @@ class Client:
 
     # -- receiving ------------------------------------------------------------------
 
-    def _deliver(self, items):
-        """Lock held: hand replies to their calls; drop those nobody waits for."""
+    def _deliver(self, items, far):
+        """Lock held: hand replies to their calls, waking each completed call's waiter
+        (``far``: see :meth:`Waiters.wake`); drop those nobody waits for."""
         pending = self._pending
         for item in items:
             try:
@@ -379,13 +349,14 @@ class Client:
                         continue
                     if g.parts is None:
                         g.answer_all(statuses, values)
+                        self._waits.answered(g, far)
                     else:  # split: some of its calls may be answered already, alone
                         for i, cid in enumerate(range(first, first + len(values))):
                             p = pending.get(cid)
                             if p is None or p.done:
                                 self.duplicates += 1
                             else:
-                                p.answer(statuses[i], values[i])
+                                self._waits.answered(p.answer(statuses[i], values[i]), far)
                     self._learn(service_ns / len(values))
                     continue
                 cid, status, value = item
@@ -397,10 +368,10 @@ class Client:
             if p is None or p.done:
                 self.duplicates += 1  # a redelivered call's second answer, or a timed-out call
                 continue
-            p.answer(status, value)
+            self._waits.answered(p.answer(status, value), far)
 
     def _split_for(self, cid):
-        """Lock held: the _Pending of call ``cid`` of a bundle answered call by call (a
+        """Lock held: the Pending of call ``cid`` of a bundle answered call by call (a
         service driven with ``get``/``Call.reply``), splitting the bundle; None if none."""
         for g in self._groups.values():
             if g.first <= cid < g.first + len(g.objs):
@@ -416,16 +387,7 @@ class Client:
         self._per_call_ns = per = per_call_ns if old is None else 0.8 * old + 0.2 * per_call_ns
         self._bundle = max(2, min(BUNDLE_MAX, int(BATCH_S * NS / max(per, 1.0))))
 
-    def _release_role(self, items):
-        with self._lock:
-            self._reading = False
-            if items:
-                self._deliver(items)
-            if self._sleepers:  # (Condition.notify_all is Python: not for nobody)
-                self._cv.notify_all()
-            for p in self._pending.values():  # an asyncio waiter may take the role now
-                if p.loop is not None and not p.done:
-                    p.loop.call_soon_threadsafe(p.event.set)
+    # -- waiting --------------------------------------------------------------------
 
     def _read(self, timeout):
         """Role held: the replies that arrive within ``timeout`` (maybe none)."""
@@ -436,38 +398,76 @@ class Client:
         except Empty:
             return []
 
-    def _wait(self, first, waiting, deadline):
-        """Block until every call :meth:`_send` returned has its reply, or raise Timeout."""
-        while True:
-            with self._lock:
-                while True:
-                    if all(w.done for w in waiting):
-                        self._forget(first, waiting)
+    def _hand_over(self, items, w):
+        """Role held by ``w``: deliver what it read; if its own calls are answered,
+        pass the role on and return True."""
+        far = {}
+        with self._lock:
+            if items:
+                self._deliver(items, far)
+            done = w.left == 0
+            if done:
+                self._waits.pass_role()
+        if far:
+            flush(far)
+        return done
+
+    def _wait(self, first, waiting, deadline, w):
+        """Block until every call :meth:`_send` returned has its reply, or raise Timeout
+        (thread ``w``: a :class:`Waiter`).  On the way out the calls are forgotten and
+        ``w``'s slots of the window given back."""
+        lock, waits = self._lock, self._waits
+        try:
+            while True:
+                with lock:
+                    if w.left == 0:
                         return
                     left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        self._forget(first, waiting)
-                        n = sum(len(w.objs) if type(w) is _Group else 1 for w in waiting)
-                        raise self._timeout(n)
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    self._sleepers += 1
+                    expired = left is not None and left <= 0
+                    reading = not expired and waits.take_role(w)
+                    if not (expired or reading):
+                        w.prepare()
+                if expired:
+                    raise self._timeout(sum(len(x.objs) if type(x) is Group else 1
+                                            for x in waiting))
+                if reading:
+                    items = []
                     try:
-                        self._cv.wait(left)
+                        items = self._read(RECHECK_S if left is None else min(left, RECHECK_S))
+                        if time.monotonic() >= self._next_look:
+                            self._look()
                     finally:
-                        self._sleepers -= 1
-            items = []
-            try:
-                wait = RECHECK_S if left is None else min(left, RECHECK_S)
-                items = self._read(wait)
-                if time.monotonic() >= self._next_look:
-                    self._look()
-            finally:
-                self._release_role(items)
+                        done = self._hand_over(items, w)
+                    if done:
+                        return
+                else:
+                    got = w.park(left)
+                    with lock:
+                        w.settle(got)
+                        waits.unidle(w)
+        finally:
+            with lock:
+                self._forget(first, waiting)
+                waits.leave(w)
+                waits.unslot(w)
+
+    def _slot_timeout(self, n):
+        what = "the call" if n == 1 else f"{n} calls"
+        return Timeout(f"{self._label()}: {what} found no room in time: {self.window} calls of "
+                       "this client are in flight (its window) and did not finish")
 
     def _timeout(self, n):
         what = "the call" if n == 1 else f"{n} calls"
+        return Timeout(f"{self._label()} did not answer {what} in time{self._stall_hint()}")
+
+    def _stall_hint(self):
+        """": N call(s) queued, no worker serving; ..." when that is so, else "".  Reading
+        the board takes about 27 ms: one look serves every timeout for RECHECK_S (thousands
+        of calls timing out together must not stall their event loop for minutes)."""
+        now = time.monotonic()
+        when, hint = self._hint
+        if when and now - when < RECHECK_S:
+            return hint
         hint = ""
         try:
             from .service import queued_calls
@@ -477,13 +477,14 @@ class Client:
                 hint = f": {queued} call(s) queued, no worker serving; is the service running?"
         except Exception:  # noqa: BLE001  (a hint only)
             pass
-        return Timeout(f"{self._label()} did not answer {what} in time{hint}")
+        self._hint = (now, hint)
+        return hint
 
     def _results(self, waiting):
         """The replies, in order; raises the first error (:meth:`_result`)."""
         out: list[Any] = []
         for w in waiting:
-            if type(w) is not _Group:
+            if type(w) is not Group:
                 out.append(self._result(w.status, w.value))
             elif not any(w.statuses):  # all OK
                 out += w.values
@@ -513,24 +514,36 @@ class Client:
         """Send every object, pipelined (up to ``window`` calls in flight), and return
         the replies in request order.  ``timeout`` bounds the whole batch.
 
-        :raises shmq.Timeout: not every reply arrived in time.
+        Calls go in chunks of at most ``window``; each chunk first waits, in order
+        with the handle's other callers (threads and coroutines), for as many free
+        slots of the window, and gives them back once answered, timed out or
+        interrupted.
+
+        :raises shmq.Timeout: not every reply arrived in time (or no room in the
+            window within it).
         :raises shmq.RemoteError: a handler raised (the first such call, in order;
             the other replies are still collected first).
         """
         self._check()
         objs = list(objs)
         deadline, wall = self._deadlines(timeout)
+        w = Waiter()
         waiting = []
         i = 0
         while i < len(objs):
             chunk = objs[i:i + self.window]
-            first, w = self._send(chunk, deadline, wall)
+            if not self._waits.take_slots(len(chunk), deadline, w):
+                raise self._slot_timeout(len(chunk))
             try:
-                self._wait(first, w, deadline)
-            except BaseException:  # Ctrl-C (a Timeout has forgotten them already)
-                self._abandon(first, w)  # nobody waits for them: late replies are dropped
+                first, ws = self._send(chunk, deadline, wall, w)
+            except BaseException:
+                with self._lock:
+                    self._waits.unslot(w)
                 raise
-            waiting += w
+            # Ctrl-C or a timeout: _wait forgets the calls (late replies are dropped)
+            # and gives the slots back, as it does once they are answered
+            self._wait(first, ws, deadline, w)
+            waiting += ws
             i += len(chunk)
         return self._results(waiting)
 
@@ -542,46 +555,93 @@ class Client:
         return time.monotonic() + timeout, time.time_ns() + int(timeout * NS)
 
     async def call_async(self, obj: Any, timeout: float | None = None) -> Any:
-        """``await`` the reply to ``obj`` (as :meth:`call`); the event loop is never blocked
-        waiting: it parks on the reply queue's inotify doorbell."""
+        """``await`` the reply to ``obj`` (as :meth:`call`).
+
+        The call awaits a slot of the window (in order, woken when one is
+        free), then its reply, without blocking the event loop; one waiting
+        caller at a time reads the reply queue (parked on its inotify doorbell)
+        and wakes only the callers whose replies it read.  Cancelled (task
+        cancel, ``asyncio.wait_for``) or timed out, the call frees its slot at
+        once and its late reply is dropped (``duplicates``).  Its put into a
+        full request ring, and the wait for a service not there yet, do block
+        the loop's thread (up to ``timeout``).
+
+        :raises shmq.Timeout: no reply within ``timeout`` seconds (or no room in
+            the window within it).
+        :raises shmq.RemoteError: the handler raised.
+        """
         self._check()
         deadline, wall = self._deadlines(timeout)
-        loop = asyncio.get_running_loop()
-        cid, [p] = self._send([obj], deadline, wall, loop)
+        waits = self._waits
+        w = AsyncWaiter(asyncio.get_running_loop(), deadline)
         try:
-            while True:
+            try:
+                while True:
+                    with self._lock:
+                        fut = waits.slot_step(w)
+                    if fut is None:
+                        break
+                    if fut is EXPIRED:
+                        raise self._slot_timeout(1)
+                    waits.arm(w)
+                    await fut
+                # a slot is held from here: every way out gives it back (unslot)
+                cid, [p] = self._send([obj], deadline, wall, w)
+            except BaseException:  # cancelled (a timeout in line has left it already)
                 with self._lock:
-                    if p.done:
-                        self._pending.pop(cid, None)
-                        return self._result(p.status, p.value)
-                    take = not self._reading
-                    if take:
-                        self._reading = True
-                    else:
-                        p.event.clear()  # no await before waiting: a set cannot slip in between
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    if take:
-                        self._release_role([])
-                    raise self._timeout(1)
-                if take:
-                    items = []
-                    try:
-                        try:
-                            wait = RECHECK_S if left is None else min(left, RECHECK_S)
-                            items = [await self._replies.get_async(timeout=wait)]
-                            items += self._read(0)
-                        except Empty:
-                            pass
-                        if time.monotonic() >= self._next_look:
-                            self._look()
-                    finally:
-                        self._release_role(items)
-                else:
-                    try:
-                        await asyncio.wait_for(p.event.wait(), left)
-                    except asyncio.TimeoutError:
-                        pass
-        finally:  # answered, timed out or cancelled: nobody waits for it any more
-            with self._lock:
-                self._pending.pop(cid, None)
+                    waits.unslot(w)
+                raise
+            try:
+                while (fut := self._reply_step(p, w)) is not None:
+                    await (self._read_async(w) if fut is _READ else fut)
+            finally:  # answered, timed out or cancelled: nobody waits for it any more
+                with self._lock:
+                    self._pending.pop(cid, None)
+                    waits.leave(w)
+                    waits.unslot(w)
+        finally:
+            waits.disarm(w)
+        return self._result(p.status, p.value)
+
+    def _reply_step(self, p, w):
+        """The next step of coroutine ``w`` waiting for call ``p``: None once ``p`` is
+        answered; :data:`_READ` if ``w`` holds the reading role (taken now if free);
+        else the future to await (woken by the reply, the role, or the deadline).
+
+        :raises shmq.Timeout: the deadline passed.
+        """
+        with self._lock:
+            if p.done:
+                return None
+            if w.deadline is not None and time.monotonic() >= w.deadline:
+                expired = True
+            else:
+                expired = False
+                if self._waits.take_role(w):
+                    return _READ
+                w.fut = w.loop.create_future()  # a wake from now on sets this one
+        if expired:
+            raise self._timeout(1)
+        self._waits.arm(w)
+        return w.fut
+
+    async def _read_async(self, w):
+        """Role held by coroutine ``w``: read the replies that arrive within RECHECK_S
+        (or until its deadline), deliver them, look for lost calls when due."""
+        wait = RECHECK_S if w.deadline is None else max(0.0, min(w.deadline - time.monotonic(),
+                                                                 RECHECK_S))
+        items = []
+        try:
+            try:
+                items = [await self._replies.get_async(timeout=wait)]
+                items += self._read(0)
+            except Empty:
+                pass
+            if time.monotonic() >= self._next_look:
+                self._look()
+        finally:
+            self._hand_over(items, w)
+
+
+#: :meth:`Client._reply_step`: this coroutine reads the replies now.
+_READ = object()

@@ -246,7 +246,7 @@ def _pinned_frame(spool: Spool, got: tuple[int, Any, int, int | None], ts: int) 
     seq, data, codec, fpos = got
     if fpos is None:  # it could not be pinned (gone, or not a data frame): a copy
         return PinnedFrame(seq, ts, codec, data, None)
-    pin = PinnedView(None, seq, spool, fpos, data)
+    pin = PinnedView(None, seq, spool.pins, fpos, data)
     if codec != F.CODEC_PICKLE_OOB:  # another worker took the one we saw: copy this one
         frame = PinnedFrame(seq, ts, codec, bytes(data), None)
         pin.release()

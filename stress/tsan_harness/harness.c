@@ -1,49 +1,61 @@
 /*
- * ThreadSanitizer harness for shmq's compiled core (see stress/tsan.py and
- * docs/guarantees.md, "ThreadSanitizer").
+ * ThreadSanitizer harness for shmq's engine, driven through its public API,
+ * shmq.h (see stress/tsan.py and docs/guarantees.md, "ThreadSanitizer").
  *
- * Writers, named readers and group members run as threads of this one
- * process over ONE shared mapping of a spool created by shmq beforehand,
- * each thread with its own core handle (as each process has its own), none
- * holding the GIL: the only synchronization between them is the core's own
- * (C11 atomics and fences on the mapping, the writer and group semaphores).
- * The harness adds none while they run: the plans are fixed before the
- * threads start, every thread reads only relaxed words or its own data, and
- * the results are checked after the joins.
+ * Writers, named readers, group members and anonymous readers run as
+ * threads of this one process on ONE spool handle (shmq_open once: one
+ * mapping, which TSan watches address by address), as the C API allows:
+ * the only synchronization between them is the engine's own (C11 atomics
+ * and fences on the mapping, the writer and group semaphores, a private
+ * cursor's lock, the handle's atomics).  No interpreter, no stand-in: this
+ * program links the engine's sources and nothing else.  The harness adds
+ * no synchronization while they run: the plans are fixed before the threads
+ * start, every thread reads only its own data, and the results are checked
+ * after the joins.
  *
  * Every frame carries (writer, counter, length) and a payload derived from
- * them; the spool stores CRCs and the readers verify them.  Checked after
- * the run: each named reader got every frame exactly once in seq order, no
- * loss (block policy), each writer's frames in its order, intact; the group
- * members together got every frame exactly once.
+ * them; the spool stores CRCs and the readers verify them (SHMQ_VERIFY).
+ * Checked after the run: each named reader got every frame exactly once in
+ * seq order, no loss (block policy), each writer's frames in its order,
+ * intact; the group members together got every frame exactly once;
+ * anonymous readers of an overwrite run counted exactly what they lost.
+ *
+ * Each thread registers its role before the start barrier, and the engine,
+ * built with -DSHMQ_TRACE_COPIES, reports every copy its C sink makes out of
+ * the ring (and whether it was dropped or returned) to the eng_trace_copy_*
+ * functions below: reports.h records, at each TSan report, who made the
+ * racing accesses and what became of the copy, for stress/tsan.py's
+ * classifier (printed as tsan-report lines after the joins).
  *
  * usage: harness SPOOL KEY=VALUE...   (stress/tsan.py builds and runs it)
+ *   writers=N named=N group=N anon=N ops=N seed=N waiters=0|1
+ * waiters=1: readers that find nothing wait on the doorbell (a blocking get
+ * with a short timeout) instead of yielding, so writers ring it.
  */
-#include "core_adapter.h"
-
-#include <fcntl.h>
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
-#include <stdatomic.h>
-#include <sys/mman.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include <sys/stat.h>
-#include <unistd.h>
+#include <sys/sysmacros.h>
+
+#include "reports.h"
+#include "shmq.h"
 
 #define MAX_THREADS 16
 #define MAX_PAYLOAD 3000
 #define TAG_BYTES 16
 
-typedef struct { int kind; int64_t slot; uint64_t seq, pos; } reader_spec;
-
-static hx_geo geo;
-static char *base;
-static int spool_fd;
-static const char *group_sem;
-static int n_writers = 2, n_named = 0, n_group = 0, n_anon = 0, ops = 2000, waiters = 0;
+static shmq_spool *sp;
+static int n_writers = 2, n_named = 0, n_group = 0, n_anon = 0, ops = 2000, waiters = 0, growable = 0;
 static unsigned seed = 1;
-static reader_spec named_spec[MAX_THREADS], group_spec;
 static uint64_t start_seq; /* NEXT_SEQ before the run */
 static uint64_t total_frames;
+static shmq_reader *named_r[MAX_THREADS], *group_r[MAX_THREADS], *anon_r[MAX_THREADS];
 
 /* ---- each writer's plan, fixed before the threads start ---- */
 enum { OP_PUT, OP_RESERVE, OP_ABANDON };
@@ -115,52 +127,99 @@ static uint32_t frame_base[MAX_THREADS]; /* global frame id = frame_base[w] + n 
 
 static pthread_barrier_t go;
 
+/* The C API sink's copies (engine.h, SHMQ_TRACE_COPIES), logged for the
+ * calling reader thread (reports.h). */
+void eng_trace_copy_begin(const void *frame, const void *end);
+void eng_trace_copy_done(void);
+void eng_trace_copy_dropped(void);
+void eng_trace_copy_accepted(void);
+void eng_trace_copy_begin(const void *frame, const void *end) { rep_copy_begin(frame, end); }
+void eng_trace_copy_done(void) { rep_copy_done(); }
+void eng_trace_copy_dropped(void) { rep_copy_dropped(); }
+void eng_trace_copy_accepted(void) { rep_copy_accepted(); }
+
+/* Where this process mapped the spool at `path` (shmq.h hands out no
+ * addresses; reports.h turns addresses into file offsets): the mapping of
+ * that file's offset 0 in /proc/self/maps.  0, or -1. */
+static int spool_mapping(const char *path, const char **base, uint64_t *len) {
+    struct stat st;
+    if (stat(path, &st) != 0) return -1;
+    FILE *f = fopen("/proc/self/maps", "re");
+    if (!f) return -1;
+    char line[4096];
+    int found = -1;
+    while (found < 0 && fgets(line, sizeof line, f)) {
+        unsigned long long lo, hi, off, ino;
+        unsigned maj, mnr;
+        if (sscanf(line, "%llx-%llx %*s %llx %x:%x %llu", &lo, &hi, &off, &maj, &mnr, &ino) == 6 && off == 0 &&
+            ino == (unsigned long long)st.st_ino && maj == major(st.st_dev) && mnr == minor(st.st_dev)) {
+            *base = (const char *)(uintptr_t)lo;
+            *len = hi - lo;
+            found = 0;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* A bound on one reader's copy attempts: each returns a frame or is dropped
+ * because the frame was overwritten, which loses at least that frame. */
+static uint64_t max_copies(void) { return 2 * total_frames + 64; }
+
 #define FAIL(res, ...) do { snprintf((res)->error, sizeof (res)->error, __VA_ARGS__); return NULL; } while (0)
+
+/* A read: the next frame, or SHMQ_EEMPTY (after a short wait on the doorbell with waiters). */
+static int next(shmq_reader *r, char *buf, size_t cap, shmq_frame *f) {
+    int rc = shmq_get(r, buf, cap, f, waiters ? 0.002 : 0);
+    if (rc == SHMQ_EEMPTY && !waiters) sched_yield();
+    return rc;
+}
 
 static void *writer_main(void *arg) {
     int w = (int)(intptr_t)arg;
     result *res = &results[w];
-    hx_ring *r = hx_ring_open(&geo, base, spool_fd);
     char *bufs[8];
     for (int k = 0; k < 8; k++) bufs[k] = malloc(MAX_PAYLOAD);
     uint32_t n = 0;
+    rep_register(w, REP_WRITER, w, 0);
     pthread_barrier_wait(&go);
     for (int i = 0; i < ops; i++) {
         op_plan *p = &plans[w][i];
+        double timeout = p->patient ? SHMQ_FOREVER : 0; /* patient: wait on the space doorbell */
         for (;;) {
             int64_t st;
             if (p->op == OP_PUT) {
-                size_t lens[8];
+                shmq_iovec iov[8];
                 for (int k = 0; k < p->count; k++) {
                     fill(bufs[k], (uint32_t)w, n + (uint32_t)k, p->len[k]);
-                    lens[k] = p->len[k];
+                    iov[k] = (shmq_iovec){bufs[k], p->len[k]};
                 }
-                st = hx_put(r, (void *const *)bufs, lens, p->count, p->patient);
+                st = shmq_put_many(sp, iov, (size_t)p->count, SHMQ_CODEC_RAW, timeout);
             } else {
-                hx_resv *rv = NULL;
-                st = hx_reserve(r, p->len[0], &rv);
+                shmq_reservation rv;
+                st = shmq_reserve(sp, p->len[0], SHMQ_CODEC_RAW, timeout, &rv);
                 if (st == 0) {
                     if (p->op == OP_ABANDON) {
-                        fill(hx_resv_buf(rv), 0, 0, p->len[0]); /* written, never published */
-                        st = hx_resv_abandon(rv);
+                        fill(rv.data, 0, 0, p->len[0]); /* written, never published */
+                        st = shmq_abandon(&rv);
                     } else {
-                        fill(hx_resv_buf(rv), (uint32_t)w, n, p->len[0]); /* in place: zero-copy */
-                        st = hx_resv_commit(rv);
+                        fill(rv.data, (uint32_t)w, n, p->len[0]); /* in place: zero-copy */
+                        st = shmq_commit(&rv);
                     }
                 }
             }
-            if (st == HX_NO_ROOM) { /* block policy, consumers behind: Python would wait on the doorbell */
+            if (st == SHMQ_EFULL) { /* block policy, consumers behind, not patient: again */
                 res->retries++;
                 sched_yield();
                 continue;
             }
-            if (st < 0 || hx_error()) FAIL(res, "writer %d op %d: status %lld %s", w, i, (long long)st,
-                                           hx_error() ? hx_error() : "");
+            if (st < 0) FAIL(res, "writer %d op %d: %s (%s)", w, i, shmq_strerror((int)st), shmq_errmsg());
             break;
         }
         if (p->op != OP_ABANDON) n += (uint32_t)p->count;
     }
     res->got = n;
+    for (int k = 0; k < 8; k++) free(bufs[k]);
     return NULL;
 }
 
@@ -168,37 +227,35 @@ static void *writer_main(void *arg) {
 static void *named_main(void *arg) {
     int i = (int)(intptr_t)arg;
     result *res = &results[MAX_THREADS + i];
-    hx_ring *r = hx_ring_open(&geo, base, spool_fd);
-    reader_spec *sp = &named_spec[i];
-    hx_cursor *c = hx_cursor_open(r, sp->kind, sp->slot, sp->seq, sp->pos, 1, 1, NULL);
+    shmq_reader *r = named_r[i];
     char *buf = malloc(MAX_PAYLOAD + 8);
     uint32_t next_n[MAX_THREADS] = {0};
     uint64_t expect = start_seq, idle = 0;
+    shmq_frame f;
+    rep_register(n_writers + i, REP_NAMED, i, max_copies());
     pthread_barrier_wait(&go);
     while (res->got < total_frames) {
-        uint64_t seq;
-        size_t len;
-        int rc = hx_take(c, &seq, buf, MAX_PAYLOAD + 8, &len);
-        if (rc < 0) FAIL(res, "named reader %d: %s", i, hx_error());
-        if (rc == 0) {
-            if (++idle % 64 == 0 && hx_trim(r) < 0) FAIL(res, "named reader %d: trim: %s", i, hx_error());
-            sched_yield();
+        int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
+        if (rc == SHMQ_EEMPTY) {
+            if (growable && ++idle % 64 == 0 && (rc = shmq_trim(sp, 0)) < 0 && rc != SHMQ_ELOCKED)
+                FAIL(res, "named reader %d: trim: %s", i, shmq_errmsg());
             continue;
         }
+        if (rc < 0) FAIL(res, "named reader %d: %s (%s)", i, shmq_strerror(rc), shmq_errmsg());
         uint32_t w, n;
-        if (seq != expect) FAIL(res, "named reader %d: seq %llu, expected %llu (lost %llu)", i,
-                                (unsigned long long)seq, (unsigned long long)expect,
-                                (unsigned long long)hx_cursor_lost(c));
-        if (check(buf, len, &w, &n) < 0) FAIL(res, "named reader %d: frame %llu is corrupt (%zu bytes)", i,
-                                               (unsigned long long)seq, len);
+        if (f.seq != expect) FAIL(res, "named reader %d: seq %llu, expected %llu (lost %llu)", i,
+                                  (unsigned long long)f.seq, (unsigned long long)expect,
+                                  (unsigned long long)shmq_reader_lost(r));
+        if (check(f.data, f.len, &w, &n) < 0) FAIL(res, "named reader %d: frame %llu is corrupt (%zu bytes)", i,
+                                                   (unsigned long long)f.seq, f.len);
         if (n != next_n[w]) FAIL(res, "named reader %d: seq %llu is writer %u's frame %u, expected %u", i,
-                                 (unsigned long long)seq, w, n, next_n[w]);
+                                 (unsigned long long)f.seq, w, n, next_n[w]);
         next_n[w]++;
         expect++;
         res->got++;
     }
-    hx_flush(c);
-    res->lost = hx_cursor_lost(c);
+    res->lost = shmq_reader_lost(r);
+    free(buf);
     return NULL;
 }
 
@@ -206,143 +263,141 @@ static void *named_main(void *arg) {
 static void *group_main(void *arg) {
     int i = (int)(intptr_t)arg;
     result *res = &results[2 * MAX_THREADS + i];
-    hx_ring *r = hx_ring_open(&geo, base, spool_fd);
-    hx_cursor *c = hx_cursor_open(r, HX_GROUP, group_spec.slot, 0, 0, 0, 1, group_sem);
+    shmq_reader *r = group_r[i];
     char *buf = malloc(MAX_PAYLOAD + 8);
     res->seen = calloc(total_frames ? total_frames : 1, 1);
     uint64_t last = 0, idle = 0;
     int any = 0;
+    shmq_frame f;
+    rep_register(n_writers + n_named + i, REP_GROUP, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
-        uint64_t seq;
-        size_t len;
-        int rc = hx_take(c, &seq, buf, MAX_PAYLOAD + 8, &len);
-        if (rc < 0) FAIL(res, "group member %d: %s", i, hx_error());
-        if (rc == 0) {
-            if (hx_group_seq(c) >= start_seq + total_frames) break; /* the others took the rest */
-            if (++idle % 64 == 0 && hx_trim(r) < 0) FAIL(res, "group member %d: trim: %s", i, hx_error());
-            sched_yield();
+        int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
+        if (rc == SHMQ_EEMPTY) {
+            if (shmq_reader_position(r) >= start_seq + total_frames) break; /* the others took the rest */
+            if (growable && ++idle % 64 == 0 && (rc = shmq_trim(sp, 0)) < 0 && rc != SHMQ_ELOCKED)
+                FAIL(res, "group member %d: trim: %s", i, shmq_errmsg());
             continue;
         }
+        if (rc < 0) FAIL(res, "group member %d: %s (%s)", i, shmq_strerror(rc), shmq_errmsg());
         uint32_t w, n;
-        if (any && seq <= last) FAIL(res, "group member %d: seq %llu after %llu", i, (unsigned long long)seq,
-                                     (unsigned long long)last);
-        if (check(buf, len, &w, &n) < 0) FAIL(res, "group member %d: frame %llu is corrupt", i,
-                                               (unsigned long long)seq);
+        if (any && f.seq <= last) FAIL(res, "group member %d: seq %llu after %llu", i, (unsigned long long)f.seq,
+                                       (unsigned long long)last);
+        if (check(f.data, f.len, &w, &n) < 0) FAIL(res, "group member %d: frame %llu is corrupt", i,
+                                                   (unsigned long long)f.seq);
         res->seen[frame_base[w] + n]++;
-        last = seq;
+        last = f.seq;
         any = 1;
         res->got++;
     }
-    res->lost = hx_cursor_lost(c);
+    res->lost = shmq_reader_lost(r);
+    free(buf);
     return NULL;
 }
 
-/* An anonymous reader (overwrite runs): frames intact and in seq order; loss allowed. */
+/* An anonymous reader (overwrite runs): frames intact and in seq order; loss allowed, counted. */
 static void *anon_main(void *arg) {
     int i = (int)(intptr_t)arg;
     result *res = &results[MAX_THREADS + n_named + i];
-    hx_ring *r = hx_ring_open(&geo, base, spool_fd);
-    hx_cursor *c = hx_cursor_open(r, HX_ANON, -1, start_seq, named_spec[MAX_THREADS - 1].pos, 0, 1, NULL);
+    shmq_reader *r = anon_r[i];
     char *buf = malloc(MAX_PAYLOAD + 8);
     uint64_t last = 0, end = start_seq + total_frames;
     int any = 0;
+    shmq_frame f;
+    rep_register(n_writers + n_named + n_group + i, REP_ANON, i, max_copies());
     pthread_barrier_wait(&go);
     for (;;) {
-        uint64_t seq;
-        size_t len;
-        int rc = hx_take(c, &seq, buf, MAX_PAYLOAD + 8, &len);
-        if (rc < 0) FAIL(res, "anonymous reader %d: %s", i, hx_error());
-        if (rc == 0) {
-            if (hx_cursor_seq(c) >= end) break;
-            sched_yield();
+        int rc = next(r, buf, MAX_PAYLOAD + 8, &f);
+        if (rc == SHMQ_EEMPTY) {
+            if (shmq_reader_position(r) >= end) break;
             continue;
         }
+        if (rc < 0) FAIL(res, "anonymous reader %d: %s (%s)", i, shmq_strerror(rc), shmq_errmsg());
         uint32_t w, n;
-        if (any && seq <= last) FAIL(res, "anonymous reader %d: seq %llu after %llu", i,
-                                     (unsigned long long)seq, (unsigned long long)last);
-        if (check(buf, len, &w, &n) < 0) FAIL(res, "anonymous reader %d: frame %llu is corrupt", i,
-                                               (unsigned long long)seq);
-        last = seq;
+        if (any && f.seq <= last) FAIL(res, "anonymous reader %d: seq %llu after %llu", i,
+                                       (unsigned long long)f.seq, (unsigned long long)last);
+        if (check(f.data, f.len, &w, &n) < 0) FAIL(res, "anonymous reader %d: frame %llu is corrupt", i,
+                                                   (unsigned long long)f.seq);
+        last = f.seq;
         any = 1;
         res->got++;
-        if (seq + 1 >= end) break;
+        if (f.seq + 1 >= end) break;
         if (i % 2) /* every other anonymous reader lags: it is lapped, loses frames, resyncs */
             for (int k = 0; k < 8; k++) sched_yield();
     }
-    res->lost = hx_cursor_lost(c);
+    res->lost = shmq_reader_lost(r);
     if (res->got + res->lost != total_frames)
         FAIL(res, "anonymous reader %d: got %llu + lost %llu != %llu frames written", i,
              (unsigned long long)res->got, (unsigned long long)res->lost, (unsigned long long)total_frames);
+    free(buf);
     return NULL;
 }
 
-static uint64_t num(const char *v) { return strtoull(v, NULL, 0); }
+static int open_reader(const char *name, int flags, shmq_reader **out) {
+    int rc = shmq_reader_open(sp, name, flags | SHMQ_START_LATEST | SHMQ_VERIFY, out);
+    if (rc < 0) fprintf(stderr, "FAIL reader %s: %s (%s)\n", name ? name : "(anonymous)", shmq_strerror(rc),
+                        shmq_errmsg());
+    return rc;
+}
 
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s SPOOL KEY=VALUE...\n", argv[0]);
         return 2;
     }
-    int n_named_given = 0;
     for (int i = 2; i < argc; i++) {
         char *k = argv[i], *v = strchr(k, '=');
         if (!v) return 2;
         *v++ = 0;
-        if (!strcmp(k, "ring_offset")) geo.ring_offset = num(v);
-        else if (!strcmp(k, "ring_bytes")) geo.ring_bytes = num(v);
-        else if (!strcmp(k, "slot_offset")) geo.slot_offset = num(v);
-        else if (!strcmp(k, "slot_count")) geo.slot_count = num(v);
-        else if (!strcmp(k, "policy")) geo.policy = (int)num(v);
-        else if (!strcmp(k, "checksum")) geo.checksum = (int)num(v);
-        else if (!strcmp(k, "wsem")) geo.wsem = v;
-        else if (!strcmp(k, "rsem")) geo.rsem = v;
-        else if (!strcmp(k, "fsem")) geo.fsem = v;
-        else if (!strcmp(k, "gsem")) group_sem = v;
-        else if (!strcmp(k, "writers")) n_writers = (int)num(v);
-        else if (!strcmp(k, "ops")) ops = (int)num(v);
-        else if (!strcmp(k, "seed")) seed = (unsigned)num(v);
-        else if (!strcmp(k, "anon")) n_anon = (int)num(v);
-        else if (!strcmp(k, "waiters")) waiters = (int)num(v);
-        else if (!strcmp(k, "group")) { /* slot:members */
-            group_spec.slot = (int64_t)num(v);
-            n_group = (int)num(strchr(v, ':') + 1);
-        } else if (!strcmp(k, "named")) { /* slot:seq:pos */
-            reader_spec *s = &named_spec[n_named_given++];
-            s->kind = HX_NAMED;
-            s->slot = (int64_t)strtoll(v, &v, 0);
-            s->seq = strtoull(v + 1, &v, 0);
-            s->pos = strtoull(v + 1, &v, 0);
-        } else if (!strcmp(k, "start")) { /* seq:pos, where anonymous readers start */
-            start_seq = strtoull(v, &v, 0);
-            named_spec[MAX_THREADS - 1].pos = strtoull(v + 1, NULL, 0);
-        } else {
+        long x = strtol(v, NULL, 0);
+        if (!strcmp(k, "writers")) n_writers = (int)x;
+        else if (!strcmp(k, "named")) n_named = (int)x;
+        else if (!strcmp(k, "group")) n_group = (int)x;
+        else if (!strcmp(k, "anon")) n_anon = (int)x;
+        else if (!strcmp(k, "ops")) ops = (int)x;
+        else if (!strcmp(k, "seed")) seed = (unsigned)x;
+        else if (!strcmp(k, "waiters")) waiters = (int)x;
+        else {
             fprintf(stderr, "unknown key %s\n", k);
             return 2;
         }
     }
-    n_named = n_named_given;
     if (n_writers < 1 || n_writers > MAX_THREADS || n_group > MAX_THREADS || n_named + n_anon > MAX_THREADS)
         return 2;
-    spool_fd = open(argv[1], O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    struct stat st;
-    if (spool_fd < 0 || fstat(spool_fd, &st) < 0) {
-        perror(argv[1]);
+    /* A long recovery timeout: every holder here is alive, and TSan slows them down. */
+    int rc = shmq_open(argv[1], 60.0, &sp);
+    if (rc < 0) {
+        fprintf(stderr, "FAIL open %s: %s (%s)\n", argv[1], shmq_strerror(rc), shmq_errmsg());
         return 3;
     }
-    base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, spool_fd, 0);
-    if (base == MAP_FAILED) {
-        perror("mmap");
+    shmq_stats st;
+    shmq_stats_get(sp, &st);
+    start_seq = st.next_seq;
+    growable = st.growable;
+    /* Readers attach before the writers start: none has a frame before its cursor. */
+    char name[32];
+    for (int i = 0; i < n_named; i++) {
+        snprintf(name, sizeof name, "tsan-named-%d", i);
+        if (open_reader(name, 0, &named_r[i]) < 0) return 3;
+    }
+    for (int i = 0; i < n_group; i++)
+        if (open_reader("tsan-group", SHMQ_READER_GROUP, &group_r[i]) < 0) return 3;
+    for (int i = 0; i < n_anon; i++)
+        if (open_reader(NULL, 0, &anon_r[i]) < 0) return 3;
+    const char *base;
+    uint64_t map_len;
+    if (spool_mapping(argv[1], &base, &map_len) < 0) {
+        fprintf(stderr, "FAIL cannot find the spool's mapping in /proc/self/maps\n");
         return 3;
     }
-    hx_init();
-    if (waiters) hx_register_waiters(&geo);
+    rep_init(base, map_len);
     make_plans();
     for (int w = 1; w < n_writers; w++) frame_base[w] = frame_base[w - 1] + frames_of[w - 1];
 
     int nthreads = n_writers + n_named + n_group + n_anon;
     pthread_t th[4 * MAX_THREADS];
     pthread_barrier_init(&go, NULL, (unsigned)nthreads);
+    rep_threads_used(nthreads);
     int t = 0;
     for (int w = 0; w < n_writers; w++) pthread_create(&th[t++], NULL, writer_main, (void *)(intptr_t)w);
     for (int i = 0; i < n_named; i++) pthread_create(&th[t++], NULL, named_main, (void *)(intptr_t)i);
@@ -392,18 +447,23 @@ int main(int argc, char **argv) {
         anon_got += results[MAX_THREADS + n_named + i].got;
         anon_lost += results[MAX_THREADS + n_named + i].lost;
     }
-    hx_totals tot = hx_ring_totals(base);
-    if (!bad && tot.next_seq - start_seq != total_frames) {
+    shmq_stats_get(sp, &st);
+    if (!bad && st.next_seq - start_seq != total_frames) {
         fprintf(stderr, "FAIL the spool's NEXT_SEQ moved by %llu, %llu frames were committed\n",
-                (unsigned long long)(tot.next_seq - start_seq), (unsigned long long)total_frames);
+                (unsigned long long)(st.next_seq - start_seq), (unsigned long long)total_frames);
         bad = 1;
     }
+    for (int i = 0; i < n_named; i++) shmq_reader_close(named_r[i]);
+    for (int i = 0; i < n_group; i++) shmq_reader_close(group_r[i]);
+    for (int i = 0; i < n_anon; i++) shmq_reader_close(anon_r[i]);
+    rep_print(stdout); /* what happened at each TSan report (reports.h) */
     printf("harness: %d writers, %d named, %d group members, %d anonymous%s; %llu frames, %.1f laps of the ring, "
            "%llu evicted, %llu segment growths, %llu full-ring retries, anonymous got %llu lost %llu; "
            "invariants %s\n",
            n_writers, n_named, n_group, n_anon, waiters ? ", doorbell waiters" : "", (unsigned long long)total_frames,
-           (double)tot.next_pos / (double)geo.ring_bytes, (unsigned long long)tot.evicted,
-           (unsigned long long)tot.growths, (unsigned long long)retries, (unsigned long long)anon_got,
+           (double)st.put_bytes / (double)st.capacity, (unsigned long long)st.evicted,
+           (unsigned long long)st.growths, (unsigned long long)retries, (unsigned long long)anon_got,
            (unsigned long long)anon_lost, bad ? "FAILED" : "ok");
+    shmq_close(sp);
     return bad ? 1 : 0;
 }
