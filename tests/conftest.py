@@ -318,13 +318,14 @@ def ctx(request):
     return mp.get_context(request.param)
 
 
-#: The compiled core's C sources, which source-level tests read: the checkout's
-#: these tests belong to, or SHMQ_SOURCE_ROOT's when the tests run against an
-#: installed build from a tree without shmq/ (.ci/aarch64 does, so that every
-#: import finds the installed package).
-CORE_SOURCES = os.path.join(
-    os.environ.get("SHMQ_SOURCE_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "shmq", "core")
+#: The source tree that tests reading sources (C files, stress/ programs that
+#: build or analyse the package, pyproject.toml) use: the checkout these tests
+#: belong to, or SHMQ_SOURCE_ROOT when the tests run against an installed build
+#: from a tree without shmq/ (.ci/aarch64 does, so that every import finds the
+#: installed package).  Never put on sys.path: its shmq/ may have no built core.
+SOURCE_ROOT = os.environ.get("SHMQ_SOURCE_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The compiled core's C sources.
+CORE_SOURCES = os.path.join(SOURCE_ROOT, "shmq", "core")
 
 #: Multiplies the bounds tests put on waits that only a bug should exhaust
 #: (``bound(30)``), never a timeout a test expects to run out.  1 natively;

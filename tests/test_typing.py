@@ -29,11 +29,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SOURCE_ROOT, bound
+
 pytest.importorskip("mypy", reason="mypy is not installed (it comes with the test extra)")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(SOURCE_ROOT)
 TYPING = ROOT / "tests" / "typing"
-TIMEOUT_S = 600  # a cold cache on a loaded 2-vCPU machine; normally 15-40 s
+TIMEOUT_S = bound(600)  # a cold cache on a loaded 2-vCPU machine; normally 15-40 s
 
 #: The client check: --strict for the client, shmq followed silently (errors inside the
 #: package are the package check's business), untyped third-party modules ignored.
