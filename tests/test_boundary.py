@@ -281,9 +281,9 @@ def test_bound_fast_methods_pickle_as_their_handles_methods(spool_dir, method):
     try:
         r = sp.reader("workers", group=True)
         # a spool's and a reader's core are per process: a clear error says what to pickle
-        for method in (sp.put, r.get):
+        for fn in (sp.put, r.get):
             with pytest.raises(TypeError, match="pickle the (Spool|reader)"):
-                pickle.dumps(method)
+                pickle.dumps(fn)
         get2 = pickle.loads(pickle.dumps(q.get))
         put2 = pickle.loads(pickle.dumps(q.put))
         put2("via an unpickled put")
