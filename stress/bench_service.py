@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -59,7 +60,11 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# This checkout's shmq when its core is built in place; otherwise the installed one
+# (a source tree without a built core cannot be imported).
+if glob.glob(os.path.join(ROOT, "shmq", "_core*.so")):
+    sys.path.insert(0, ROOT)
 
 import shmq  # noqa: E402
 

@@ -62,6 +62,7 @@ retried under ``setarch -R`` (ASLR off for the harness only).
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import platform
 import re
@@ -73,7 +74,12 @@ import time
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# This checkout's shmq when its core is built in place (pip install -e, setup.py
+# build_ext --inplace); otherwise the installed one: a source tree without a built
+# core cannot be imported (.ci/aarch64 runs this from such a copy, against the
+# package it built and installed from it).
+if glob.glob(os.path.join(ROOT, "shmq", "_core*.so")):
+    sys.path.insert(0, ROOT)
 
 HARNESS_DIR = os.path.join(ROOT, "stress", "tsan_harness")
 ENGINE_DIR = os.path.join(ROOT, "shmq", "engine")

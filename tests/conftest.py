@@ -4,6 +4,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -106,8 +107,58 @@ def _tids():
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
+def _emulated():
+    """True under qemu-user: the kernel's own /proc/self/exe (reached through "//proc",
+    a path qemu does not intercept) is the emulator, not the interpreter it runs."""
+    try:
+        return os.path.basename(os.readlink("//proc/self/exe")).startswith("qemu-")
+    except OSError:
+        return False
+
+
+EMULATED = _emulated()
+
+
+def _qemu_thread():
+    """The one thread of qemu-user's own in this process, or None.
+
+    qemu-user runs each emulated process with one host thread of its own (its RCU
+    thread, ``call_rcu``), started before any guest code runs: at the emulator's
+    start, or by its fork handler in a forked child before fork() returns.  It
+    never runs guest code, so it is harmless to fork, but it is in /proc/self/task
+    like any thread.  Two facts single it out, read from the kernel's real procfs:
+    it is the first thread created after the main one (every guest thread starts
+    later), and qemu creates it with every signal blocked (qemu_thread_create),
+    where a guest thread's host mask is empty (qemu keeps guest masks virtual).
+    Only one thread is ever discounted, so a real second thread is still refused.
+    """
+    main = os.getpid()
+    starts = {}
+    for tid in _tids() - {main}:
+        try:
+            with open(f"//proc/{main}/task/{tid}/stat") as f:
+                # field 22 (starttime), counted after the ")" that ends comm
+                starts[tid] = int(f.read().rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):
+            continue
+    if not starts:
+        return None
+    first = min(starts, key=lambda t: (starts[t], t))
+    try:
+        with open(f"//proc/{main}/task/{first}/status") as f:
+            blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    must = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR1 - 1)) \
+        | (1 << (signal.SIGCHLD - 1)) | (1 << (signal.SIGALRM - 1))
+    return first if blocked & must == must else None
+
+
 def _other_threads():
-    return _tids() - {threading.get_native_id()} - _FORK_TOLERATED - _WATCHDOG
+    others = _tids() - {threading.get_native_id()} - _FORK_TOLERATED - _WATCHDOG
+    if EMULATED and others:
+        others.discard(_qemu_thread())
+    return others
 
 
 def _thread_names(tids):
@@ -267,13 +318,14 @@ def ctx(request):
     return mp.get_context(request.param)
 
 
-#: The compiled core's C sources, which source-level tests read: the checkout's
-#: these tests belong to, or SHMQ_SOURCE_ROOT's when the tests run against an
-#: installed build from a tree without shmq/ (.ci/aarch64 does, so that every
-#: import finds the installed package).
-CORE_SOURCES = os.path.join(
-    os.environ.get("SHMQ_SOURCE_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "shmq", "core")
+#: The source tree that tests reading sources (C files, stress/ programs that
+#: build or analyse the package, pyproject.toml) use: the checkout these tests
+#: belong to, or SHMQ_SOURCE_ROOT when the tests run against an installed build
+#: from a tree without shmq/ (.ci/aarch64 does, so that every import finds the
+#: installed package).  Never put on sys.path: its shmq/ may have no built core.
+SOURCE_ROOT = os.environ.get("SHMQ_SOURCE_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The compiled core's C sources.
+CORE_SOURCES = os.path.join(SOURCE_ROOT, "shmq", "core")
 
 #: Multiplies the bounds tests put on waits that only a bug should exhaust
 #: (``bound(30)``), never a timeout a test expects to run out.  1 natively;

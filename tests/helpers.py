@@ -7,6 +7,8 @@ import time
 
 import shmq
 
+from conftest import bound
+
 REC = struct.Struct("<II")  # writer id, per-writer counter
 
 
@@ -25,7 +27,7 @@ def write_records(path, writer_id, count, payload_bytes=100, batch=1):
     sp.close()
 
 
-def read_records(path, name, count, conn, group=False, timeout=30):
+def read_records(path, name, count, conn, group=False, timeout=bound(30)):
     """Read ``count`` frames from a named reader; send back (writer, counter, seq) triples."""
     sp = shmq.Spool.open(path)
     r = sp.reader(name, group=group)
@@ -74,7 +76,7 @@ def hold_group_lock_forever(path, name, ready):
 
 def put_after_event(path, go, data):
     sp = shmq.Spool.open(path)
-    if go.wait(30):
+    if go.wait(bound(30)):
         sp.put(data)
     sp.close()
 

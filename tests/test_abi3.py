@@ -18,7 +18,9 @@ import tomllib
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import SOURCE_ROOT, bound
+
+ROOT = SOURCE_ROOT
 LIMITED = "-DPy_LIMITED_API=0x030c0000"
 # What a full-API macro or struct access under the limited API turns into.
 STRICT = ["-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Werror=int-conversion"]
@@ -56,7 +58,7 @@ def test_limited_api_build_links_only_stable_abi_symbols(tmp_path):
     srcs, incs, args = _core()
     so = tmp_path / "_core.abi3.so"
     proc = subprocess.run([cc, "-shared", "-fPIC", *args, "-O0", *STRICT, LIMITED, *incs, *srcs, "-o", str(so)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     names = _stable_abi_names()
     if names is None:
@@ -73,7 +75,7 @@ def test_limited_api_older_than_312_is_refused(tmp_path):
     cc = _cc()
     srcs, incs, args = _core()
     proc = subprocess.run([cc, "-fsyntax-only", *args, "-DPy_LIMITED_API=0x030b0000", *incs, srcs[0]],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=bound(120))
     assert proc.returncode != 0
     assert "needs Py_LIMITED_API >= 0x030c0000" in proc.stderr, proc.stderr[-2000:]
 
@@ -90,7 +92,7 @@ def test_a_struct_pointer_passed_as_object_is_an_error(tmp_path, arg, compiles):
                    "typedef struct { PyObject_HEAD int x; } Thing;\n"
                    f"PyTypeObject *type_of(Thing *t) {{ return Py_TYPE({arg}); }}\n")
     proc = subprocess.run([cc, "-fsyntax-only", *args, *STRICT, LIMITED, *incs, str(src)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=bound(120))
     assert (proc.returncode == 0) == compiles, proc.stderr[-2000:]
     if not compiles:
         assert "incompatible-pointer-types" in proc.stderr, proc.stderr[-2000:]

@@ -27,11 +27,13 @@ from shmq import _format as F
 from shmq import _mapping, codec
 from shmq.cli import EXIT_PERMISSION, main
 
+from conftest import bound
+
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd"),
     reason="needs root and useradd to create the attacker user")
 
-CHILD_TIMEOUT_S = 30
+CHILD_TIMEOUT_S = bound(30)
 
 
 class Evil:
@@ -48,7 +50,7 @@ class Evil:
 def attacker():
     name = f"shmqatk{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=bound(60))
     if r.returncode != 0:
         pytest.skip(f"useradd failed: {r.stderr.strip()}")
     pw = pwd.getpwnam(name)
@@ -56,7 +58,7 @@ def attacker():
         yield pw
     finally:
         shutil.rmtree(f"/dev/shm/shmq-{pw.pw_uid}", ignore_errors=True)
-        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+        subprocess.run(["userdel", name], capture_output=True, timeout=bound(60))
 
 
 def as_user(pw, fn, *args):
@@ -362,7 +364,7 @@ def test_destroying_a_planted_file_never_unlinks_our_semaphores(attacker, shared
         for which in "wrf":  # ... but not our live semaphores
             assert os.path.exists(_mapping.semaphore_file(_mapping.sem_name(own_prefix, which)))
         mine.put(b"still works")
-        assert mine.reader().get(timeout=5).data == b"still works"
+        assert mine.reader().get(timeout=bound(5)).data == b"still works"
     finally:
         mine.close()
         shmq.Spool.destroy(mine.path)
@@ -389,7 +391,7 @@ def test_group_writable_spool_accepts_members_semaphores_only(attacker, shared):
         os.chown(path, 0, attacker.pw_gid)  # now its group: the same semaphore is a member's
         sp = shmq.Spool.open(path)
         try:
-            assert sp.reader("workers", group=True).get(timeout=5).data == b"x"
+            assert sp.reader("workers", group=True).get(timeout=bound(5)).data == b"x"
         finally:
             sp.close()
     finally:

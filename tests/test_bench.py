@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-STRESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stress")
+from conftest import SOURCE_ROOT, bound
+
+STRESS = os.path.join(SOURCE_ROOT, "stress")  # bench.py's C contender builds the engine
 
 #: One fragment of each issue-14 target's label, in the order the table prints them.
 ISSUE_14_TARGETS = [
@@ -47,7 +49,7 @@ def bench_module():
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=bound(600))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads((out / "results.json").read_text()), out
 
@@ -116,7 +118,7 @@ def test_machine_info_names_the_peers_and_limits(smoke_run):
 def test_report_renders_every_row_and_target(smoke_run):
     _stdout, data, out = smoke_run
     rep = subprocess.run([sys.executable, os.path.join(STRESS, "report.py"), str(out / "results.json")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=bound(60))
     assert rep.returncode == 0, rep.stderr[-3000:]
     for scen, row in data["throughput"].items():
         for name in row:
@@ -130,7 +132,7 @@ def test_bench_dispatch_runs_and_reports(tmp_path):
     out = tmp_path / "d.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_dispatch.py"), "--messages",
                            "50", "--repeats", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio publish/ingress" in proc.stdout and "CPU us/msg" in proc.stdout
     data = json.loads(out.read_text())
@@ -147,7 +149,7 @@ def test_bench_service_runs_every_row_against_its_peers(tmp_path):
     out = tmp_path / "s.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "bench_service.py"), "--quick",
                            "--calls", "50", "--pipe-calls", "128", "--arrow-calls", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--json", str(out)], capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     conc = ["64 threads"] + [f"async {n}" for n in (100, 1000, 3000)]  # --quick's sweep
@@ -170,7 +172,7 @@ def test_bench_create_runs_and_holders_remove_their_orphans(tmp_path):
     out = tmp_path / "c.json"
     proc = subprocess.run([sys.executable, "-W", "error", os.path.join(STRESS, "bench_create.py"),
                            "--quick", "--others", "20", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr == ""
     data = json.loads(out.read_text())

@@ -21,7 +21,7 @@ import pytest
 import shmq
 from shmq import _core, _notify
 from shmq.reader import Reader
-from conftest import CORE_SOURCES
+from conftest import CORE_SOURCES, bound
 
 CORE_DIR = CORE_SOURCES
 
@@ -58,7 +58,7 @@ def test_spool_subclass_put_override_is_called(spool_dir):
         assert sp.put(b"two", timeout=1.0) == 1  # through super() to the core's slow path
         assert LoggingSpool.calls == [("put", b"one"), ("put", b"two")]
         r = sp.reader(start="earliest")
-        assert [r.get(timeout=5).data for _ in range(2)] == [b"one", b"two"]
+        assert [r.get(timeout=bound(5)).data for _ in range(2)] == [b"one", b"two"]
     finally:
         sp.close()
 
@@ -74,7 +74,7 @@ def test_put_many_of_one_is_the_core_put_not_a_subclass_override(spool_dir):
         assert LoggingSpool.calls == []  # the override was not called by put_many
         assert via.put(b"a") == 0 and via.put(b"b", timeout=1.0) == 1
         r = via.reader(start="earliest")
-        assert [r.get(timeout=5).data for _ in range(2)] == [b"a", b"b"]
+        assert [r.get(timeout=bound(5)).data for _ in range(2)] == [b"a", b"b"]
     finally:
         sp.close()
         via.close()
@@ -85,7 +85,7 @@ def test_plain_spool_binds_the_core_directly(spool_dir):
     try:
         assert vars(sp)["put"] == sp.core.put_api  # no Python frame on the hot path
         assert shmq.Spool.put(sp, b"unbound") == 0  # the class method reaches the core too
-        assert sp.reader(start="earliest").get(timeout=5).data == b"unbound"
+        assert sp.reader(start="earliest").get(timeout=bound(5)).data == b"unbound"
     finally:
         sp.close()
 
@@ -115,11 +115,11 @@ def _hold_writer_lock(sp):
         with sp.reserve(1) as buf:
             buf[:] = b"r"
             held.set()
-            release.wait(30)
+            release.wait(bound(30))
 
     t = threading.Thread(target=hold)
     t.start()
-    assert held.wait(10)
+    assert held.wait(bound(10))
     return t, release
 
 
@@ -137,7 +137,7 @@ def test_a_put_with_a_timeout_is_the_cores_while_the_lock_is_free(spool_dir, kin
         h = SlowLoggingQueue()
         sp, put, slow = h._spool, h.put, h.slow
     try:
-        put(b"free", timeout=5)
+        put(b"free", timeout=bound(5))
         assert slow == []
         for bad, err in ((-1, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)):
             with pytest.raises(err):
@@ -150,9 +150,9 @@ def test_a_put_with_a_timeout_is_the_cores_while_the_lock_is_free(spool_dir, kin
                 put(b"late", timeout=0.2)
         finally:
             release.set()
-            t.join(10)
+            t.join(bound(10))
         assert slow == [(b"late", 0.2)]  # nothing of it spent waiting in C
-        put(b"after", timeout=5)  # the lock is free again: nothing was left behind
+        put(b"after", timeout=bound(5))  # the lock is free again: nothing was left behind
         assert len(slow) == 1
     finally:
         h.close()
@@ -184,7 +184,7 @@ def test_reader_subclass_get_override_is_called(spool_dir):
         r = CountingReader(sp, start="earliest")
         try:
             assert "get" not in vars(r)
-            assert r.get(timeout=5).data == b"x"
+            assert r.get(timeout=bound(5)).data == b"x"
             with pytest.raises(shmq.Empty):
                 r.get(timeout=0.05)  # the core parks, then raises
             assert CountingReader.got == 2
@@ -217,8 +217,8 @@ def test_queue_subclass_put_and_get_overrides_are_called():
         assert "put" not in vars(q) and "get" not in vars(q)
         q.put({"a": 1})
         q.put(b"raw", timeout=1.0)
-        assert q.get(timeout=5) == {"a": 1}
-        assert q.get(timeout=5) == b"raw"
+        assert q.get(timeout=bound(5)) == {"a": 1}
+        assert q.get(timeout=bound(5)) == b"raw"
         with pytest.raises(shmq.Empty):
             q.get(timeout=0.05)
         assert q.log == [("put", {"a": 1}), ("put", b"raw"), ("get", {"a": 1}), ("get", b"raw")]
@@ -231,7 +231,7 @@ def test_plain_queue_binds_its_port():
     try:
         assert vars(q)["put"] == q._port.put and vars(q)["get"] == q._port.get
         q.put([1, 2])
-        assert shmq.Queue.get(q, timeout=5) == [1, 2]  # the class method: the same port
+        assert shmq.Queue.get(q, timeout=bound(5)) == [1, 2]  # the class method: the same port
     finally:
         q.close()
 
@@ -281,22 +281,22 @@ def test_bound_fast_methods_pickle_as_their_handles_methods(spool_dir, method):
     try:
         r = sp.reader("workers", group=True)
         # a spool's and a reader's core are per process: a clear error says what to pickle
-        for bound in (sp.put, r.get):
+        for fn in (sp.put, r.get):
             with pytest.raises(TypeError, match="pickle the (Spool|reader)"):
-                pickle.dumps(bound)
+                pickle.dumps(fn)
         get2 = pickle.loads(pickle.dumps(q.get))
         put2 = pickle.loads(pickle.dumps(q.put))
         put2("via an unpickled put")
-        assert get2(timeout=10) == "via an unpickled put"
+        assert get2(timeout=bound(10)) == "via an unpickled put"
         del put2, get2
         ctx = mp.get_context(method)
         done = ctx.Event()
         p = ctx.Process(target=_put_then_signal, args=(q.put, done))
         p.start()
-        assert done.wait(60), "child never put"
-        p.join(60)
+        assert done.wait(bound(60)), "child never put"
+        p.join(bound(60))
         assert p.exitcode == 0
-        assert q.get(timeout=10) == "from the child"
+        assert q.get(timeout=bound(10)) == "from the child"
         r.close()
     finally:
         q.close()

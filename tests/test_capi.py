@@ -33,9 +33,9 @@ from shmq import _format as F
 from shmq import _lock
 from shmq.verify import verify
 
-from conftest import bound
+from conftest import SOURCE_ROOT, bound
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = SOURCE_ROOT
 ENGINE = os.path.join(ROOT, "shmq", "engine")
 CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -48,7 +48,7 @@ def _engine_sources():
 
 def _compile(out, *sources):
     proc = subprocess.run([CC, "-std=c11", "-O2", "-g", "-Wall", "-I", ENGINE, "-o", out, *sources,
-                           *_engine_sources(), "-pthread"], capture_output=True, text=True, timeout=300)
+                           *_engine_sources(), "-pthread"], capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

@@ -22,6 +22,8 @@ from shmq import cli
 from shmq.cli import main
 from shmq.metrics import prometheus_text
 
+from conftest import bound
+
 
 def run(capsys, *args):
     """``main(args)`` -> (exit code, stdout, stderr)."""
@@ -31,7 +33,7 @@ def run(capsys, *args):
     return code, out, err
 
 
-def shmq_cmd(*args, timeout=60, **kw):
+def shmq_cmd(*args, timeout=bound(60), **kw):
     return subprocess.run([sys.executable, "-m", "shmq", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, **kw)
 
@@ -388,7 +390,7 @@ def test_tail_raw_writes_payload_bytes(make_spool):
     sp.put(b"\x00\xffbinary")
     sp.put(b"two")
     res = subprocess.run([sys.executable, "-m", "shmq", "tail", sp.path, "--format", "raw"],
-                         capture_output=True, timeout=60)
+                         capture_output=True, timeout=bound(60))
     assert res.returncode == 0 and res.stdout == b"\x00\xffbinary\ntwo\n"
 
 
@@ -425,7 +427,7 @@ def test_tail_without_follow_ends_despite_busy_writers(capsys, make_spool):
         code2, out2, _ = run(capsys, "tail", sp.path, "--from", "earliest")
     finally:
         stop.set()
-        t.join(10)
+        t.join(bound(10))
     assert code == code2 == 0 and len(out.splitlines()) == 3
     assert len(out2.splitlines()) > 0
 
@@ -457,7 +459,7 @@ def test_tail_follow_sees_new_frames(capsys, make_spool):
     try:
         code, out, _ = run(capsys, "tail", sp.path, "-f", "--timeout", "1.5", "-n", "1")
     finally:
-        t.join(10)
+        t.join(bound(10))
     assert code == 0
     assert [ln.split("  ")[-1] for ln in out.splitlines()] == ["old", "new 0", "new 1", "new 2"]
 
@@ -493,7 +495,7 @@ def test_tail_follow_subprocess(make_spool):
                 live.append(line)
     finally:
         proc.kill()
-        proc.wait(10)
+        proc.wait(bound(10))
     assert live == [b"live 0\n", b"live 1\n", b"live 2\n"]
 
 
@@ -735,9 +737,9 @@ def test_export_import_through_a_pipe(make_spool, spool_dir):
     exp = subprocess.Popen([sys.executable, "-m", "shmq", "export", src.path, "-"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     imp = subprocess.run([sys.executable, "-m", "shmq", "import", "-", dst, "--json"],
-                         stdin=exp.stdout, capture_output=True, timeout=60)
+                         stdin=exp.stdout, capture_output=True, timeout=bound(60))
     exp.stdout.close()
-    assert exp.wait(30) == 0 and imp.returncode == 0, imp.stderr
+    assert exp.wait(bound(30)) == 0 and imp.returncode == 0, imp.stderr
     assert json.loads(imp.stdout)["frames"] == 50
     with shmq.Spool.open(dst) as sp:
         assert _frames(sp) == _frames(src)
@@ -842,7 +844,7 @@ def test_top_interactive_quits_on_key(spool_dir, busy_spool, key, controlling):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(10)
+            proc.wait(bound(10))
         os.close(master)
 
 
@@ -922,7 +924,7 @@ def test_python_m_shmq_end_to_end(spool_dir):
     path = os.path.join(spool_dir, "e2e")
     assert shmq_cmd("create", path, "--capacity", "64KiB").returncode == 0
     res = subprocess.run([sys.executable, "-m", "shmq", "put", path, "--codec", "utf8"],
-                         input="a\nb\nc\n", capture_output=True, text=True, timeout=60)
+                         input="a\nb\nc\n", capture_output=True, text=True, timeout=bound(60))
     assert res.returncode == 0 and "put 3 frames" in res.stdout
     res = shmq_cmd("tail", path, "--format", "json")
     assert [json.loads(ln)["data"] for ln in res.stdout.splitlines()] == ["a", "b", "c"]
@@ -938,7 +940,7 @@ def test_broken_pipe_is_quiet(make_spool):
     sp.put_many([b"line %d" % i for i in range(20000)])
     cmd = f"{sys.executable} -m shmq tail {sp.path} --from earliest | head -1"
     res = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=bound(60))
     assert res.stdout.startswith("0  ")
     assert "Traceback" not in res.stderr and res.returncode in (0, cli.EXIT_PIPE)
 
@@ -980,7 +982,7 @@ def test_stat_shows_work_queue(capsys, spool_dir):
 def _hold_queue(q, ready, done):
     q.put("held")  # attaches: this process now has the queue mapped
     ready.set()
-    done.wait(60)
+    done.wait(bound(60))
 
 
 def test_ls_anonymous_lists_queues_with_who_has_them_open(capsys, ctx):
@@ -990,7 +992,7 @@ def test_ls_anonymous_lists_queues_with_who_has_them_open(capsys, ctx):
     p.start()
     planted = []
     try:
-        assert ready.wait(60)
+        assert ready.wait(bound(60))
         # look-alikes that are not ours are never listed: a link, another user's file
         base = os.path.join(shmq.queue.ANONYMOUS_DIR, shmq.queue.ANONYMOUS_PREFIX + "test" + os.urandom(4).hex())
         os.symlink(q.path, base + "-link")
@@ -1012,7 +1014,7 @@ def test_ls_anonymous_lists_queues_with_who_has_them_open(capsys, ctx):
         assert all(r["path"] != q.path for r in json.loads(out))
     finally:
         done.set()
-        p.join(30)
+        p.join(bound(30))
         for path in planted:
             os.unlink(path)
         q.close()
@@ -1024,7 +1026,7 @@ def test_top_anonymous_shows_queues_with_who_has_them_open(capsys, ctx, spool_di
     p = ctx.Process(target=_hold_queue, args=(q, ready, done))
     p.start()
     try:
-        assert ready.wait(60)
+        assert ready.wait(bound(60))
         code, out, _ = run(capsys, "top", spool_dir, "-a", "--count", "1")
         assert code == 0
         lines = out.splitlines()
@@ -1036,5 +1038,5 @@ def test_top_anonymous_shows_queues_with_who_has_them_open(capsys, ctx, spool_di
         assert code == 0 and os.path.basename(q.path) not in out and "OPEN BY" not in out
     finally:
         done.set()
-        p.join(30)
+        p.join(bound(30))
         q.close()

@@ -17,8 +17,10 @@ from shmq.errors import (
     TooLarge,
 )
 
+from conftest import bound
 
-def shmq_cmd(*args, timeout=60, **kw):
+
+def shmq_cmd(*args, timeout=bound(60), **kw):
     return subprocess.run([sys.executable, "-m", "shmq", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, **kw)
 
@@ -125,7 +127,7 @@ def test_rm_refuses_a_spool_in_use_unless_forced(spool_dir):
         assert res.returncode == 0 and not os.path.exists(path)
     finally:
         holder.stdin.close()
-        assert holder.wait(30) == 0
+        assert holder.wait(bound(30)) == 0
 
 
 # --- export --skip-corrupt, import without debris ----------------------------------------
@@ -273,7 +275,7 @@ def test_top_follows_the_bare_name_convention():
 
 # --- tail: filters, following a removed and re-created spool ----------------------------
 
-def _lines_until(stream, needle, timeout=30):
+def _lines_until(stream, needle, timeout=bound(30)):
     """Read lines from a pipe until one contains ``needle`` (bounded)."""
     import select
     import time
@@ -311,7 +313,7 @@ def test_tail_follows_a_removed_and_recreated_spool(spool_dir):
         _lines_until(tail.stdout, "new-1")
     finally:
         tail.send_signal(signal.SIGINT)
-        assert tail.wait(30) == 0
+        assert tail.wait(bound(30)) == 0
 
 
 def test_tail_grep_and_exclude(make_spool):
@@ -500,12 +502,12 @@ def test_metrics_serve_on_loopback(spool_dir, make_spool):
         line = _lines_until(srv.stderr, "/metrics")[-1]
         url = re.search(r"http://\S+/metrics", line).group(0)
         assert url.startswith("http://127.0.0.1:")
-        body = urllib.request.urlopen(url, timeout=30).read().decode()
+        body = urllib.request.urlopen(url, timeout=bound(30)).read().decode()
         assert f'shmq_up{{spool="{sp.path}"}} 1.0' in body
         assert f'shmq_puts_total{{spool="{sp.path}"}} 1.0' in body
     finally:
         srv.send_signal(signal.SIGTERM)
-        assert srv.wait(30) == 0
+        assert srv.wait(bound(30)) == 0
 
 
 def test_metrics_once_and_bad_input(spool_dir, make_spool):
@@ -531,7 +533,7 @@ def _all(path):
 def _tee(src, dst, *args, env=None):
     e = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "shmq", "tee", src, dst, "--timeout", "0.3",
-                           *args], capture_output=True, text=True, timeout=120, env=e)
+                           *args], capture_output=True, text=True, timeout=bound(120), env=e)
 
 
 def test_tee_copies_with_codecs_and_resumes(spool_dir):
@@ -580,11 +582,11 @@ def test_tee_sigkilled_while_copying_a_live_stream(spool_dir):
             for i in range(200, 2000):
                 a.put(b"frame %d" % i)
                 if i == 600:  # the tee is copying: kill it mid-stream
-                    r.get(timeout=30)
+                    r.get(timeout=bound(30))
                     tee.send_signal(signal.SIGKILL)
             r.close()
     finally:
-        tee.wait(30)
+        tee.wait(bound(30))
         a.close()
     res = _tee(src, dst)
     assert res.returncode == 0, res.stderr

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 from shmq.columnar import PinnedView
 
 DTYPES = [np.int8, np.uint16, np.float32, np.complex128, "<M8[ns]", "S5", "U3",
@@ -120,7 +120,7 @@ def test_a_frame_committed_while_a_caught_up_reader_looks_is_pinned_not_copied(m
         return seq
 
     monkeypatch.setattr(Ring, "next_seq", property(next_seq))
-    with r.get_array(copy=False, timeout=5) as v:
+    with r.get_array(copy=False, timeout=bound(5)) as v:
         assert isinstance(v, PinnedView) and v.seq == 0
         assert np.array_equal(v.array, np.arange(5)) and not v.array.flags.writeable
         assert sp.pins.held
@@ -136,12 +136,12 @@ def test_a_lapped_readers_zero_copy_read_is_a_view_all_the_same(make_spool):
     r = sp.reader()
     for i in range(40):
         sp.put_array(np.full(1000, i, dtype=np.int64))  # 8 KB each: the ring wraps
-    with r.get_array(copy=False, timeout=5) as v:
+    with r.get_array(copy=False, timeout=bound(5)) as v:
         assert isinstance(v, PinnedView) and v.seq > 0
         assert np.array_equal(v.array, np.full(1000, v.seq, dtype=np.int64))
         assert not sp.pins.held
     assert r.lost == v.seq
-    with r.get_array(copy=False, timeout=5) as w:  # the next one is there: pinned
+    with r.get_array(copy=False, timeout=bound(5)) as w:  # the next one is there: pinned
         assert w.seq == v.seq + 1 and sp.pins.held
     assert not sp.pins.held
 
@@ -161,10 +161,10 @@ def test_crashed_readers_pin_is_released(make_spool):
     ready = ctx.Event()
     p = ctx.Process(target=_pin_and_die, args=(sp.path, ready))
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     join_all([p])
     for _ in range(6):  # the dead process's pin does not hold the writer
-        sp.put(bytes(20000), timeout=5)
+        sp.put(bytes(20000), timeout=bound(5))
 
 
 def test_arrow_roundtrip_nulls_and_nested(make_spool):
@@ -233,10 +233,10 @@ def test_unpin_from_another_thread_cannot_unprotect_a_new_pin(make_spool, monkey
     monkeypatch.setattr(slots, "set_word", slow_set_word)
     t = threading.Thread(target=pins.unpin, args=(old[3],), name="releaser")
     t.start()
-    assert inside.wait(10)
+    assert inside.wait(bound(10))
     new = r.take(False, 1)
     pinned.set()
-    t.join(10)
+    t.join(bound(10))
     monkeypatch.undo()
     assert pins.held == {new[3]: 1}
     assert slots.word(pins.slot, shmq._format.S_POS) == new[3]  # the new frame is protected

@@ -22,6 +22,8 @@ import pytest
 import shmq
 from shmq.dispatch import Dispatcher, HandlerTimeout, main as dispatch_main, status
 
+from conftest import bound
+
 # --- reporting from worker processes --------------------------------------------------
 
 _OUT = {}
@@ -43,7 +45,7 @@ class Records:
         self.reader = self.sp.reader()
         self.all = []
 
-    def until(self, cond, timeout=20.0, what="condition"):
+    def until(self, cond, timeout=bound(20.0), what="condition"):
         deadline = time.monotonic() + timeout
         while not cond(self.all):
             left = deadline - time.monotonic()
@@ -75,7 +77,7 @@ def h_sleep(ctx, body):
 
 def h_coop(ctx, body):
     report(body["out"], ev="start", type=ctx.type, attempt=ctx.attempt)
-    if ctx.cancelled.wait(30):
+    if ctx.cancelled.wait(bound(30)):
         report(body["out"], ev="cancelled", type=ctx.type, attempt=ctx.attempt,
                left=ctx.time_left())
 
@@ -246,7 +248,7 @@ def test_handlers_run_with_configured_parallelism(make, rec, method):
     assert m["sleepy"]["queue"]["ready"] == 0 and m["sleepy"]["queue"]["in_flight"] == 0
 
 
-def _wait_replaced(d, type_, pid, timeout=10):
+def _wait_replaced(d, type_, pid, timeout=bound(10)):
     """The dead letter can be written before the worker is gone: wait (bounded) for the
     supervisor to see the exit and start a replacement, rather than racing it."""
     deadline = time.monotonic() + timeout
@@ -266,7 +268,7 @@ def test_timeout_cancels_cooperative_and_kills_uncooperative(make, rec):
     d.publish("coop", body(rec))
     d.publish("stubborn", body(rec))
     for t, r in readers.items():  # wakes when the dead letter is written
-        r.get(timeout=20)
+        r.get(timeout=bound(20))
     for sp in dead.values():
         sp.close()
     for t, phrase in (("coop", "was cancelled"), ("stubborn", "ignored the cancellation")):
@@ -301,7 +303,7 @@ def test_supervisor_kills_a_handler_holding_the_gil(make, rec):
     dead = shmq.Spool.open(d.queue_path("hog") + ".dead")
     r = dead.reader()
     d.publish("hog", body(rec))
-    r.get(timeout=20)
+    r.get(timeout=bound(20))
     dead.close()
     with d.queue("hog") as q:
         (dl,) = q.dead_letters()
@@ -323,7 +325,7 @@ def test_crashed_worker_is_replaced_and_message_redelivered(make, rec, how):
     starts = rec.of(ev="start")
     assert [r["attempt"] for r in starts] == [1, 2]
     assert starts[0]["pid"] == first_pid and starts[1]["pid"] != first_pid
-    assert d.wait_ready("crashy", timeout=10)
+    assert d.wait_ready("crashy", timeout=bound(10))
     d.stop()
     m = d.metrics()["crashy"]
     assert (m["crashed"], m["processed"], m["in_progress"]) == (1, 1, 0)
@@ -345,9 +347,9 @@ def test_failures_are_retried_then_dead_lettered_and_unknown_types_too(make, rec
         mystery = wq.put("x", headers={"type": "mystery"})
         untyped = wq.put("y")
         d.publish("failing", body(rec, n=7))
-        r_fail.get(timeout=20)
-        r_in.get(timeout=20)
-        r_in.get(timeout=20)
+        r_fail.get(timeout=bound(20))
+        r_in.get(timeout=bound(20))
+        r_in.get(timeout=bound(20))
         dls = {dl.message_id: dl for dl in wq.dead_letters()}
     ingress_dead.close()
     fail_dead.close()
@@ -462,18 +464,18 @@ def test_scaling_up_and_down_under_load_loses_nothing(make, rec, capsys):
     # scale down from the command line, while all four are busy
     assert dispatch_main(["scale", d.path, "work", "1"]) == 0
     assert "work: 4 -> 1 workers" in capsys.readouterr().out
-    assert d.wait_ready("work", timeout=10)
+    assert d.wait_ready("work", timeout=bound(10))
     assert len(d.workers()["work"]) == 1
     rec.until(lambda rs: done(rs) >= 160, what="160 done")
     assert d.scale("work", 2, wait=10)
     started |= set(d.workers()["work"])
-    rec.until(lambda rs: len({r["n"] for r in rs if r["ev"] == "done"}) == n_msgs, timeout=30,
+    rec.until(lambda rs: len({r["n"] for r in rs if r["ev"] == "done"}) == n_msgs, timeout=bound(30),
               what="every message")
     assert sorted({r["n"] for r in rec.of(ev="done")}) == list(range(n_msgs))
     assert len(started) >= 5  # the first + 3 added, then 1 added back after scaling down
     # readable from another process, through the CLI
     out = subprocess.run([sys.executable, "-m", "shmq.dispatch", "status", d.path, "--json"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=bound(60))
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
     assert st["state"] == "running" and st["pid"] == os.getpid() and st["alive"]
@@ -520,7 +522,7 @@ def serve_dispatcher(path, out):
     d.close()
 
 
-def wait_catching(pid, sig, timeout=30):
+def wait_catching(pid, sig, timeout=bound(30)):
     """Block until process ``pid`` has a handler installed for ``sig`` (SigCgt in
     /proc/<pid>/status), so a signal sent next reaches the handler."""
     deadline = time.monotonic() + timeout
@@ -544,7 +546,7 @@ def test_run_shuts_down_cleanly_on_signal(spool_dir, rec, sig):
     proc = mp.get_context("spawn").Process(target=serve_dispatcher, args=(path, rec.sp.path))
     proc.start()
     try:
-        (serving,) = rec.until(lambda rs: len(rs) == 1, timeout=60)
+        (serving,) = rec.until(lambda rs: len(rs) == 1, timeout=bound(60))
         tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert set(serving["workers"]) <= set(tree)  # workers (+ the forkserver)
         with shmq.WorkQueue.open(path) as wq:
@@ -555,17 +557,17 @@ def test_run_shuts_down_cleanly_on_signal(spool_dir, rec, sig):
         # between would meet the default action.  Wait until the kernel shows it caught.
         wait_catching(proc.pid, signal.SIGTERM)
         os.kill(proc.pid, sig)
-        proc.join(30)
+        proc.join(bound(30))
         assert proc.exitcode == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     finally:
         if proc.is_alive():
             proc.kill()
-            proc.join(5)
+            proc.join(bound(5))
     # both running handlers finished within the grace period
-    rec.until(lambda rs: rec.count(ev="end")(rs) == 2, timeout=5, what="both handlers' ends")
+    rec.until(lambda rs: rec.count(ev="end")(rs) == 2, timeout=bound(5), what="both handlers' ends")
     assert sorted(r["n"] for r in rec.of(ev="end")) == [0, 1]
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)],
-                                    timeout=10)
+                                    timeout=bound(10))
     assert not alive, f"orphans: {alive}"
     st = status(path)
     assert st["state"] == ("dead" if sig == signal.SIGKILL else "stopped") and not st["alive"]
@@ -628,6 +630,6 @@ def test_publish_goes_straight_to_the_type_queue(make, rec):
     assert st.ready + st.in_flight >= 1  # the direct one is already there, no router hop
     assert status(d.path)["routed"] <= 1  # only the early one may have been forwarded
     with d.queue("resize") as q:
-        m = q.get(timeout=5)  # the body as published: one pickle, no forwarding headers
+        m = q.get(timeout=bound(5))  # the body as published: one pickle, no forwarding headers
     assert m.id == ids[1] & ((1 << 48) - 1) and m.headers == {"type": "resize"}
     assert m.body == body(rec, n=3, part="a")

@@ -14,7 +14,7 @@ import pytest
 import shmq
 from shmq import _format as F
 from shmq import dump as D
-from conftest import join_all
+from conftest import bound, join_all
 
 PAYLOADS = [(b"raw", F.CODEC_RAW), (b'{"a": 1}', F.CODEC_JSON), (b"\x80\x05K\x01.", F.CODEC_PICKLE),
             (b"", F.CODEC_RAW), (b"x" * 5000, F.CODEC_UTF8)]
@@ -273,7 +273,7 @@ def test_export_while_a_process_overwrites(ctx, make_spool, spool_dir):
     p = ctx.Process(target=_writer, args=(sp.path, started, stop, 5000))
     p.start()
     try:
-        assert started.wait(60)
+        assert started.wait(bound(60))
         dest, summary = _export(sp, spool_dir)
     finally:
         stop.set()

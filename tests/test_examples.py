@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import pyspark_unsupported
+from conftest import bound, pyspark_unsupported
 
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.py")))
 OPTIONAL = {"spark_pipeline.py": "pyspark", "spark_sidecar.py": "pyspark"}
@@ -25,7 +25,7 @@ def test_example_runs(script, args):
     if needs:
         pytest.importorskip(needs)
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                          timeout=240)
+                          timeout=bound(240))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.strip(), "an example should show what it did"
 
@@ -36,7 +36,7 @@ def test_demo_runs_and_cleans_up():
 
     before = demo_dirs()
     proc = subprocess.run([sys.executable, "-m", "shmq", "demo", "--seconds", "1.5"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=bound(120))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exactly every frame" in proc.stdout and "spool removed" in proc.stdout
     assert demo_dirs() - before == set()

@@ -16,6 +16,8 @@ import shmq
 from shmq import _core
 from shmq import _format as F
 
+from conftest import bound
+
 STRESS = os.path.join(os.path.dirname(__file__), "..", "stress")
 
 
@@ -24,7 +26,7 @@ def test_flipped_words_raise_only_shmq_errors(seed, tmp_path):
     out = tmp_path / "flip.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "flipwords.py"), "--sample", "150",
                            "--seed", str(seed), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["ran"] == rep["cases"] == 150 and rep["violations"] == []

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from shmq import _format as F
 from shmq.errors import SpoolFormatError
 
+from conftest import SOURCE_ROOT
+
 PREFIX = "0123456789ab"
 prefixes = st.text(alphabet="0123456789abcdef", min_size=12, max_size=12)
 
@@ -353,7 +355,7 @@ def test_key_hash_is_stable_and_never_zero(key):
 # --- the one layout source ------------------------------------------------------------
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = SOURCE_ROOT
 LAYOUT_H = os.path.join(ROOT, "shmq", "engine", "shmq_layout.h")
 
 

@@ -17,6 +17,8 @@ import shmq
 from shmq._mapping import registry_dir, semaphore_names
 from shmq.queue import queue_creator
 
+from conftest import bound
+
 DEADLINE_S = 10.0
 
 
@@ -42,7 +44,7 @@ def _sem_files(prefix):
 
 def _gc(*args):
     proc = subprocess.run([sys.executable, "-m", "shmq", "gc", "--json", *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=bound(120))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -20,6 +20,8 @@ import textwrap
 
 import pytest
 
+from conftest import bound
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Run in the child: ``DRIVER PROGRAM ARG...`` where PROGRAM is a path or ``-m MODULE``.
@@ -66,7 +68,7 @@ PROGRAMS = [("-m", "shmq"), ("-m", "shmq.dispatch")] + [(p,) for p in _argparse_
 
 def _run_help(program, cwd):
     return subprocess.run([sys.executable, "-c", DRIVER, *program, "--help"], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=bound(120))
 
 
 def test_the_programs_are_found():

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 
 BODY = b"x" * 1024
 
@@ -35,9 +35,9 @@ def _open(path):
 def _holder(path, conn, go):
     """A: lease one message, then (on ``go``) nack it: it dead-letters (max_attempts=1)."""
     wq = _open(path)
-    m = wq.get(timeout=10, lease=60)
+    m = wq.get(timeout=bound(10), lease=60)
     conn.send(("leased", m.id))
-    if not go.wait(20):
+    if not go.wait(bound(20)):
         conn.send(("no go", None))
         return
     m.nack(error="boom")
@@ -48,7 +48,7 @@ def _holder(path, conn, go):
 def _producer(path, kind, conn, go):
     """B: a call that waits for room in the full queue."""
     wq = _open(path)
-    if not go.wait(20):
+    if not go.wait(bound(20)):
         conn.send(("no go", None))
         return
     if kind == "replay":
@@ -63,16 +63,16 @@ def _producer(path, kind, conn, go):
 def _taker(path, conn, go):
     """C: take one message and ack it (this makes room)."""
     wq = _open(path)
-    if not go.wait(20):
+    if not go.wait(bound(20)):
         conn.send(("no go", None))
         return
-    m = wq.get(timeout=10, lease=60)
+    m = wq.get(timeout=bound(10), lease=60)
     m.ack()
     conn.send(("acked", m.id))
     wq.close()
 
 
-def _recv(conn, timeout=20):
+def _recv(conn, timeout=bound(20)):
     assert conn.poll(timeout), "no report from the child within the bound"
     return conn.recv()
 
@@ -201,7 +201,7 @@ def test_concurrent_replays_put_each_letter_once(wq_path):
 def _replayer(path, conn, go):
     wq = shmq.WorkQueue(path, capacity="1MiB", max_attempts=1, leases=128, keys=64,
                         dead_capacity="256KiB")
-    go.wait(20)
+    go.wait(bound(20))
     conn.send(wq.replay_dead())
     wq.close()
 
@@ -212,7 +212,7 @@ def test_replay_with_a_timeout_stops_at_a_full_queue_and_loses_nothing(wq_path):
     wq = _open(wq_path)
     try:
         wq.put("doomed")
-        m = wq.get(timeout=10)
+        m = wq.get(timeout=bound(10))
         m.nack(error="boom")  # max_attempts=1: dead-lettered
         assert wq.stats().dead == 1
         filled = 0
@@ -229,9 +229,9 @@ def test_replay_with_a_timeout_stops_at_a_full_queue_and_loses_nothing(wq_path):
         assert time.monotonic() - t0 < 10  # returned at its deadline, not when room appeared
         assert wq.stats().dead == 1  # nothing lost
         for _ in range(filled):  # make room
-            wq.get(timeout=10).ack()
-        assert wq.replay_dead(timeout=10) == 1
+            wq.get(timeout=bound(10)).ack()
+        assert wq.replay_dead(timeout=bound(10)) == 1
         assert wq.stats().dead == 0
-        assert wq.get(timeout=10).body == "doomed"
+        assert wq.get(timeout=bound(10)).body == "doomed"
     finally:
         wq.close()

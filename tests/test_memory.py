@@ -16,7 +16,7 @@ import pytest
 
 import shmq
 
-from conftest import join_all
+from conftest import bound, join_all
 
 MiB = 1 << 20
 FRAME = 64 * 1024
@@ -41,16 +41,16 @@ def _writer(path, total, conn, arrays=False):
     buf = bytearray(FRAME)
     for seq in range(total // FRAME):
         if arrays:
-            sp.put_array(np.frombuffer(_stamp(buf, seq), dtype=np.uint8), timeout=60)
+            sp.put_array(np.frombuffer(_stamp(buf, seq), dtype=np.uint8), timeout=bound(60))
         else:
-            sp.put(_stamp(buf, seq), timeout=60)
+            sp.put(_stamp(buf, seq), timeout=bound(60))
     conn.send(_rss_shmem() - before)
     sp.close()
 
 
 def _pinned_arrays(r):
     # zero-copy reads: the cursor is moved from Python, past a pinned view
-    with r.get_array(copy=False, timeout=60) as v:
+    with r.get_array(copy=False, timeout=bound(60)) as v:
         yield types.SimpleNamespace(data=v.array.tobytes())
 
 
@@ -60,7 +60,7 @@ def _reader(path, name, group, total, conn, arrays=False):
     before = peak = _rss_shmem()
     got = bad = nbytes = 0
     while nbytes < total:
-        for f in (_pinned_arrays(r) if arrays else r.get_many(64, timeout=60)):
+        for f in (_pinned_arrays(r) if arrays else r.get_many(64, timeout=bound(60))):
             seq = int.from_bytes(f.data[:8], "little")
             bad += seq != got or f.data[-8:] != f.data[:8] or len(f.data) != FRAME
             got += 1
@@ -80,7 +80,7 @@ def _run(ctx, path, ring, total, group=False, arrays=False):
     for p in procs:
         p.start()
     try:
-        assert rr.poll(120) and wr.poll(120), "reader or writer did not finish"
+        assert rr.poll(bound(120)) and wr.poll(bound(120)), "reader or writer did not finish"
         res = rr.recv(), wr.recv()
     finally:
         assert join_all(procs, 60) == [0, 0]
@@ -142,7 +142,7 @@ def test_pinned_view_stays_valid_after_its_pages_are_released(make_spool):
     filler = bytes(FRAME)
     for _ in range(52 * MiB // FRAME):  # the 32 MiB kept mapped and > 4 release chunks more
         sp.put(filler)
-        r.get(timeout=5)
+        r.get(timeout=bound(5))
     try:
         assert np.array_equal(view.array, first)
     finally:
@@ -199,14 +199,14 @@ def test_reserve_buffer_stays_valid_while_a_reader_in_the_process_releases_its_p
     except shmq.Full:
         pass
     for _ in range(40):  # room for one more frame, which wraps to offset 0
-        r.get(timeout=5)
+        r.get(timeout=bound(5))
     want = np.random.default_rng(7).integers(0, 256, FRAME, dtype=np.uint8).tobytes()
-    with sp.reserve(FRAME, timeout=5) as buf:
+    with sp.reserve(FRAME, timeout=bound(5)) as buf:
         buf[: FRAME // 2] = want[: FRAME // 2]
         for _ in range(n - 40):  # ~90 MiB read: the chunks from offset 0 on are released
             r.get(block=False)
         buf[FRAME // 2:] = want[FRAME // 2:]  # written after the release: faults back in
     assert ring <= sp.ring.next_pos - FRAME < ring + 4096  # it did sit in the first released chunk
-    got = r.get(timeout=5)
+    got = r.get(timeout=bound(5))
     assert got.seq == n and got.data == want
     r.close()

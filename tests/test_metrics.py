@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import shmq
 from shmq import metrics as M
 from shmq.errors import SpoolFormatError
-from conftest import join_all
+from conftest import bound, join_all
 
 SAMPLE = re.compile(r'^([a-z_]+)\{((?:[a-z_]+="(?:[^"\\]|\\.)*",?)*)\} (\S+)$')
 
@@ -103,7 +103,7 @@ def test_workqueue_prometheus_text(spool_dir):
                         dead_capacity="16KiB") as wq:
         wq.put("a")
         wq.put("b")
-        wq.get(timeout=5).ack()
+        wq.get(timeout=bound(5)).ack()
         meta, samples = _parse(M.workqueue_prometheus_text(wq.path, wq.stats()))
     vals = {n: v for n, _lab, v in samples}
     assert set(meta) == {f"shmq_workqueue_{f}" for f, _h in M.WORKQUEUE_METRICS}

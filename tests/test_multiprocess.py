@@ -16,7 +16,7 @@ from helpers import (
     REC, attach_named, die_holding_reader, group_drain, hold_group_lock_forever,
     hold_writer_lock_forever, put_after_event, put_and_report, read_records, write_records,
 )
-from conftest import join_all
+from conftest import bound, join_all
 
 RECOVERY_S = 0.5  # lock-recovery timeout used by these tests
 
@@ -37,7 +37,7 @@ def test_two_writers_two_named_readers_see_everything_in_order(ctx, spool_path):
               for w in range(2)]
     for p in procs:
         p.start()
-    results = [r.recv() if r.poll(120) else None for r in pipes]
+    results = [r.recv() if r.poll(bound(120)) else None for r in pipes]
     assert join_all(procs, 60) == [0, 0, 0, 0]
     for res in results:
         assert res is not None, "a reader did not report"
@@ -56,7 +56,7 @@ def test_blocked_reader_woken_by_put_from_another_process(ctx, spool_path):
     p.start()
     go.set()
     t = time.monotonic()
-    frame = r.get(timeout=30)
+    frame = r.get(timeout=bound(30))
     assert frame.data == b"wake"
     assert time.monotonic() - t < 30
     join_all([p])
@@ -87,7 +87,7 @@ def test_wakeup_uses_doorbell_not_safety_net(spool_path, safety_net, how):
         p = ctx.Process(target=_put_when_parked, args=(spool_path, b"x"))
         p.start()
         t0 = time.monotonic()
-        got = r.get(timeout=20) if how == "timeout" else r.get()
+        got = r.get(timeout=bound(20)) if how == "timeout" else r.get()
         assert got.data == b"x"
         assert time.monotonic() - t0 < 10
         assert sp.data_bell.sem.value == 0
@@ -103,13 +103,13 @@ def test_killed_lock_holder_is_recovered(ctx, spool_path):
     ready = ctx.Event()
     holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
     holder.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     token = sp.stats().lock_token
     assert sp.stats().lock_pid == holder.pid
     os.kill(holder.pid, signal.SIGKILL)
-    holder.join(10)
+    holder.join(bound(10))
     t = time.monotonic()
-    seq = sp.put(b"after", timeout=10)
+    seq = sp.put(b"after", timeout=bound(10))
     waited = time.monotonic() - t
     assert seq == 1
     assert waited < 3 * RECOVERY_S + 1  # within the recovery timeout (+ the zombie check)
@@ -128,14 +128,14 @@ def test_live_lock_holder_is_not_broken(spool_path):
     holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
     holder.start()
     try:
-        assert ready.wait(30)
+        assert ready.wait(bound(30))
         with pytest.raises(shmq.Timeout):
             sp.put(b"x", timeout=0.5)
         assert sp.stats().lock_breaks == 0
     finally:
         holder.kill()
-        holder.join(10)
-    sp.put(b"x", timeout=10)  # and recovered once it is dead
+        holder.join(bound(10))
+    sp.put(b"x", timeout=bound(10))  # and recovered once it is dead
     sp.close()
 
 
@@ -147,9 +147,9 @@ def test_writers_race_to_recover_only_one_breaks(spool_path):
     ready = ctx.Event()
     holder = ctx.Process(target=hold_writer_lock_forever, args=(spool_path, ready))
     holder.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     os.kill(holder.pid, signal.SIGKILL)
-    holder.join(10)
+    holder.join(bound(10))
     writers = [ctx.Process(target=write_records, args=(spool_path, w, 200)) for w in range(3)]
     for p in writers:
         p.start()
@@ -166,11 +166,11 @@ def test_killed_group_lock_holder_is_recovered(ctx, spool_path):
     ready = ctx.Event()
     p = ctx.Process(target=hold_group_lock_forever, args=(spool_path, "g", ready))
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
+    p.join(bound(10))
     g = sp.reader("g", group=True)
-    assert [f.seq for f in g.get_many(10, timeout=10)] == [0, 1, 2]
+    assert [f.seq for f in g.get_many(10, timeout=bound(10))] == [0, 1, 2]
     sp.close()
 
 
@@ -188,9 +188,9 @@ def test_a_dead_holders_lock_is_recovered_even_by_a_short_timeout(ctx, spool_pat
                     else (hold_group_lock_forever, (spool_path, "g", ready)))
     p = ctx.Process(target=target, args=args)
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
+    p.join(bound(10))
     short = RECOVERY_S / 4
     if how.startswith("put"):
         assert sp.put(b"after", timeout=short) == 3
@@ -216,7 +216,7 @@ def test_group_each_frame_exactly_once_across_processes(ctx, spool_path):
         p.start()
     for i in range(n):
         sp.put(i.to_bytes(4, "little"))
-    results = [r.recv() if r.poll(60) else [] for r in pipes]
+    results = [r.recv() if r.poll(bound(60)) else [] for r in pipes]
     join_all(procs)
     seen = sorted(s for part in results for s in part)
     assert seen == list(range(n))  # every frame to exactly one member
@@ -238,7 +238,7 @@ def test_block_policy_backpressure_across_processes(ctx, spool_path):
     assert not recv.poll(0.3)
     before = sp.next_seq
     r.get_many(3)
-    assert recv.poll(30)
+    assert recv.poll(bound(30))
     status, seq, _waited = recv.recv()
     assert status == "ok" and seq == before
     join_all([p])
@@ -262,7 +262,7 @@ def test_named_reader_attach_refused_in_other_process(ctx, spool_path):
     recv, send = ctx.Pipe(duplex=False)
     p = ctx.Process(target=attach_named, args=(spool_path, "solo", send))
     p.start()
-    assert recv.poll(30)
+    assert recv.poll(bound(30))
     assert recv.recv().startswith("busy")
     join_all([p])
     r.close()
@@ -274,7 +274,7 @@ def test_dead_reader_slot_is_released_by_kernel(ctx, spool_path):
     ready = ctx.Event()
     p = ctx.Process(target=die_holding_reader, args=(spool_path, "crashy", ready))
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     join_all([p])
     (rs,) = sp.readers()
     assert rs.name == "crashy" and not rs.alive and rs.pid == p.pid
@@ -299,11 +299,11 @@ def test_fork_child_gets_its_own_handle(spool_path):
 
     p = ctx.Process(target=child, args=(send,))
     p.start()
-    assert recv.poll(30) and recv.recv() == 0
+    assert recv.poll(bound(30)) and recv.recv() == 0
     join_all([p])
     # the parent's reader is still attached and alive
     assert [x.alive for x in sp.readers()] == [True]
-    assert named.get(timeout=5).data == b"from child"
+    assert named.get(timeout=bound(5)).data == b"from child"
     sp.close()
 
 
@@ -313,13 +313,13 @@ def test_spool_handle_pickles_into_children(ctx, spool_path):
     p = ctx.Process(target=_put_via_handle, args=(sp, go))
     p.start()
     go.set()
-    assert sp.reader().get(timeout=30).data == b"via pickle"
+    assert sp.reader().get(timeout=bound(30)).data == b"via pickle"
     join_all([p])
     sp.close()
 
 
 def _put_via_handle(sp, go):
-    go.wait(30)
+    go.wait(bound(30))
     sp.put(b"via pickle")
     sp.close()
 
@@ -350,7 +350,7 @@ def test_killed_writer_never_exposes_partial_frames(spool_path):
             if p is not victim:
                 p.kill()  # bound the round
         join_all(procs)
-    sp.put(b"final", timeout=10)  # the lock is usable after the kills
+    sp.put(b"final", timeout=bound(10))  # the lock is usable after the kills
     last = {}
     count = 0
     for f in r.get_many(10**6, timeout=1):
@@ -374,7 +374,7 @@ def _die_while_evicting(path, policy_growable):
 
     shmq.spool.set_crash_hook(hook)
     sp = shmq.Spool.open(path, recovery_timeout=0.2)
-    sp.put(b"w" * 3000, timeout=10)
+    sp.put(b"w" * 3000, timeout=bound(10))
     os._exit(3)  # not reached: the hook kills it
 
 
@@ -399,8 +399,8 @@ def test_a_writer_killed_while_evicting_everything_leaves_a_readable_ring(spool_
     p.start()
     join_all([p])
     assert p.exitcode == -signal.SIGKILL  # it died at the hook, holding the writer lock
-    sp.put(b"after", timeout=10)  # recovers the lock, then writes
-    got = r.get_many(100, timeout=5)
+    sp.put(b"after", timeout=bound(10))  # recovers the lock, then writes
+    got = r.get_many(100, timeout=bound(5))
     assert got[-1].data == b"after" and got[0].seq == n and r.lost == 0
     report = verify(sp.path)
     assert report.ok, report.problems

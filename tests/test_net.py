@@ -16,6 +16,8 @@ from shmq import cli
 from shmq._mapping import read_geometry
 from shmq.dump import record_at
 
+from conftest import bound
+
 zmq = pytest.importorskip("zmq")
 
 
@@ -39,7 +41,7 @@ def _pub(src, endpoint, *args):
     m = re.search(r"on (tcp://\S+)", line)
     if not m:
         proc.kill()
-        proc.wait(10)
+        proc.wait(bound(10))
         raise AssertionError(f"pub did not start: {line}{proc.stderr.read()}")
     return proc, m.group(1)
 
@@ -48,17 +50,17 @@ def _stop(proc):
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(30)
+        return proc.wait(bound(30))
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(10)
+            proc.wait(bound(10))
 
 
 def _sub(endpoint, dst, *args, env=None, timeout="1.5"):
     return subprocess.run([sys.executable, "-m", "shmq", "sub", endpoint, dst, "--timeout",
                            timeout, "--silence", "0.5", *args], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, **(env or {})))
+                          timeout=bound(120), env=dict(os.environ, **(env or {})))
 
 
 @pytest.fixture
@@ -117,20 +119,20 @@ def test_killed_publisher_resumes_without_loss(pair):
     try:
         with shmq.Spool.open(dst) as d:
             r = d.reader()
-            assert r.get(timeout=30).data == b"0"  # the subscriber is receiving
+            assert r.get(timeout=bound(30)).data == b"0"  # the subscriber is receiving
             pub.kill()  # SIGKILL: no goodbye
-            pub.wait(10)
+            pub.wait(bound(10))
             a.put_many([b"%d" % i for i in range(30, 60)])
             pub, _ = _pub(src, ep, "--batch", "10")
             got = [b"0"]
             while len(got) < 60:
-                got.append(r.get(timeout=30).data)
+                got.append(r.get(timeout=bound(30)).data)
             r.close()
         assert got == [b"%d" % i for i in range(60)]
     finally:
         _stop(pub)
         sub.send_signal(signal.SIGTERM)
-        sub.wait(30)
+        sub.wait(bound(30))
     assert [d for d, _ in _frames(dst)] == [b"%d" % i for i in range(60)]
 
 
@@ -198,6 +200,6 @@ def test_pub_sub_bad_input(pair, cmd):
     _a, src, dst = pair
     args = [c.format(src=src, dst=dst) for c in cmd]
     res = subprocess.run([sys.executable, "-m", "shmq", *args], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=bound(60))
     assert res.returncode == cli.EXIT_USAGE, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr

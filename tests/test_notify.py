@@ -23,7 +23,7 @@ import pytest
 import shmq
 from shmq import _notify
 
-from conftest import join_all
+from conftest import bound, join_all
 
 SPOOLS = 10
 PER_SPOOL = 30  # 300 blocked handles and threads in all
@@ -43,7 +43,7 @@ def _waiters(spools):
     return sum(sp.data_bell.sem.value for sp in spools)
 
 
-def _wait_until(cond, timeout=60.0):
+def _wait_until(cond, timeout=bound(60.0)):
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -64,7 +64,7 @@ def _block_then_put(make_spool, ctx, per_spool):
 
     def take(i, r):
         try:
-            got[i] = (r.get() if i % 2 else r.get(timeout=120)).data
+            got[i] = (r.get() if i % 2 else r.get(timeout=bound(120))).data
         except BaseException as exc:  # reported below, never lost in a thread
             errors.append(repr(exc))
 
@@ -102,7 +102,7 @@ def _block_then_put(make_spool, ctx, per_spool):
 
 
 def _put_one_each(paths, go=None):
-    if go is not None and not go.wait(120):
+    if go is not None and not go.wait(bound(120)):
         raise SystemExit("never told to put")
     for path in paths:
         with shmq.Spool.open(path) as sp:
@@ -250,7 +250,7 @@ def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypa
     t = threading.Thread(target=ring_when_parked)
     t.start()
     assert bell.wait(came.is_set, 20, lambda: parks.append(1))
-    t.join(10)
+    t.join(bound(10))
     assert parks == []  # ended by the frame within PUBLISH_AFTER_S: nothing published
     # A wake for a frame someone else took (the bell rung, nothing to read) is not
     # PUBLISH_AFTER_S of waiting: the waiter sleeps on and publishes no earlier.
@@ -261,7 +261,7 @@ def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypa
     t.start()
     t0 = time.monotonic()
     assert not bell.wait(lambda: False, 0.3, lambda: published.append(time.monotonic() - t0))
-    t.join(10)
+    t.join(bound(10))
     assert came.is_set() and len(published) == 1 and published[0] >= 0.05
     monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 0.001)
     assert not bell.wait(lambda: False, 0.05, lambda: parks.append(1))
@@ -280,14 +280,14 @@ def test_a_group_member_publishes_its_counters_when_it_stays_asleep(make_spool):
     other = shmq.Spool.open(sp.path)  # another handle: it flushes nothing of g's
     try:
         sp.put(b"x" * 10)
-        assert g.get(timeout=5).data == b"x" * 10
+        assert g.get(timeout=bound(5)).data == b"x" * 10
 
         def gets():
             return next(r.gets for r in other.readers() if r.name == "workers")
 
         assert gets() == 0  # counted in the handle only
         got = []
-        t = threading.Thread(target=lambda: got.append(g.get_many(4, timeout=10)))
+        t = threading.Thread(target=lambda: got.append(g.get_many(4, timeout=bound(10))))
         t.start()
         deadline = time.monotonic() + 10
         while gets() < 1 and time.monotonic() < deadline:
@@ -295,7 +295,7 @@ def test_a_group_member_publishes_its_counters_when_it_stays_asleep(make_spool):
         assert gets() == 1  # published while it waits
         assert t.is_alive() and not got and sp.data_bell.sem.value == 1  # still parked
         sp.put(b"y")
-        t.join(10)
+        t.join(bound(10))
         assert [f.data for f in got[0]] == [b"y"]
     finally:
         g.close()
@@ -334,9 +334,9 @@ def test_a_get_with_a_timeout_waits_in_c_and_keeps_it(make_spool, kind, timeout)
         th = threading.Thread(target=put_when_parked)
         th.start()
         try:
-            got = get(timeout=30)
+            got = get(timeout=bound(30))
         finally:
-            th.join(15)
+            th.join(bound(15))
         assert (got if kind == "queue" else got.data) == b"in time"
         assert sp.data_bell.sem.value == 0
     finally:

@@ -11,7 +11,7 @@ import pytest
 import shmq
 from shmq import _format as F
 from helpers import hold_group_lock_forever, hold_writer_lock_forever, put_after_event
-from conftest import join_all
+from conftest import bound, join_all
 
 
 def test_pad_covering_the_whole_ring_does_not_hang(make_spool):
@@ -43,13 +43,13 @@ def test_group_get_nowait_with_busy_lock_raises_empty_not_timeout(make_spool):
     p = ctx.Process(target=hold_group_lock_forever, args=(sp.path, "g", ready))
     p.start()
     try:
-        assert ready.wait(30)
+        assert ready.wait(bound(30))
         g = sp.reader("g", group=True)
         with pytest.raises(shmq.Empty):
             g.get(block=False)  # waits for the (live, stuck) holder, then Empty
     finally:
         p.kill()
-        p.join(10)
+        p.join(bound(10))
 
 
 def test_queue_put_nowait_with_stuck_writer_lock_raises_full(spool_dir):
@@ -61,12 +61,12 @@ def test_queue_put_nowait_with_stuck_writer_lock_raises_full(spool_dir):
     p = ctx.Process(target=hold_writer_lock_forever, args=(q.path, ready))
     p.start()
     try:
-        assert ready.wait(30)
+        assert ready.wait(bound(30))
         with pytest.raises(shmq.Full):
             q.put_nowait(1)
     finally:
         p.kill()
-        p.join(10)
+        p.join(bound(10))
         q.close()
 
 
@@ -78,14 +78,14 @@ def test_fork_child_does_not_unregister_parents_async_reader(make_spool, safety_
 
     async def main():
         assert sp.data_bell.sem.value == 0  # nobody waits yet
-        first = asyncio.ensure_future(r.get_async(timeout=20))
+        first = asyncio.ensure_future(r.get_async(timeout=bound(20)))
         end = time.monotonic() + 10
         while sp.data_bell.sem.value == 0:  # until it is parked: registered as a waiter
             assert time.monotonic() < end, "get_async never parked"
             await asyncio.sleep(0)
         child = ctx.Process(target=os._exit, args=(0,))
         child.start()  # the fork hook runs in the child
-        child.join(10)
+        child.join(bound(10))
         go = ctx.Event()
         writer = ctx.Process(target=put_after_event, args=(sp.path, go, b"wake"))
         writer.start()
@@ -202,7 +202,7 @@ def test_forking_a_multi_threaded_process_fails_the_suite():
             os.waitpid(pid, 0)
     finally:
         release.set()
-        th.join(30)
+        th.join(bound(30))
     pid = os.fork()
     if pid == 0:
         os._exit(7)

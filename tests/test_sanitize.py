@@ -18,7 +18,9 @@ import shmq
 from shmq import _format as F
 from shmq._mapping import read_geometry
 
-STRESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stress")
+from conftest import SOURCE_ROOT, bound
+
+STRESS = os.path.join(SOURCE_ROOT, "stress")
 sys.path.insert(0, STRESS)
 import sanitize  # noqa: E402
 
@@ -35,7 +37,7 @@ def test_sanitizer_quick(tmp_path):
     _toolchain_or_skip()
     out = tmp_path / "sanitize.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "sanitize.py"), "--quick", "--out",
-                           str(tmp_path / "build"), "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "build"), "--json", str(out)], capture_output=True, text=True, timeout=bound(600))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["sanitizer_reports"] == 0
@@ -51,7 +53,7 @@ def test_corefuzz_quick(tmp_path):
     _toolchain_or_skip()
     out = tmp_path / "corefuzz.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "corefuzz.py"), "--quick", "--out",
-                           str(tmp_path / "build"), "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "build"), "--json", str(out)], capture_output=True, text=True, timeout=bound(600))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["crashes"] == rep["hangs"] == rep["sanitizer_reports"] == 0 and not rep["artifacts"]
@@ -93,7 +95,7 @@ def _damage_then(path, path_kind, action, writes):
         proc.stdin.write("go\n")
         proc.stdin.flush()
         try:
-            return proc.communicate(timeout=5)[0]
+            return proc.communicate(timeout=bound(5))[0]
         except subprocess.TimeoutExpired:
             pytest.fail(f"{action}() spun for more than 5 s on a damaged spool")
     finally:

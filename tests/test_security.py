@@ -18,7 +18,7 @@ import shmq
 from shmq import _format as F
 from shmq import _mapping, codec
 from shmq.cli import EXIT_NOT_SPOOL, EXIT_PERMISSION, main
-from conftest import join_all
+from conftest import bound, join_all
 from helpers import squatted_group_member
 
 PROMPT_S = 5.0  # "at once": a planted FIFO used to block forever
@@ -218,7 +218,7 @@ def test_queue_refuses_a_spool_others_can_write(spool_dir, mode, who):
         assert "owner root" in msg or "owner " in msg
         assert "trusted=True" in msg
     q = shmq.Queue(path=path, trusted=True)
-    assert q.get(timeout=5) == {"x": 1}
+    assert q.get(timeout=bound(5)) == {"x": 1}
     q.close()
     assert isinstance(ei.value, PermissionError) and isinstance(ei.value, shmq.ShmqError)
     e2 = pickle.loads(pickle.dumps(ei.value))
@@ -230,7 +230,7 @@ def test_unpickled_queue_handle_keeps_the_trust_decision(spool_dir):
     _world_writable_queue(path)
     q = shmq.Queue(path=path, trusted=True)
     q2 = pickle.loads(pickle.dumps(q))  # reattaches with trusted=True, as opted in
-    assert q2.get(timeout=5) == {"x": 1}
+    assert q2.get(timeout=bound(5)) == {"x": 1}
     q2.close()
     q.close()
     q3 = shmq.Queue(path=path, trusted=True)
@@ -490,7 +490,7 @@ def test_squatted_group_semaphore_all_members_refuse(spool_dir, ctx):
         for p in procs:
             p.start()
         assert join_all(procs) == [0, 0, 0]
-        results = [q.get(timeout=10) for _ in procs]
+        results = [q.get(timeout=bound(10)) for _ in procs]
         assert results == ["refused"] * 3  # nobody delivers through a semaphore they do not own
     finally:
         sp.close()

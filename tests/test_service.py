@@ -22,10 +22,10 @@ import time
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 
 FORK = mp.get_context("fork")
-T = 30  # bound for any single wait in these tests
+T = bound(30)  # bound for any single wait in these tests
 
 
 def handler(req):
@@ -773,7 +773,7 @@ def test_chaos_quick(tmp_path):
     out = tmp_path / "chaos.json"
     stress = os.path.join(os.path.dirname(__file__), "..", "stress", "service_chaos.py")
     proc = subprocess.run([sys.executable, stress, "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["violations"] == 0 and res["kills"] > 0

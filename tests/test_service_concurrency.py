@@ -21,7 +21,7 @@ import shmq
 from conftest import bound, join_all
 
 FORK = mp.get_context("fork")
-T = 30  # bound for any single wait in these tests
+T = bound(30)  # bound for any single wait in these tests
 
 
 def echo(req):

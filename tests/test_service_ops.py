@@ -18,11 +18,13 @@ import pytest
 import shmq
 from shmq.rpc import board as B
 
+from conftest import bound
+
 FORK = mp.get_context("fork")
-T = 30  # bound for any single wait
+T = bound(30)  # bound for any single wait
 
 
-def shmq_cmd(*args, timeout=60):
+def shmq_cmd(*args, timeout=bound(60)):
     return subprocess.run([sys.executable, "-m", "shmq", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout)
 

@@ -11,13 +11,13 @@ import threading
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 from shmq.rpc.requests import PIN_MIN_BYTES
 
 np = pytest.importorskip("numpy")
 
 FORK = mp.get_context("fork")
-T = 30  # bound for any single wait in these tests
+T = bound(30)  # bound for any single wait in these tests
 RING = "8MiB"
 ELEMS = 64 * 1024  # 512 KiB of float64 per request: pinned (>= PIN_MIN_BYTES), 15 per lap
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import pyspark_unsupported
+from conftest import bound, pyspark_unsupported
 
 if pyspark_unsupported():
     pytest.skip(pyspark_unsupported(), allow_module_level=True)
@@ -177,7 +177,7 @@ def test_running_stream_picks_up_outside_appends(spark, make_spool, tmp_path):
         deadline = time.monotonic() + QUERY_TIMEOUT_S
         while not q.recentProgress and time.monotonic() < deadline:  # first batch planned
             time.sleep(0.1)
-        proc = subprocess.run([sys.executable, "-c", APPENDER, sp.path], timeout=60)
+        proc = subprocess.run([sys.executable, "-c", APPENDER, sp.path], timeout=bound(60))
         assert proc.returncode == 0
         while len(got.rows) < 50 and time.monotonic() < deadline:
             assert q.exception() is None, q.exception()

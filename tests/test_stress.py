@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import bound
+
 STRESS = os.path.join(os.path.dirname(__file__), "..", "stress")
 
 
@@ -19,7 +21,7 @@ def test_kill9_quick(scenario, tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "kill9.py"), "--quick", "--seed", "3",
                            "--scenario", scenario, "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     res = json.loads(out.read_text())[scenario]
     assert res["violations"] == 0 and res["frames_checked"] > 0
@@ -31,7 +33,7 @@ def test_kill9_quick(scenario, tmp_path):
 def test_fuzz_quick(tmp_path):
     out = tmp_path / "fuzz.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "fuzz.py"), "--quick", "--seed", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--json", str(out)], capture_output=True, text=True, timeout=bound(300))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["outcomes"]["violation"] == 0
@@ -41,7 +43,7 @@ def test_fuzz_quick(tmp_path):
 def test_soak_quick(tmp_path):
     """stress/soak.py --quick: the mixed load with SIGKILLs runs, samples, cleans up."""
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "soak.py"), "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=240)
+                           str(tmp_path)], capture_output=True, text=True, timeout=bound(240))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rep = json.loads((tmp_path / "soak.json").read_text())
     assert rep["failures"] == [] and rep["leftover_files"] == []
@@ -58,7 +60,7 @@ def test_hostile_quick(tmp_path):
     while writers, readers, stats and verify run: no crash, no hang, only shmq errors."""
     out = tmp_path / "hostile.json"
     proc = subprocess.run([sys.executable, os.path.join(STRESS, "hostile.py"), "--quick", "--json",
-                           str(out)], capture_output=True, text=True, timeout=240)
+                           str(out)], capture_output=True, text=True, timeout=bound(240))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["crashes"] == [] and rep["hangs"] == [] and rep["non_shmq_exceptions"] == 0
@@ -97,15 +99,15 @@ def test_stop_flag_survives_pollers_killed_mid_poll():
             assert select.select([r], [], [], 30)[0], "the poller did not start"
             os.read(r, 1)
             os.kill(p.pid, signal.SIGKILL)
-            p.join(30)
+            p.join(bound(30))
         last = ctx.Process(target=_spin, args=(flag, w))
         last.start()
         assert select.select([r], [], [], 30)[0]
         setter = threading.Thread(target=flag.set, daemon=True)  # an Event's set() would block
         setter.start()
-        setter.join(30)
+        setter.join(bound(30))
         assert not setter.is_alive(), "set() blocked on a lock a killed poller held"
-        last.join(30)
+        last.join(bound(30))
         assert last.exitcode == 0, "a poller did not see the flag set"
     finally:
         os.close(r)

@@ -14,9 +14,10 @@ import textwrap
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TOOL = os.path.join(HERE, "..", "stress", "structure.py")
-sys.path.insert(0, os.path.join(HERE, "..", "stress"))
+from conftest import SOURCE_ROOT, bound
+
+TOOL = os.path.join(SOURCE_ROOT, "stress", "structure.py")
+sys.path.insert(0, os.path.join(SOURCE_ROOT, "stress"))
 
 import structure  # noqa: E402
 
@@ -91,7 +92,7 @@ def test_rules_on_a_small_package(tmp_path):
 def test_tool_runs_and_prints_the_figures(tmp_path):
     out = tmp_path / "s.json"
     proc = subprocess.run([sys.executable, TOOL, "--json", str(out)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=bound(120))
     assert proc.returncode == 0, proc.stderr
     for label in ("cross-file private reaches:", "import cycles:", "largest file:"):
         assert label in proc.stdout
@@ -116,7 +117,7 @@ def test_split_parts_are_small(house):
 def test_dedupe_needs_no_pyspark():
     code = ("import sys, shmq.dedupe as d; d.Deduper().seen(d.Stamp('00', 0, 0, 0, 0)); "
             "assert 'pyspark' not in sys.modules and 'pyarrow' not in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=bound(60))
     assert proc.returncode == 0, proc.stderr
 
 
@@ -137,7 +138,7 @@ def _imports(module):
     """Every shmq module ``module``'s source names in an import, TYPE_CHECKING ones too."""
     import ast
 
-    path = os.path.join(HERE, "..", *module.split(".")) + ".py"
+    path = os.path.join(SOURCE_ROOT, *module.split(".")) + ".py"
     names = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.ImportFrom) and node.level:

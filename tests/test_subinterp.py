@@ -26,6 +26,8 @@ import sys
 
 import pytest
 
+from conftest import bound
+
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 12),
                                 reason="isolated subinterpreters with their own GIL need CPython 3.12+")
 
@@ -105,7 +107,7 @@ def test_core_in_an_isolated_subinterpreter(spool_dir, tmp_path):
     path = os.path.join(spool_dir, "sub")
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, "-c", CHILD, path, str(out)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=bound(120))
     assert proc.returncode == 0, f"child failed ({proc.returncode}): {proc.stderr[-3000:]}"
     res = json.loads(out.read_text())
     # The core works there: its own module state, a put and a get over a shared spool.

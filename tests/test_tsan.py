@@ -18,12 +18,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "stress", "tsan.py")
+from conftest import SOURCE_ROOT, bound
+
+SCRIPT = os.path.join(SOURCE_ROOT, "stress", "tsan.py")
 MISSING_TOOLCHAIN = 2
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=bound(300)):
     r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
     if r.returncode == MISSING_TOOLCHAIN:
         pytest.skip(f"no ThreadSanitizer toolchain: {r.stderr.strip()[-300:]}")

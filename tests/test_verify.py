@@ -12,6 +12,8 @@ from shmq.cli import main
 from shmq.repair import repair
 from shmq.verify import verify
 
+from conftest import bound
+
 
 def _fill(sp, n, size=lambda i: i % 97):
     for i in range(n):
@@ -252,7 +254,7 @@ def test_stale_writer_lock_detected_and_repaired(make_spool):
     assert sp.ring.ctl[F.W_LOCK_HOLDER] == 0 and sp.writer_lock.sem.value == 1
     sp.writer_lock.recovery_timeout = 60  # were the lock still stale, the put would wait this long
     t = time.monotonic()
-    assert sp.put(b"after repair", timeout=120) == 5
+    assert sp.put(b"after repair", timeout=bound(120)) == 5
     assert time.monotonic() - t < 30  # no lock-recovery wait
     assert sp.read_at(5).data == b"after repair"
 
@@ -268,7 +270,7 @@ def test_writer_killed_holding_lock(make_spool, ctx):
     _fill(sp, 3)
     p = ctx.Process(target=_die_holding_writer_lock, args=(sp.path,))
     p.start()
-    p.join(30)
+    p.join(bound(30))
     assert p.exitcode == 0
     assert main(["fsck", sp.path]) == 1
     assert main(["fsck", "--repair", sp.path]) == 0
@@ -406,7 +408,7 @@ def test_stale_group_lock_repaired(make_spool, ctx):
     _fill(sp, 3)
     p = ctx.Process(target=_die_holding_group_lock, args=(sp.path,))
     p.start()
-    p.join(30)
+    p.join(bound(30))
     rep = verify(sp.path)
     assert rep.stale_group_locks and any("group lock" in x for x in rep.problems)
     rep = repair(sp.path)
@@ -414,7 +416,7 @@ def test_stale_group_lock_repaired(make_spool, ctx):
     g = sp.reader("grp", group=True)
     g._lock.recovery_timeout = 60  # were the group lock still stale, get would wait this long
     t = time.monotonic()
-    assert g.get(timeout=120).seq == 0
+    assert g.get(timeout=bound(120)).seq == 0
     assert time.monotonic() - t < 30  # no recovery wait
     g.close()
 
@@ -445,6 +447,6 @@ def test_verify_live_overwriting_spool_reports_no_false_problems(make_spool, ctx
             assert rep.ok, rep.problems
             runs += 1
     finally:
-        p.join(30)
+        p.join(bound(30))
     assert runs >= 1
     assert verify(sp.path).ok

@@ -30,6 +30,8 @@ import zipfile
 
 import pytest
 
+from conftest import bound
+
 try:
     import tomllib
 except ImportError:  # pragma: no cover - requires-python is 3.11
@@ -60,7 +62,7 @@ def script_list(name: str) -> list[str]:
 def test_script_usage():
     assert os.access(SCRIPT, os.X_OK), ".ci/wheels must be executable"
     for args in ([], ["a", "b"], ["--help"]):
-        r = subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=30)
+        r = subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=bound(30))
         assert r.returncode == 2 and "usage: .ci/wheels OUTDIR" in r.stderr, (args, r)
 
 
@@ -250,7 +252,7 @@ def dependencies_without_wheels(vbin, wheel, env, cwd):
     for req in reqs:
         r = subprocess.run([str(vbin / "python"), "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                             "-d", str(cwd / "probe"), req], env=env, cwd=cwd, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=bound(600))
         if r.returncode != 0:
             missing.append(re.split(r"[<>=!~; ]", req, maxsplit=1)[0])
     return missing
@@ -305,11 +307,11 @@ def test_installs_and_runs_without_a_compiler(wheel, python, tmp_path):
     assert set(from_sdist) <= SDIST_DEPENDENCIES, f"dependencies with no wheel here: {from_sdist}"
     if from_sdist:  # built first, with the compiler on PATH; shmq's wheel and the rest: none
         subprocess.run([str(vbin / "python"), "-m", "pip", "install", "-q", *from_sdist],
-                       env=dict(env, PATH=f"{vbin}:{os.environ['PATH']}"), check=True, cwd=tmp_path, timeout=900)
+                       env=dict(env, PATH=f"{vbin}:{os.environ['PATH']}"), check=True, cwd=tmp_path, timeout=bound(900))
         print(f"{os.path.basename(wheel)}: {', '.join(from_sdist)} built from its sdist (no wheel for "
               f"{wheel_tags(wheel)[0]}); everything else installs as wheels")
     subprocess.run([str(vbin / "python"), "-m", "pip", "install", "-q", "--only-binary=:all:", wheel],
-                   env=env, check=True, cwd=tmp_path, timeout=600)
+                   env=env, check=True, cwd=tmp_path, timeout=bound(600))
     # The installed package ships everything the source package has.
     site = subprocess.run([str(vbin / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           env=env, cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
@@ -319,11 +321,11 @@ def test_installs_and_runs_without_a_compiler(wheel, python, tmp_path):
     assert installed == wheel_package_files(py, arch)
     assert os.access(vbin / "shmq", os.X_OK)  # the console script
     demo = subprocess.run([str(vbin / "python"), "-m", "shmq", "demo"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=bound(300))
     assert demo.returncode == 0, demo.stdout + demo.stderr
     for method in ("fork", "spawn"):
         smoke = subprocess.run([str(vbin / "python"), "-c", SMOKE, str(venv), method], env=env, cwd=tmp_path,
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=bound(300))
         assert smoke.returncode == 0 and "smoke ok" in smoke.stdout, smoke.stdout + smoke.stderr
     print(f"{os.path.basename(wheel)}: installed with PATH={vbin} (no compiler), demo and smoke ok; "
           f"demo's last line: {demo.stdout.strip().splitlines()[-1]}")
@@ -342,11 +344,11 @@ def test_aarch64_wheel_imports_under_qemu(tmp_path):
     # into a plain directory; the arm64 python3.11 then runs with it on its path.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--only-binary=:all:", "--target", str(target),
                     "--platform", "manylinux2014_aarch64", "--python-version", "3.11",
-                    "--implementation", "cp", wheel], check=True, timeout=600)
+                    "--implementation", "cp", wheel], check=True, timeout=bound(600))
     py = os.path.join(ARM64_ROOT, "usr", "bin", "python3.11")
     env = dict(os.environ, PYTHONPATH=str(target))
     r = subprocess.run(["qemu-aarch64-static", "-L", ARM64_ROOT, py, "-c",
                         "import platform; assert platform.machine() == 'aarch64', platform.machine()\n" + SMOKE,
-                        str(target), "fork"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                        str(target), "fork"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=bound(600))
     assert r.returncode == 0 and "smoke ok" in r.stdout and "aarch64-linux-gnu.so" in r.stdout, r.stdout + r.stderr
     print(f"{os.path.basename(wheel)} under qemu-aarch64-static: {r.stdout.strip()}")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import shmq
-from conftest import join_all
+from conftest import bound, join_all
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ def test_delay_does_not_hold_up_the_queue(wq):
     assert wq.get(timeout=1).body == "now"  # not held up behind the delayed one
     if time.monotonic() - t < 0.9:  # (a machine stalled past the delay proves nothing here)
         assert wq.stats().delayed == 1
-    m = wq.get(timeout=5)  # a blocked get wakes when the delayed message is due
+    m = wq.get(timeout=bound(5))  # a blocked get wakes when the delayed message is due
     assert m.body == "later" and time.monotonic() - t >= 0.99
     m.ack()
 
@@ -222,7 +222,7 @@ def test_open_missing(spool_dir):
 
 def _hold_lease_and_hang(path, ready):
     q = shmq.WorkQueue(path)
-    q.get(timeout=10, lease=600)  # a long lease: only death detection can free it
+    q.get(timeout=bound(10), lease=600)  # a long lease: only death detection can free it
     ready.set()
     time.sleep(600)
 
@@ -233,12 +233,12 @@ def test_killed_consumer_message_redelivered_promptly(ctx, wq_path):
     ready = ctx.Event()
     p = ctx.Process(target=_hold_lease_and_hang, args=(wq_path, ready))
     p.start()
-    assert ready.wait(30)
+    assert ready.wait(bound(30))
     assert q.stats().in_flight == 1
     os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
+    p.join(bound(10))
     t = time.monotonic()
-    m = q.get(timeout=10)
+    m = q.get(timeout=bound(10))
     assert m.body == "survives" and m.attempt == 2
     assert time.monotonic() - t < 5  # not after the 600 s lease
     m.ack()
@@ -254,7 +254,7 @@ def _die_granting(path):
         os.kill(os.getpid(), signal.SIGKILL)
 
     q._spool.slots.set_cursor = die
-    q.get(timeout=10)
+    q.get(timeout=bound(10))
 
 
 def _kill_inside_a_take(ctx, path):
@@ -326,7 +326,7 @@ def test_competing_consumers_each_message_acked_once(ctx, wq_path):
         p.start()
     for i in range(0, n, 50):
         q.put_many(range(i, i + 50))
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=bound(120)) for _ in procs]
     join_all(procs)
     got = sorted(x for r in results for x in r)
     assert got == list(range(n))
@@ -358,12 +358,12 @@ def test_restart_recovery(wq_path):
 
 def test_release_gives_the_delivery_back(wq):
     wq.put("job")
-    m = wq.get(timeout=5)
+    m = wq.get(timeout=bound(5))
     assert isinstance(m.slot, int) and m.slot >= 0
     wq.release(m.slot, m.token, error=RuntimeError("holder died"))
     with pytest.raises(shmq.LeaseLost):
         m.ack()  # the holder's own settle is now stale
-    m2 = wq.get(timeout=5)
+    m2 = wq.get(timeout=bound(5))
     assert (m2.body, m2.attempt) == ("job", 2) and m2.token != m.token
     with pytest.raises(shmq.LeaseLost, match=f"lease slot {m2.slot}: lease token {m.token}"):
         wq.release(m2.slot, m.token)  # the old token cannot touch the new delivery
@@ -375,7 +375,7 @@ def test_release_gives_the_delivery_back(wq):
 def test_release_past_max_attempts_dead_letters_with_the_error(wq):
     wq.put("doomed")
     for attempt in (1, 2, 3):
-        m = wq.get(timeout=5)
+        m = wq.get(timeout=bound(5))
         assert m.attempt == attempt
         wq.release(m.slot, m.token, error=ValueError(f"try {attempt}"))
     (dl,) = wq.dead_letters()
@@ -385,7 +385,7 @@ def test_release_past_max_attempts_dead_letters_with_the_error(wq):
 
 def test_release_with_delay(wq):
     wq.put("later")
-    m = wq.get(timeout=5)
+    m = wq.get(timeout=bound(5))
     wq.release(m.slot, m.token, delay=60)
     with pytest.raises(shmq.Empty):
         wq.get(timeout=0.05)
@@ -394,7 +394,7 @@ def test_release_with_delay(wq):
 
 def test_release_bad_input(wq):
     wq.put("x")
-    m = wq.get(timeout=5)
+    m = wq.get(timeout=bound(5))
     with pytest.raises(ValueError, match="out of range"):
         wq.release(10**6, m.token)
     with pytest.raises(ValueError, match="out of range"):
@@ -412,9 +412,9 @@ def test_release_bad_input(wq):
 
 def _lease_and_wait(path, conn, go):
     q = shmq.WorkQueue(path)
-    m = q.get(timeout=10, lease=600)
+    m = q.get(timeout=bound(10), lease=600)
     conn.send((m.slot, m.token, m.body))
-    go.wait(30)
+    go.wait(bound(30))
     try:
         m.ack()
         conn.send("acked")
@@ -433,14 +433,14 @@ def test_release_from_another_process(ctx, wq_path):
     p = ctx.Process(target=_lease_and_wait, args=(wq_path, child, go))
     p.start()
     try:
-        assert parent.poll(30)
+        assert parent.poll(bound(30))
         slot, token, body = parent.recv()
         assert body == {"n": 1}
         q.release(slot, token, error="released by the supervisor")
-        m = q.get(timeout=10)
+        m = q.get(timeout=bound(10))
         assert m.attempt == 2 and m.body == {"n": 1}
         go.set()
-        assert parent.poll(30) and parent.recv() == "stale"  # the holder's late ack is refused
+        assert parent.poll(bound(30)) and parent.recv() == "stale"  # the holder's late ack is refused
         m.ack()
     finally:
         go.set()
