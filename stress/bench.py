@@ -333,7 +333,7 @@ def machine():
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
             "cpu": cpu, "shmq": shmq.__version__, "reserve_api": hasattr(shmq.Spool, "reserve"),
             "faster_fifo": getattr(faster_fifo, "__version__", "installed") if faster_fifo else None,
-            **versions(), "date": time.strftime("%Y-%m-%d %H:%M")}
+            **versions(), "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg": [os.getloadavg()[0]]}
 
 
 def main(argv=None):
@@ -364,7 +364,9 @@ def main(argv=None):
         imp = run_import(mode, out)
     rows = targets(results, lat, sys_, misc, imp)
     print_targets(rows, out)
-    print(f"\n({mode} run: {time.monotonic() - t_start:.0f} s)", file=out)
+    info["load_avg"].append(os.getloadavg()[0])
+    print(f"\n({mode} run: {time.monotonic() - t_start:.0f} s, load average {info['load_avg'][0]:.1f} "
+          f"at the start, {info['load_avg'][-1]:.1f} at the end)", file=out)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         plots = plot(results, lat, args.out)

@@ -66,11 +66,16 @@ def throughput_table(results, scenarios=None, contenders=None):
     return "\n".join(lines)
 
 
+#: What each target group (the JSON's ``issue`` key) is called in the docs.
+GROUPS = {42: "speed", 14: "ring core", 15: "growable queues", 4: "first"}
+
+
 def targets_table(targets):
-    lines = ["| issue | target | this run | status |", "|---|---|---|---|"]
+    lines = ["| targets | target | this run | status |", "|---|---|---|---|"]
     for t in targets:
         status = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t.get('issue', '')} | {t['target']} | {t['shown']} | {status} |")
+        group = GROUPS.get(t.get("issue"), t.get("issue", ""))
+        lines.append(f"| {group} | {t['target']} | {t['shown']} | {status} |")
     return "\n".join(lines)
 
 
@@ -92,8 +97,11 @@ def machine_line(data):
         peers += (f", pyzmq {m['pyzmq']}, posix_ipc {m['posix_ipc']} (fs.mqueue msg_max "
                   f"{m['mqueue_limits'].get('msg_max')}, msgsize_max {m['mqueue_limits'].get('msgsize_max')}), "
                   f"iceoryx2 {m['iceoryx2']}, Spool.reserve {'present' if m.get('reserve_api') else 'absent'}")
+    load = ""
+    if "load_avg" in m:  # (runs before it was recorded lack it)
+        load = f", load average {m['load_avg'][0]:.1f} at the start, {m['load_avg'][-1]:.1f} at the end"
     return (f"{m['cpu']} x{m['cpus']}, {m['platform']}, Python {m['python']}, shmq {m['shmq']}, "
-            f"{peers}; {mode} run of {m['date']}, median of {data['repeats']} interleaved runs")
+            f"{peers}; {mode} run, median of {data['repeats']} interleaved runs{load}")
 
 
 def readme_line(data):

@@ -113,6 +113,8 @@ def test_machine_info_names_the_peers_and_limits(smoke_run):
     m = data["machine"]
     for key in ("pyzmq", "posix_ipc", "iceoryx2", "mqueue_limits", "reserve_api", "cpu", "python"):
         assert key in m, key
+    # the load average at the start and at the end: the docs print it next to the figures
+    assert len(m["load_avg"]) == 2 and all(x >= 0 for x in m["load_avg"])
 
 
 def test_report_renders_every_row_and_target(smoke_run):
@@ -125,6 +127,9 @@ def test_report_renders_every_row_and_target(smoke_run):
             assert f"| {scen} | {name} |" in rep.stdout
     for t in data["targets"]:
         assert t["target"] in rep.stdout
+    # the docs name the target groups, not issue numbers, and print the load, not the date
+    assert "| targets | target |" in rep.stdout and "| speed |" in rep.stdout and "| ring core |" in rep.stdout
+    assert "load average" in rep.stdout and data["machine"]["date"] not in rep.stdout
 
 
 def test_bench_dispatch_runs_and_reports(tmp_path):
