@@ -91,6 +91,27 @@ def test_pool_refuses_what_the_stdlibs_refuses():
         p.terminate()
 
 
+def test_more_unpicklable_calls_than_the_window_all_fail_on_a_fresh_pool():
+    """Calls that fail to pickle leave the window at once: those queued behind them
+    are sent (and fail) too, rather than waiting for replies that never come (a
+    hang CPython's own test_map_unplicklable found on a pool made just before)."""
+    p = shmq.Pool(2, context="fork")  # a window of a few calls: 20 fill it several times
+    try:
+        res = p.map_async(T.returns, [T.FailsToPickle()] * 20)
+        with pytest.raises(pickle.PicklingError, match="refuses to be pickled"):
+            res.get(timeout=bound(30))
+        assert p.map(T.square, range(5)) == [0, 1, 4, 9, 16]
+    finally:
+        p.terminate()
+        p.join()
+    with shmq.ProcessPoolExecutor(2) as ex:
+        fs = [ex.submit(T.returns, T.FailsToPickle()) for _ in range(20)]
+        for f in fs:
+            with pytest.raises(pickle.PicklingError):
+                f.result(timeout=bound(30))
+        assert ex.submit(T.square, 3).result(timeout=bound(30)) == 9
+
+
 @pytest.mark.parametrize("face", ["executor", "pool"])
 def test_an_exception_comes_back_as_itself_with_the_workers_traceback(face):
     if face == "executor":

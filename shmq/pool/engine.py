@@ -273,7 +273,11 @@ class Engine:
                 with self._lock:
                     if self._terminate or (self.closing and not self._unfinished):
                         break
-                    self._idle = not fed or not self._ready
+                    # Idle only if nothing can be sent now: tasks that failed to pickle
+                    # in _feed made room in the window, and a submit that landed after
+                    # _feed looked saw the collector busy and rang no bell.
+                    self._admit()
+                    self._idle = not self._ready or self.broken is not None
                     self._woken = False
                 timeout = RECHECK_S if self._frames else None
                 try:
