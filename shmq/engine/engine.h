@@ -278,6 +278,23 @@ typedef struct {
     size_t pads_k[2];
 } Placement;
 
+/* The whole batch at the start of a lap: one pad of `gap` bytes at ring
+ * offset `n_off` (to the ring's end), then the frames back to back from
+ * `lap_start` (placed[k] each; pl->end after the last). */
+static inline void place_at_lap(Placement *pl, uint64_t *placed, const uint64_t *needs, size_t count,
+                                uint64_t n_off, uint64_t gap, uint64_t lap_start) {
+    pl->npads = 1;
+    pl->pads_off[0] = n_off;
+    pl->pads_gap[0] = gap;
+    pl->pads_k[0] = 0;
+    uint64_t p = lap_start;
+    for (size_t k = 0; k < count; k++) {
+        placed[k] = p;
+        p += needs[k];
+    }
+    pl->end = p;
+}
+
 /* ---- small helpers ---- */
 static inline void read_header(eng_ring *r, uint64_t off, shmq_frame_header *h) {
     memcpy(h, r->ring + off, SHMQ_FRAME_BYTES);

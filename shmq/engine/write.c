@@ -299,16 +299,7 @@ static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *
         }
     }
     if (pin_floor(r) < lap + total) return 0; /* a zero-copy view still reads the lap's start */
-    pl->npads = 1;
-    pl->pads_off[0] = n_off;
-    pl->pads_gap[0] = gap;
-    pl->pads_k[0] = 0;
-    uint64_t p = lap + ring;
-    for (size_t k = 0; k < count; k++) {
-        placed[k] = p;
-        p += needs[k];
-    }
-    pl->end = p;
+    place_at_lap(pl, placed, needs, count, n_off, gap, lap + ring);
     return 0;
 }
 

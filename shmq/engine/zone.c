@@ -159,16 +159,7 @@ int zone_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs,
             if (st < 0 && st != SHMQ_EFULL && st != SHMQ_EPINNED) return st; /* an error */
             if (st == 0) {
                 r->lap_ns = mono_ns(); /* a new lap of the hot zone */
-                pl->npads = 1;
-                pl->pads_off[0] = n_off;
-                pl->pads_gap[0] = gap;
-                pl->pads_k[0] = 0;
-                uint64_t p = lap + ring;
-                for (size_t k = 0; k < count; k++) {
-                    placed[k] = p;
-                    p += needs[k];
-                }
-                pl->end = p;
+                place_at_lap(pl, placed, needs, count, n_off, gap, lap + ring);
                 /* All above the pad is dead: give back what the zone holds there,
                  * but for WRAP_SLACK_SEGS segments above the wrap point: laps end at
                  * varying segments (wherever the consumers happened to be caught
