@@ -1,10 +1,12 @@
 """Shared fixtures: a private spool directory on /dev/shm, start methods, leak checks."""
 
 import faulthandler
+import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -383,3 +385,16 @@ def join_all(procs, timeout=60):
         p.join(5)
     assert not hung, f"{len(hung)} process(es) hung"
     return [p.exitcode for p in procs]
+
+
+def sem_files(prefix):
+    """The named semaphores of the spool with this semaphore prefix, as /dev/shm file names."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
+
+
+def run_gc(*args):
+    """``shmq gc --json ARGS`` in a child interpreter: its JSON report (asserting exit 0)."""
+    proc = subprocess.run([sys.executable, "-m", "shmq", "gc", "--json", *args],
+                          capture_output=True, text=True, timeout=bound(120))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

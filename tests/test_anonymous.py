@@ -7,7 +7,6 @@ Other processes of this user (other xdist workers, other test runs) create queue
 and run ``shmq gc --yes`` meanwhile: they may remove an *unheld* orphan of these
 tests first, which is by design, so assertions about removal accept "gone"."""
 
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -28,28 +27,17 @@ from shmq import _lock, anonymous
 from shmq._mapping import Mapping
 from shmq.anonymous import queue_creator
 
-from conftest import START_METHODS, bound
+from conftest import START_METHODS, bound, run_gc, sem_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEADLINE_S = 10.0  # the guarantee's bound: gone this soon after the last holder exits
-
-
-def _sem_files(prefix):
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
-
-
-def _gc(*args):
-    proc = subprocess.run([sys.executable, "-m", "shmq", "gc", "--json", *args],
-                          capture_output=True, text=True, timeout=bound(120))
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def _wait_gone(path, prefix, timeout):
     """Wait until the queue's file *and* its semaphores are gone: a remover unlinks the
     file first and the semaphores after it (shmq._mapping.destroy_file)."""
     deadline = time.monotonic() + timeout
-    while os.path.exists(path) or _sem_files(prefix):
+    while os.path.exists(path) or sem_files(prefix):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
@@ -123,8 +111,8 @@ def test_killed_creators_queue_is_kept_while_held_and_gone_after_the_holder_exit
 
         shmq.Queue().close()  # a creation probes it: in use, kept
         assert anonymous.reclaim(path) is False  # nor does an explicit reclaim take it
-        assert path not in _gc("--min-age", "0")["queues"]
-        assert os.path.exists(path) and _sem_files(prefix)
+        assert path not in run_gc("--min-age", "0")["queues"]
+        assert os.path.exists(path) and sem_files(prefix)
 
         go.send("go")
         assert mine.poll(bound(30)) and mine.recv() == ("got", "left behind")
@@ -169,7 +157,7 @@ def test_the_next_queue_removes_a_dead_creators_queue_nobody_holds(dead_creators
         _reap_killed(creator)
         # The creator's death ends the back-off at once: the next creation probes it.
         shmq.Queue().close()
-        assert not os.path.exists(path) and not _sem_files(prefix)
+        assert not os.path.exists(path) and not sem_files(prefix)
         assert os.path.exists(alive_one.path)  # a live creator's queue: never taken
     finally:
         alive_one.close()
@@ -237,7 +225,7 @@ def test_a_held_orphan_is_probed_with_back_off_then_removed(dead_creators_queue,
     hold.close()  # the last handle (a plain Spool: no reclaim of its own)
     clock.now += anonymous.BACKOFF_MAX_S + 0.01
     anonymous.reclaim_orphans()
-    assert not os.path.exists(path) and not _sem_files(prefix)
+    assert not os.path.exists(path) and not sem_files(prefix)
     assert path not in anonymous._backoff
 
 
@@ -265,7 +253,7 @@ def test_a_queue_of_another_resource_tracker_is_left_to_it_then_removed_after_th
         assert path not in _removed_by(anonymous.reclaim_orphans)
         clock.now += 0.02
         assert path in _removed_by(anonymous.reclaim_orphans)
-        assert not _sem_files(prefix) and path not in anonymous._dead_since
+        assert not sem_files(prefix) and path not in anonymous._dead_since
     finally:
         if os.path.exists(path):
             shmq.Spool.destroy(path)
@@ -328,7 +316,7 @@ def test_another_users_queue_file_is_never_taken_and_costs_one_probe(monkeypatch
         assert probes == [path]  # not ours: left alone, and not probed at every creation
         assert os.path.exists(path) and anonymous.probe(path) == anonymous.FOREIGN
         assert anonymous.reclaim(path) is False and not anonymous.is_orphan(path)
-        assert path not in _gc("--min-age", "0")["queues"]
+        assert path not in run_gc("--min-age", "0")["queues"]
     finally:
         os.chown(path, 0, 0)
         shmq.Spool.destroy(path)
@@ -488,13 +476,13 @@ def test_an_older_shmqs_queue_is_left_to_gc_which_scans_for_users():
         anonymous.reclaim_orphans()
         assert anonymous.probe(path) == anonymous.UNKNOWN and not anonymous.is_orphan(path)
         assert anonymous.reclaim(path) is False and os.path.exists(path)
-        assert path not in _gc("--min-age", "0")["queues"]  # the scan finds the mapping
+        assert path not in run_gc("--min-age", "0")["queues"]  # the scan finds the mapping
         old_handle.close()
         anonymous._backoff.pop(path, None)
         anonymous.reclaim_orphans()
         assert anonymous.reclaim(path) is False and os.path.exists(path)  # still the lock's silence
-        assert path in _gc("--min-age", "0")["queues"] or not os.path.exists(path)
-        _gc("--yes", "--min-age", "3600")
+        assert path in run_gc("--min-age", "0")["queues"] or not os.path.exists(path)
+        run_gc("--yes", "--min-age", "3600")
         assert _wait_gone(path, prefix, bound(10))
     finally:
         if os.path.exists(path):

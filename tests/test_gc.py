@@ -2,22 +2,15 @@
 spools that exist, open or not, on /dev/shm or on disk, are never touched.  (Anonymous
 queues whose creator was SIGKILLed: tests/test_anonymous.py.)"""
 
-import json
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 import shmq
-from shmq._mapping import registry_dir, semaphore_names
-from shmq.queue import queue_creator
+from shmq._mapping import registry_dir
 
-from conftest import bound
+from conftest import run_gc, sem_files
 
 DEADLINE_S = 10.0
 
@@ -38,17 +31,6 @@ def _one_gc_test_at_a_time():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _sem_files(prefix):
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
-
-
-def _gc(*args):
-    proc = subprocess.run([sys.executable, "-m", "shmq", "gc", "--json", *args],
-                          capture_output=True, text=True, timeout=bound(120))
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
 def _make(path, **kw):
     sp = shmq.Spool.create(path, capacity="64KiB", **kw)
     g = sp.reader("grp", group=True)  # a group semaphore too
@@ -56,7 +38,7 @@ def _make(path, **kw):
     g.close()
     prefix = sp.sem_prefix
     sp.close()
-    assert len(_sem_files(prefix)) >= 4
+    assert len(sem_files(prefix)) >= 4
     return prefix
 
 
@@ -80,22 +62,22 @@ def test_gc_removes_exactly_the_removed_spools_semaphores(spool_dir, disk_dir):
     disk_path = os.path.join(disk_dir, "keep")
     disk_keep = _make(disk_path)  # a disk path, not open: known from the registry only
     assert os.stat(disk_dir).st_dev != os.stat("/dev/shm").st_dev or True
-    kept_before = {p: _sem_files(p) for p in (shm_keep, disk_keep)}
+    kept_before = {p: sem_files(p) for p in (shm_keep, disk_keep)}
     shutil.rmtree(doomed)  # the files go, their semaphores stay
-    gone_sems = {p: _sem_files(p) for p in gone}
+    gone_sems = {p: sem_files(p) for p in gone}
     assert all(gone_sems.values())
 
-    dry = _gc("--min-age", "0")  # the default: a dry run
+    dry = run_gc("--min-age", "0")  # the default: a dry run
     assert not dry["removed"]
     for p in gone:
         assert set(dry["semaphores"][p]) == gone_sems[p]
     assert shm_keep not in dry["semaphores"] and disk_keep not in dry["semaphores"]
-    assert {p: _sem_files(p) for p in gone} == gone_sems  # nothing changed
+    assert {p: sem_files(p) for p in gone} == gone_sems  # nothing changed
 
-    done = _gc("--yes", "--min-age", "0")
+    done = run_gc("--yes", "--min-age", "0")
     assert done["removed"] and all(p in done["semaphores"] for p in gone)
-    assert all(not _sem_files(p) for p in gone)
-    assert {p: _sem_files(p) for p in (shm_keep, disk_keep)} == kept_before
+    assert all(not sem_files(p) for p in gone)
+    assert {p: sem_files(p) for p in (shm_keep, disk_keep)} == kept_before
     for path in (os.path.join(spool_dir, "keep"), disk_path):  # still work
         with shmq.Spool.open(path) as sp:
             g = sp.reader("grp", group=True)
@@ -110,13 +92,13 @@ def test_min_age_and_in_use_semaphores_are_kept(spool_dir):
     sp = shmq.Spool.create(path, capacity="64KiB")
     os.unlink(path)  # removed while open: its semaphores are in use
     try:
-        assert sp.sem_prefix not in _gc("--min-age", "0")["semaphores"]
+        assert sp.sem_prefix not in run_gc("--min-age", "0")["semaphores"]
     finally:
         sp.close()
-    assert sp.sem_prefix in _gc("--min-age", "0")["semaphores"]  # now an orphan
-    assert sp.sem_prefix not in _gc("--min-age", "3600")["semaphores"]  # too young
-    _gc("--yes", "--min-age", "0")
-    assert not _sem_files(sp.sem_prefix)
+    assert sp.sem_prefix in run_gc("--min-age", "0")["semaphores"]  # now an orphan
+    assert sp.sem_prefix not in run_gc("--min-age", "3600")["semaphores"]  # too young
+    run_gc("--yes", "--min-age", "0")
+    assert not sem_files(sp.sem_prefix)
 
 
 def test_registry_is_untrusted_and_cleaned(spool_dir, disk_dir):
@@ -131,10 +113,10 @@ def test_registry_is_untrusted_and_cleaned(spool_dir, disk_dir):
     with open(junk, "w") as f:
         f.write("/etc/passwd\n\x00garbage\n")
     try:
-        found = _gc("--min-age", "0")
+        found = run_gc("--min-age", "0")
         assert prefix in found["semaphores"] and prefix in found["stale_registry_entries"]
-        _gc("--yes", "--min-age", "0")
-        assert not _sem_files(prefix) and not os.path.exists(entry)
+        run_gc("--yes", "--min-age", "0")
+        assert not sem_files(prefix) and not os.path.exists(entry)
     finally:
         for p in (junk, entry):
             if os.path.exists(p):
@@ -151,4 +133,4 @@ def test_destroy_forgets_the_registry_entry(disk_dir):
     assert os.path.exists(os.path.join(registry_dir(), prefix))
     shmq.Spool.destroy(path)
     assert not os.path.exists(os.path.join(registry_dir(), prefix))
-    assert not _sem_files(prefix)
+    assert not sem_files(prefix)
