@@ -4,6 +4,7 @@ emulated process also carries one thread of the emulator's own that it must not
 count.  Each case runs in a forked child, which is where emulation adds a new
 emulator thread that the harness did not see at start-up."""
 
+import contextlib
 import os
 import threading
 import warnings
@@ -52,18 +53,26 @@ def test_a_single_threaded_child_may_fork():
     assert (code, out) == (0, "forked")
 
 
+@contextlib.contextmanager
+def _second_thread():
+    """A real second thread of this process, waiting until the block ends."""
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, args=(bound(30),), name="second")
+    t.start()
+    try:
+        yield t
+    finally:
+        stop.set()
+        t.join(bound(30))
+
+
 def test_a_child_running_a_second_thread_is_refused():
     def body():
-        stop = threading.Event()
-        t = threading.Thread(target=stop.wait, args=(bound(30),), name="second")
-        t.start()
-        try:
-            return _fork_and_reap()
-        except DeprecationWarning as e:
-            return f"refused: {e}"
-        finally:
-            stop.set()
-            t.join(bound(30))
+        with _second_thread():
+            try:
+                return _fork_and_reap()
+            except DeprecationWarning as e:
+                return f"refused: {e}"
 
     code, out = _in_child(body)
     assert code == 0, out
@@ -71,28 +80,15 @@ def test_a_child_running_a_second_thread_is_refused():
 
 
 def test_the_test_process_running_a_second_thread_is_refused():
-    stop = threading.Event()
-    t = threading.Thread(target=stop.wait, args=(bound(30),))
-    t.start()
-    try:
-        with pytest.raises(DeprecationWarning, match="is multi-threaded"):
-            os.fork()
-    finally:
-        stop.set()
-        t.join(bound(30))
+    with _second_thread(), pytest.raises(DeprecationWarning, match="is multi-threaded"):
+        os.fork()
 
 
 def test_the_emulator_thread_is_found_only_under_emulation():
     def body():
-        stop = threading.Event()
-        t = threading.Thread(target=stop.wait, args=(bound(30),))
-        t.start()
-        try:
+        with _second_thread() as t:
             qemu = conftest._qemu_thread()
             return f"{conftest.EMULATED} {qemu} {t.native_id} {sorted(conftest._tids())}"
-        finally:
-            stop.set()
-            t.join(bound(30))
 
     code, out = _in_child(body)
     assert code == 0, out
