@@ -134,7 +134,6 @@ class Engine:
         # made before our threads: under fork its zygote is forked here, single-threaded
         self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         # submitted, not sent: the first _ready of them admitted (started), the rest waiting
         self._pending: deque[Task] = deque()
         self._ready = 0
