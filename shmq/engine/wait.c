@@ -83,12 +83,11 @@ void ring_bell(eng_ring *r, sem_t *waiters) {
 /* ---- room for a writer blocked on a full block spool ----
  *
  * A writer that found no room (SHMQ_EFULL: consumers' cursors in the way;
- * SHMQ_EBACKLOG: a queue's maxsize items) used to wait until the slowest
- * cursor moved at all, and every consumer commit rang it while it was
- * registered: with a producer faster than its consumer the two woke each
- * other once per frame (a futex wake and a pwrite in the consumer, a wake
- * and a retry in the writer), and a full 1 MiB ring ran at 45% of an
- * unbounded one.  Now the writer says how much room it waits for: the
+ * SHMQ_EBACKLOG: a queue's maxsize items) waits for a burst of room, not for
+ * the slowest cursor to move at all: woken at every consumer commit, a
+ * producer faster than its consumer would trade a wake with it once per
+ * frame (a futex wake in the consumer, a wake and a retry in the writer).
+ * The writer says how much room it waits for: the
  * "want" take_room_need recorded with the room marker (an eighth of the
  * ring, at most 64 KiB, or of the backlog), published in W_ROOM_WANT_POS /
  * W_ROOM_WANT_SEQ, and a consumer rings the space bell once the slowest
