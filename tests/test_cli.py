@@ -767,6 +767,17 @@ def test_top_once(capsys, spool_dir, busy_spool, make_spool):
     assert "\x1b" not in out  # no escape codes without a terminal
 
 
+def test_top_without_a_terminal_prints_whole_lines(capsys, spool_dir, busy_spool, make_spool):
+    # a long name widens the SPOOL column past any fixed width: no column may be cut
+    # (another user's anonymous queues on the host widen it the same way)
+    make_spool(name="n" * 200)
+    code, out, _ = run(capsys, "top", spool_dir, "--count", "1")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].split()[-1] == "LOCK" and len(lines[1]) > 200
+    assert any(ln.startswith("n" * 200) and ln.split()[-1] in ("free", "held") for ln in lines)
+
+
 def test_top_count_and_errors(capsys, spool_dir, busy_spool):
     code, out, _ = run(capsys, "top", busy_spool.path, "--count", "2", "--interval", "0.05")
     assert code == 0 and out.count("shmq top - ") == 2

@@ -97,7 +97,7 @@ class Top:
         """Record the readers' counters (the next frame shows rates since now)."""
         self.frame()
 
-    def frame(self, width=100, height=None, interactive=False) -> list[str]:
+    def frame(self, width: int | None = 100, height=None, interactive=False) -> list[str]:
         now = time.time()
         now_s, mono = int(now), time.monotonic()
         snaps = self.snapshot()
@@ -108,7 +108,7 @@ class Top:
                  if interactive and width > len(head) + 10 else head]
         if not snaps:
             lines.append(f"(no spools in {where})")
-            return [ln[:width] for ln in lines]
+            return lines if width is None else [ln[:width] for ln in lines]
         anon = set()
         if self.anonymous:
             from ..anonymous import anonymous_paths
@@ -162,7 +162,7 @@ class Top:
                             "FAILED", "CALLS/S", "P50", "P99"], services, "lrlrrrrrrrr")
         if height:
             lines = lines[:height]
-        return [ln[:width] for ln in lines]
+        return lines if width is None else [ln[:width] for ln in lines]
 
 
 def _secs(v):
@@ -185,7 +185,9 @@ def cmd_top(a) -> int:
                 time.sleep(min(a.interval, 0.5))
             n = 0
             while True:
-                width = shutil.get_terminal_size((120, 40)).columns if sys.stdout.isatty() else 200
+                # a pipe or a file gets whole lines (a long name must not cut the columns
+                # a script reads); a terminal, lines cut to its width
+                width = shutil.get_terminal_size((120, 40)).columns if sys.stdout.isatty() else None
                 if n:
                     print()
                 print("\n".join(top.frame(width)))
