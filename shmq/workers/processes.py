@@ -62,6 +62,9 @@ ZYGOTE_LOOK_S = 1.0
 ZYGOTE_TRIES = 3
 #: A worker SIGKILLed at the end of a stop is reaped within this.
 REAP_S = 10.0
+#: The zygote answers a start within this (a fork takes milliseconds), or it is taken
+#: for hung (stopped, stuck in a fork that never returns) and replaced.
+ZYGOTE_ANSWER_S = 30.0
 
 
 def arm_parent_death(sig: int) -> None:
@@ -189,6 +192,12 @@ class Crew:
                 try:
                     pid = self._m.zygote.start(key, extra, self._exited)
                     break
+                except _ZygoteHung as exc:
+                    # Killed and replaced: a late answer would name a worker nobody
+                    # tracks.  Its workers die with it (their death signal).
+                    self._exited += self._replace_zygote(kill=True)
+                    raise ShmqError(f"{self.name}: {exc}; killed it and forked another "
+                                    f"(worker {key!r} not started)") from None
                 except _ZygoteLost:
                     self._exited += self._replace_zygote()
             else:
@@ -247,16 +256,19 @@ class Crew:
                 del self.live[w.key]
         return [w for w in exited if w.exitcode is not None], others
 
-    def _replace_zygote(self) -> list[Worker]:
-        """The zygote died (killed: by hand, the OOM killer): its workers got their death
-        signal with it, and are reported exited with it (their true end is their new
-        parent's to see).  A new zygote is forked, from this thread: a fork of a process
-        that may run threads now, the risk the zygote exists to avoid, taken only
-        here."""
+    def _replace_zygote(self, kill: bool = False) -> list[Worker]:
+        """The zygote died (killed: by hand, the OOM killer), or is hung (``kill``: it is
+        SIGKILLed first): its workers got their death signal with it, and are reported
+        exited with it (their true end is their new parent's to see).  A new zygote is
+        forked, from this thread: a fork of a process that may run threads now, the
+        risk the zygote exists to avoid, taken only here."""
         old = self._m.zygote
         assert old is not None
-        log.error("%s: the worker zygote (pid %d) died (%s); forking another", self.name,
-                  old.proc.pid, exit_text(old.proc.exitcode))
+        if kill:
+            old.proc.kill()
+            old.proc.join(REAP_S)
+        log.error("%s: the worker zygote (pid %d) %s; forking another", self.name, old.proc.pid,
+                  "did not answer" if kill else f"died ({exit_text(old.proc.exitcode)})")
         old.close()
         lost = list(old.workers.values())
         for w in lost:
@@ -334,6 +346,10 @@ class _ZygoteLost(ShmqError):
     """The zygote's pipe broke: it is dead."""
 
 
+class _ZygoteHung(ShmqError):
+    """The zygote did not answer a start within :data:`ZYGOTE_ANSWER_S`."""
+
+
 class _Zygote:
     """The single-threaded process that forks a ``fork`` crew's workers (see the module
     docstring), driven over a pipe: ``("start", key, extra)`` -> ``("started", key, pid)``,
@@ -350,8 +366,19 @@ class _Zygote:
         self.dead = False
 
     def start(self, key: Any, extra: tuple[Any, ...], exited: list[Worker]) -> int:
+        """Have the zygote fork a worker for ``key``; its pid.  Exit reports read
+        meanwhile go to ``exited``.
+
+        :raises _ZygoteLost: its pipe broke.
+        :raises _ZygoteHung: no answer within :data:`ZYGOTE_ANSWER_S`.
+        :raises OSError: it could not fork.
+        """
         self._send(("start", key, extra))
+        deadline = time.monotonic() + ZYGOTE_ANSWER_S
         while True:
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise _ZygoteHung(f"the worker zygote (pid {self.proc.pid}) did not answer "
+                                  f"within {ZYGOTE_ANSWER_S:g} s")
             msg = self._recv()
             if msg[0] == "started" and msg[1] == key:
                 return msg[2]
