@@ -257,6 +257,24 @@ def test_numpy_and_arrow_travel_through_shared_memory():
         assert got.equals(batch)
 
 
+def test_large_arguments_are_sent_a_few_at_a_time(monkeypatch):
+    """A map over large arrays puts them into the request ring as workers can take them
+    (at most the byte window ahead, one frame a put), not all at once."""
+    from shmq._layout import W_HIGH_BYTES
+    from shmq.pool import engine
+
+    monkeypatch.setattr(engine, "WINDOW_BYTES", 2 << 20)  # 4 MiB ahead for 2 workers
+    arrays = [np.full(1 << 17, float(i)) for i in range(24)]  # 1 MiB each, 24 MiB in all
+    with executor() as ex:
+        assert ex.submit(T.square, 3).result(timeout=bound(60)) == 9  # small ones first
+        out = list(ex.map(T.double, arrays, timeout=bound(60)))
+        high = ex._engine._ring.ring.ctl[W_HIGH_BYTES]
+    assert [float(b[0]) for b in out] == [2.0 * i for i in range(24)]
+    # the ring's most bytes resident (in flight, and consumed but not yet evicted): well
+    # under the 24 MiB that one put of them all takes
+    assert high < 12 << 20, high
+
+
 # -- the parent's end --------------------------------------------------------------------
 
 def _tree(pid):
