@@ -252,6 +252,8 @@ def test_numpy_and_arrow_travel_through_shared_memory():
         for a, b in zip(arrays, out):
             assert b.dtype == a.dtype and np.array_equal(b, a * 2)
             assert b.flags.writeable  # the caller's own copy, as with the stdlib
+        big = np.ones(1 << 20)
+        assert np.array_equal(ex.submit(T.double_in_place, big).result(timeout=bound(60)), big * 2)
         assert ex.submit(T.arrow_sum, batch).result(timeout=bound(60)) == sum(range(100_000))
         got = ex.submit(T.returns, batch).result(timeout=bound(60))
         assert got.equals(batch)
