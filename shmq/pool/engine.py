@@ -149,8 +149,14 @@ class Engine:
                      tuple(initargs), max_tasks)
         # made before our threads: under fork its zygote is forked here, single-threaded
         self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the window's state, the collector's
         self._cv = threading.Condition(self._lock)
+        # The callers' side: submit() appends to the inbox under the gate, never under
+        # _lock, which the collector takes all the time (a caller blocked on it waited
+        # for the GIL after it too: a third of a burst of trivial submits went so).
+        # Lock order: _lock, then _gate (close and terminate take them one after the other).
+        self._gate = threading.Lock()
+        self._inbox: deque[Task] = deque()
         # submitted, not sent: the first _ready of them admitted (started), the rest waiting
         self._pending: deque[Task] = deque()
         self._ready = 0
@@ -181,27 +187,36 @@ class Engine:
     # -- the callers' side ----------------------------------------------------------------
 
     def submit(self, tasks: list[Task]) -> None:
-        """Queue ``tasks`` (the caller checked the pool is open, under :meth:`lock`)."""
-        self._pending.extend(tasks)
-        self._unfinished += len(tasks)
-        self._admit()
+        """Queue ``tasks`` (the caller checked the pool is open, under :meth:`lock`); the
+        collector admits them into the window."""
+        self._inbox.extend(tasks)
+        # after the append: the collector sets _idle, then looks at the inbox (one of
+        # the two sees the other's write, under the GIL)
         if self._idle and not self._woken:
             self._woken = True
             self._results.put((WAKE,))
 
     @property
     def lock(self) -> threading.Lock:
-        return self._lock
+        """Held by a face while it checks the pool is open and calls :meth:`submit`."""
+        return self._gate
 
-    def pending(self) -> deque[Task]:
-        """The tasks not sent yet (under :meth:`lock`): a face may cancel them."""
-        return self._pending
+    def _take_inbox(self) -> None:
+        """Move the submitted tasks to the pending queue (``_lock`` held)."""
+        inbox, pending = self._inbox, self._pending
+        n = 0
+        while inbox:
+            pending.append(inbox.popleft())
+            n += 1
+        self._unfinished += n
 
     def close(self, cancel: bool = False) -> list[Task]:
         """No new tasks; with ``cancel``, take back those not sent yet (returned).  The
         workers stop once the rest is done."""
-        with self._lock:
+        with self._gate:
             self.closing = True
+        with self._lock:
+            self._take_inbox()
             taken = []
             if cancel:  # those not admitted yet (an admitted one is running for its caller)
                 while len(self._pending) > self._ready:
@@ -213,8 +228,10 @@ class Engine:
 
     def terminate(self) -> None:
         """Stop now: workers killed, tasks not done abandoned (their sinks get nothing)."""
+        with self._gate:
+            self.closing = True
         with self._lock:
-            self.closing = self._terminate = True
+            self._terminate = True
             self._poke()
         self._wake_supervisor()
 
@@ -289,10 +306,13 @@ class Engine:
             while True:
                 fed = self._feed()
                 with self._lock:
-                    if self._terminate or (self.closing and not self._unfinished):
+                    if self._terminate or (self.closing and not self._unfinished and not self._inbox):
                         break
-                    self._idle = not fed or not self._ready
+                    idle = not fed or not self._ready
                     self._woken = False
+                    self._idle = idle
+                    if self._inbox:  # submitted meanwhile (see submit)
+                        self._idle = False
                 timeout = RECHECK_S if self._frames else None
                 try:
                     items = self._results.get_many(256, timeout=timeout if self._idle else 0)
@@ -351,6 +371,7 @@ class Engine:
         """Send the admitted tasks; False if none went, or if the byte window filled
         (the rest wait for replies: the caller may block on them)."""
         with self._lock:
+            self._take_inbox()
             self._admit()
             n = self._ready
             if n <= 0 or self.broken is not None:
@@ -557,8 +578,10 @@ class Engine:
         ones are taken."""
         if self.broken is not None:
             return
-        self.broken = exc
-        self.closing = True
+        with self._gate:  # no submit from now on: what is in the inbox fails too
+            self.broken = exc
+            self.closing = True
+        self._take_inbox()
         tasks = list(self._pending)
         self._pending.clear()
         self._ready = self._admitted = 0
