@@ -237,9 +237,15 @@ class Doorbell:
     waits watch it); ``core`` the spool's compiled ring, which owns the
     futex word and rings (``space``: the space bell's, else the data bell's).
     Thread-safe: any number of threads may wait.
+
+    ``spin``: a waiter's spin before it sleeps, :data:`SPIN_S` by default.  The
+    spin holds the GIL (and ``sched_yield`` on a busy machine can keep it held
+    for a time slice): a thread that waits beside busy Python threads of its
+    own process (a pool's result thread beside its callers) sets 0.
     """
 
     def __init__(self, file, sem, core, space: bool):
+        self.spin = SPIN_S
         self.file = file
         self.sem = sem
         self._core = core
@@ -276,7 +282,7 @@ class Doorbell:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
-        :data:`SPIN_S`, yielding the CPU to other runnable processes between
+        ``spin`` seconds, yielding the CPU to other runnable processes between
         looks, with a look after the last yield too (the GIL stays held; a
         frame caught here never registers a waiter), then sleeps on the
         futex word with the GIL released.  A waiter still waiting
@@ -292,8 +298,8 @@ class Doorbell:
             return False
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        spin_until = now + SPIN_S
-        while True:  # a look after every yield, the last one too (the writer may have run)
+        spin_until = now + self.spin
+        while self.spin > 0:  # a look after every yield, the last one too (the writer may have run)
             _core.yield_cpu()
             if ready():
                 return True

@@ -55,6 +55,11 @@ def double(a):
     return a * 2
 
 
+def double_in_place(a):
+    a *= 2  # the worker's arguments are its own, writable (as with the stdlib)
+    return a
+
+
 def arrow_sum(batch):
     import pyarrow.compute as pc
 

@@ -273,9 +273,36 @@ def test_numpy_and_arrow_travel_through_shared_memory():
         for a, b in zip(arrays, out):
             assert b.dtype == a.dtype and np.array_equal(b, a * 2)
             assert b.flags.writeable  # the caller's own copy, as with the stdlib
+        big = np.ones(1 << 20)
+        assert np.array_equal(ex.submit(T.double_in_place, big).result(timeout=bound(60)), big * 2)
         assert ex.submit(T.arrow_sum, batch).result(timeout=bound(60)) == sum(range(100_000))
         got = ex.submit(T.returns, batch).result(timeout=bound(60))
         assert got.equals(batch)
+
+
+def test_large_arguments_are_sent_a_few_at_a_time(monkeypatch):
+    """A map over large arrays puts them into the request ring as workers can take them
+    (at most the byte window ahead of the replies, one frame a put), not all at once."""
+    from shmq.pool import engine
+
+    monkeypatch.setattr(engine, "WINDOW_BYTES", 2 << 20)  # 4 MiB ahead for 2 workers
+    puts = []  # (frames in the put, ring bytes in flight after it)
+    real_send = engine.Engine._send
+
+    def send(self, frames):
+        real_send(self, frames)
+        puts.append((len(frames), self._inflight_bytes))
+
+    monkeypatch.setattr(engine.Engine, "_send", send)
+    arrays = [np.full(1 << 17, float(i)) for i in range(24)]  # 1 MiB each, 24 MiB in all
+    with executor() as ex:
+        assert ex.submit(T.square, 3).result(timeout=bound(60)) == 9  # small ones first
+        out = list(ex.map(T.double, arrays, timeout=bound(60)))
+    assert [float(b[0]) for b in out] == [2.0 * i for i in range(24)]
+    big = puts[1:]  # the map's
+    assert sum(n for n, _ in big) == 24 and all(n == 1 for n, _ in big), big
+    # in flight: the window, plus the one put that crossed it (a frame is 1 MiB and a header)
+    assert max(b for _, b in big) < (4 << 20) + (1 << 20) + 4096, big
 
 
 # -- the parent's end --------------------------------------------------------------------

@@ -148,6 +148,33 @@ def test_a_killed_zygote_is_replaced_and_its_workers_reported():
         crew.close()
 
 
+def test_a_hung_zygote_is_a_clear_error_and_is_replaced(monkeypatch):
+    from shmq.workers import processes
+
+    crew = Crew("fork", exit_with, name="t", death_signal=signal.SIGKILL)
+    try:
+        a = crew.start("a", "sleep")
+        zygote = psutil.Process(a.pid).parent()
+        zygote.suspend()  # SIGSTOP: alive, its pipe open, never answering
+        # the short bound for this start only: a loaded machine may take longer than
+        # 0.5 s to run a healthy zygote's first or replacement answer
+        monkeypatch.setattr(processes, "ZYGOTE_ANSWER_S", 0.5)
+        t = time.monotonic()
+        with pytest.raises(shmq.ShmqError, match=rf"zygote \(pid {zygote.pid}\) did not answer "
+                                                 r"within 0.5 s.*worker 'b' not started"):
+            crew.start("b", 5)
+        assert time.monotonic() - t < bound(10)
+        monkeypatch.undo()
+        assert not zygote.is_running()  # killed and reaped, not left stopped
+        [lost] = _reap(crew, 1)  # its worker went with it, and is reported
+        assert lost is a and lost.exitcode == -signal.SIGKILL
+        b = crew.start("b", 5)  # a new zygote forks it
+        assert psutil.Process(b.pid).parent().pid not in (zygote.pid, os.getpid())
+        assert _reap(crew, 1)[0].exitcode == 5
+    finally:
+        crew.close()
+
+
 OWNER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {here!r})

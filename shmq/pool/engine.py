@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .._layout import W_PUT_BYTES
 from ..errors import Empty, Full, ShmqError, TooLarge
 from ..queue import GROUP, Queue
 from ..rpc.requests import send, taken_up_to
@@ -61,6 +62,18 @@ WINDOW_S = 0.005
 #: Tasks per frame: as many as a worker runs in about this long, 1 to BUNDLE_MAX.
 BUNDLE_S = 0.001
 BUNDLE_MAX = 64
+#: Bytes in the request ring per worker (sent, not answered) past which no more frames
+#: are sent: large arguments (numpy arrays) go a few at a time, as a worker can take
+#: them, instead of all at once into a ring that must grow (fresh pages) to hold them.
+WINDOW_BYTES = 16 << 20
+#: The request ring and the result queue start this large.  A growable ring grows and
+#: gives back segments of about its start size (at most 4 MiB) and keeps four of them
+#: when it wraps early: with 1 MiB, frames of a few MiB (numpy arrays) made most laps
+#: allocate fresh pages (about a fifth more page faults and CPU for 8 MiB arrays).
+RING_START = "4MiB"
+#: Frames of tasks this large or larger are put one by one (a worker can start on the
+#: first while the next is written); smaller ones in one batch.
+SOLO_BYTES = 256 << 10
 #: Workers asked to stop (a STOP frame each) exit within this, or are killed.
 STOP_GRACE_S = 5.0
 #: A worker that could not be started is tried again after this.
@@ -87,11 +100,12 @@ class Task:
 class _Frame:
     """Tasks sent together: ``seq`` in the ring, wire ids ``first`` onwards."""
 
-    __slots__ = ("seq", "first", "tasks", "strikes", "done")
+    __slots__ = ("seq", "first", "tasks", "strikes", "done", "nbytes")
     attempt = 1  # for the Lookout: a frame is sent again as new frames, never twice
 
     def __init__(self, first: int, tasks: list[Task]) -> None:
         self.seq, self.first, self.tasks, self.strikes, self.done = -1, first, tasks, 0, False
+        self.nbytes = 0  # its share of the ring bytes its put took
 
 
 def broken_pool(text: str, cause: BaseException | None = None) -> BaseException:
@@ -124,16 +138,25 @@ class Engine:
         self.face = face
         self.at_exit = at_exit
         self.ctx = ctx
-        self._requests = Queue()  # ours: removed at close (and if we die, see the docstring)
-        self._results = Queue()
+        self._requests = Queue(capacity=RING_START)  # ours: removed at close (and if we die, see the docstring)
+        self._results = Queue(capacity=RING_START)
         self._ring = Spool.open(self._requests.path)  # puts that tell their seqs
+        # The collector waits for replies beside the callers' threads: a spin would hold
+        # the GIL they need to submit (sched_yield on a busy machine: for a time slice).
+        self._results._spool.data_bell.spin = 0.0  # (the queue is ours: its spool too)
         self._board = Board.anonymous(LAYOUT, workers, ROW_WORDS)
         assert self._board.fd is not None  # an anonymous board keeps its memfd
         cfg = Config(self._requests.path, self._results.path, BoardFd(self._board.fd), face, initializer,
                      tuple(initargs), max_tasks)
         # made before our threads: under fork its zygote is forked here, single-threaded
         self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the window's state, the collector's
+        # The callers' side: submit() appends to the inbox under the gate, never under
+        # _lock, which the collector takes all the time (a caller blocked on it waited
+        # for the GIL after it too: a third of a burst of trivial submits went so).
+        # Lock order: _lock, then _gate (close and terminate take them one after the other).
+        self._gate = threading.Lock()
+        self._inbox: deque[Task] = deque()
         # submitted, not sent: the first _ready of them admitted (started), the rest waiting
         self._pending: deque[Task] = deque()
         self._ready = 0
@@ -142,6 +165,8 @@ class Engine:
         self._next_wire = 0
         self._unfinished = 0  # tasks submitted and not done
         self._per_task: float | None = None  # seconds a task takes in a worker, smoothed
+        self._task_bytes: float | None = None  # ring bytes a task took in the last put
+        self._inflight_bytes = 0  # ring bytes of the frames in self._frames
         self._idle = False  # the collector waits on the result queue
         self._woken = False
         self.closing = False  # no new tasks
@@ -162,27 +187,36 @@ class Engine:
     # -- the callers' side ----------------------------------------------------------------
 
     def submit(self, tasks: list[Task]) -> None:
-        """Queue ``tasks`` (the caller checked the pool is open, under :meth:`lock`)."""
-        self._pending.extend(tasks)
-        self._unfinished += len(tasks)
-        self._admit()
+        """Queue ``tasks`` (the caller checked the pool is open, under :meth:`lock`); the
+        collector admits them into the window."""
+        self._inbox.extend(tasks)
+        # after the append: the collector sets _idle, then looks at the inbox (one of
+        # the two sees the other's write, under the GIL)
         if self._idle and not self._woken:
             self._woken = True
             self._results.put((WAKE,))
 
     @property
     def lock(self) -> threading.Lock:
-        return self._lock
+        """Held by a face while it checks the pool is open and calls :meth:`submit`."""
+        return self._gate
 
-    def pending(self) -> deque[Task]:
-        """The tasks not sent yet (under :meth:`lock`): a face may cancel them."""
-        return self._pending
+    def _take_inbox(self) -> None:
+        """Move the submitted tasks to the pending queue (``_lock`` held)."""
+        inbox, pending = self._inbox, self._pending
+        n = 0
+        while inbox:
+            pending.append(inbox.popleft())
+            n += 1
+        self._unfinished += n
 
     def close(self, cancel: bool = False) -> list[Task]:
         """No new tasks; with ``cancel``, take back those not sent yet (returned).  The
         workers stop once the rest is done."""
-        with self._lock:
+        with self._gate:
             self.closing = True
+        with self._lock:
+            self._take_inbox()
             taken = []
             if cancel:  # those not admitted yet (an admitted one is running for its caller)
                 while len(self._pending) > self._ready:
@@ -194,8 +228,10 @@ class Engine:
 
     def terminate(self) -> None:
         """Stop now: workers killed, tasks not done abandoned (their sinks get nothing)."""
+        with self._gate:
+            self.closing = True
         with self._lock:
-            self.closing = self._terminate = True
+            self._terminate = True
             self._poke()
         self._wake_supervisor()
 
@@ -268,16 +304,21 @@ class Engine:
     def _collect(self) -> None:
         try:
             while True:
-                fed = self._feed()
+                self._feed()
                 with self._lock:
-                    if self._terminate or (self.closing and not self._unfinished):
+                    if self._terminate or (self.closing and not self._unfinished and not self._inbox):
                         break
                     # Idle only if nothing can be sent now: tasks that failed to pickle
                     # in _feed made room in the window, and a submit that landed after
-                    # _feed looked saw the collector busy and rang no bell.
+                    # _feed looked saw the collector busy and rang no bell.  A full byte
+                    # window waits for the replies that empty it.
+                    self._take_inbox()
                     self._admit()
-                    self._idle = not self._ready or self.broken is not None
+                    idle = not self._ready or self.broken is not None or self._bytes_full()
                     self._woken = False
+                    self._idle = idle
+                    if self._inbox:  # submitted meanwhile (see submit)
+                        self._idle = False
                 timeout = RECHECK_S if self._frames else None
                 try:
                     items = self._results.get_many(256, timeout=timeout if self._idle else 0)
@@ -333,16 +374,42 @@ class Engine:
         return 1 if per is None else max(1, min(BUNDLE_MAX, int(BUNDLE_S / max(per, 1e-7))))
 
     def _feed(self) -> bool:
-        """Send the admitted tasks; False if none went."""
+        """Send the admitted tasks; False if none went, or if the byte window filled
+        (the rest wait for replies: the caller may block on them)."""
         with self._lock:
+            self._take_inbox()
             self._admit()
             n = self._ready
             if n <= 0 or self.broken is not None:
                 return False
             batch = [self._pending.popleft() for _ in range(n)]
             self._ready = 0
-        frames = []
-        k, i = self._bundle(), 0
+        i = 0
+        while i < len(batch):
+            if self._bytes_full():  # the rest when room frees
+                self._again(batch[i:], solo=False)
+                return False
+            if i == 0 and len(batch) > 1:  # alone: how big these tasks are is known once put
+                frames = self._frames_of(batch[:1], 1)
+            elif self._big():  # one task a frame, one frame a put: workers start at once
+                frames = self._frames_of(batch[i:i + 1], 1)
+            else:  # small ones: bundled, in one put
+                frames = self._frames_of(batch[i:], self._bundle())
+            self._send(frames)
+            i += sum(len(f.tasks) for f in frames)
+        return i > 0
+
+    def _bytes_full(self) -> bool:
+        """The frames in flight hold the byte window: more waits for their replies."""
+        return bool(self._frames) and self._inflight_bytes >= self.workers * WINDOW_BYTES
+
+    def _big(self) -> bool:
+        """The last tasks put took :data:`SOLO_BYTES` or more of the ring each."""
+        return self._task_bytes is not None and self._task_bytes >= SOLO_BYTES
+
+    def _frames_of(self, batch: list[Task], k: int) -> list[_Frame]:
+        """``batch`` in frames of up to ``k`` tasks (a task sent again after a loss alone)."""
+        frames, i = [], 0
         while i < len(batch):
             if batch[i].solo:
                 tasks = [batch[i]]
@@ -354,13 +421,16 @@ class Engine:
             frames.append(_Frame(self._next_wire, tasks))
             self._next_wire += len(tasks)
             i += len(tasks)
-        if frames:
-            self._send(frames)
-        return bool(frames)
+        return frames
 
     def _send(self, frames: list[_Frame]) -> None:
         """Put frames into the ring; one whose pickling fails is split, and a task that
         cannot be pickled fails alone, as the stdlib's do (the error itself)."""
+        # The payload bytes put, not the positions passed: a growable ring's early wrap
+        # skips to the next lap, and that gap is nobody's backlog.  Exact: ours is the
+        # only writer (workers put STOPs only at the end).
+        ctl = self._ring.ring.ctl
+        before = ctl[W_PUT_BYTES]
         try:
             seqs = send(self._ring, [(f.first, [t.call for t in f.tasks]) for f in frames], 0)
         except (Full, TooLarge, Empty, ShmqError, OSError) as exc:
@@ -371,8 +441,13 @@ class Engine:
             if len(frames) > 1 or len(frames[0].tasks) > 1:
                 return self._send_each(frames, exc)
             return self._fail_frame(frames[0], exc)
+        used = ctl[W_PUT_BYTES] - before
+        ntasks = sum(len(f.tasks) for f in frames)
+        self._task_bytes = used / ntasks
         for f, seq in zip(frames, seqs):
             f.seq = seq
+            f.nbytes = used * len(f.tasks) // ntasks
+            self._inflight_bytes += f.nbytes
             self._frames[seq] = f
 
     def _send_each(self, frames: list[_Frame], exc: BaseException) -> None:
@@ -414,6 +489,8 @@ class Engine:
 
     def _done_frame(self, seq: int) -> _Frame | None:
         frame = self._frames.pop(seq, None)
+        if frame is not None:
+            self._inflight_bytes -= frame.nbytes
         if frame is None or frame.done:
             return None  # a frame sent again meanwhile, answered twice
         frame.done = True
@@ -514,14 +591,17 @@ class Engine:
         ones are taken."""
         if self.broken is not None:
             return
-        self.broken = exc
-        self.closing = True
+        with self._gate:  # no submit from now on: what is in the inbox fails too
+            self.broken = exc
+            self.closing = True
+        self._take_inbox()
         tasks = list(self._pending)
         self._pending.clear()
         self._ready = self._admitted = 0
         for f in self._frames.values():
             tasks += f.tasks
         self._frames.clear()
+        self._inflight_bytes = 0
         self._lock.release()
         try:
             for t in tasks:
