@@ -241,7 +241,9 @@ def test_shutdown_cancels_what_no_worker_was_given_and_wait_false_returns_at_onc
     ex.shutdown(wait=False, cancel_futures=True)
     assert time.monotonic() - t < bound(2)
     cancelled = [f for f in fs if f.cancelled()]
-    assert len(cancelled) >= 30  # a few ahead of the workers only
+    # a few ahead of the workers only, and those few run even when the burst had not
+    # reached the window yet (the stdlib's call queue; CPython's test_cancel_futures)
+    assert 30 <= len(cancelled) < 40, len(cancelled)
     for f in fs:
         if not f.cancelled():
             assert f.result(timeout=bound(60)) is None

@@ -219,6 +219,11 @@ class Engine:
             self._take_inbox()
             taken = []
             if cancel:  # those not admitted yet (an admitted one is running for its caller)
+                # Admit first what the window holds, as the stdlib's call queue does: a
+                # burst submitted just before (still in the inbox, which the collector
+                # had not taken yet) must not be cancelled whole.
+                if self.broken is None:
+                    self._admit()
                 while len(self._pending) > self._ready:
                     taken.append(self._pending.pop())
                 taken.reverse()
