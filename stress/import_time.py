@@ -36,11 +36,12 @@ LAZY = ("asyncio", "numpy", "psutil", "multiprocessing", "inotify_simple", "logg
 #: What each contender's interpreter runs: the import timed, then a report on stdout.
 PROBE = """\
 import sys, time
+before = set(sys.modules)  # what the interpreter's start loaded (a site .pth may import psutil)
 t0 = time.perf_counter()
 import {module}
 t1 = time.perf_counter()
 lazy = {lazy!r}
-print(repr((t1 - t0, [m for m in lazy if m in sys.modules])))
+print(repr((t1 - t0, [m for m in lazy if m in sys.modules and m not in before])))
 """
 
 CONTENDERS = {

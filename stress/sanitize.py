@@ -137,6 +137,11 @@ def build(out_dir, cc, extra_flags=(), sources=None):
     os.makedirs(pkg)
     for py in glob.glob(os.path.join(ROOT, "shmq", "*.py")):
         os.symlink(py, os.path.join(pkg, os.path.basename(py)))
+    # The subpackages too: an editable install's finder would supply them, but an
+    # installed build (.ci/aarch64's) has none pointing here
+    for init in glob.glob(os.path.join(ROOT, "shmq", "*", "__init__.py")):
+        sub = os.path.dirname(init)
+        os.symlink(sub, os.path.join(pkg, os.path.basename(sub)))
     target = os.path.join(pkg, "_core" + sysconfig.get_config_var("EXT_SUFFIX"))
     srcs, incs = core_sources() if sources is None else (list(sources), [])
     cmd = [cc, "-shared", "-fPIC", "-std=gnu11", "-Wall", *SAN_FLAGS, *extra_flags,

@@ -13,6 +13,7 @@ Prints a summary; exits 1 on any violation, or if nothing was killed.
 """
 
 import argparse
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -24,7 +25,11 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# This checkout's shmq when its core is built in place; otherwise the installed one
+# (a source tree without a built core cannot be imported: .ci/aarch64 installs it).
+if glob.glob(os.path.join(ROOT, "shmq", "_core*.so")):
+    sys.path.insert(0, ROOT)
 
 import psutil  # noqa: E402
 

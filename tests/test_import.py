@@ -27,8 +27,13 @@ def _child(code):
     return proc.stdout.strip()
 
 
+#: What a child prints: the modules of ``names`` loaded since its ``before`` (what the
+#: interpreter's start loaded, a site .pth included: .ci/aarch64's imports psutil).
+_LOADED = "print(sorted(m for m in {names!r} if m in sys.modules and m not in before))"
+
+
 def test_import_shmq_loads_neither_asyncio_nor_numpy():
-    out = _child(f"import sys, shmq; print(sorted(m for m in {NOT_AT_IMPORT!r} if m in sys.modules))")
+    out = _child("import sys; before = set(sys.modules); import shmq\n" + _LOADED.format(names=NOT_AT_IMPORT))
     assert out == "[]"
 
 
@@ -49,12 +54,12 @@ def test_unknown_attribute_is_an_attribute_error():
 def test_spool_use_loads_nothing_lazy(tmp_path):
     # A process that creates, writes, reads and takes statistics of a spool
     # (blocking waits included) never needs asyncio, numpy or psutil.
-    code = (f"import sys, shmq\n"
+    code = (f"import sys; before = set(sys.modules); import shmq\n"
             f"sp = shmq.Spool.create({str(tmp_path / 's')!r}, capacity='1MiB')\n"
             f"r = sp.reader('r'); sp.put(b'x'); assert r.get(timeout=5).data == b'x'\n"
             f"assert sp.stats().frames == 1\n"
             f"r.close(); sp.close(); shmq.Spool.destroy(sp.path)\n"
-            f"print(sorted(m for m in ('asyncio', 'numpy', 'psutil', 'inotify_simple') if m in sys.modules))")
+            + _LOADED.format(names=("asyncio", "numpy", "psutil", "inotify_simple")))
     assert _child(code) == "[]"
 
 

@@ -249,6 +249,35 @@ def test_shutdown_cancels_what_no_worker_was_given_and_wait_false_returns_at_onc
             assert f.result(timeout=bound(60)) is None
 
 
+def test_shutdown_leaves_no_thread_behind(monkeypatch):
+    # a fork right after a shutdown must not copy a pool thread on its way out (the
+    # suite's fork check refused the next pool's zygote so, under emulation, where a
+    # thread takes long to leave after its last work: made slow here the same way)
+    from shmq.pool import engine
+
+    real_cleanup = engine.Engine._cleanup
+
+    def slow_cleanup(self):
+        real_cleanup(self)  # sets finished: what a shutdown used to wait for only
+        time.sleep(0.3)
+
+    monkeypatch.setattr(engine.Engine, "_cleanup", slow_cleanup)
+    before = set(threading.enumerate())
+    for method in ("fork", "spawn"):
+        with executor(method) as ex:
+            assert ex.submit(T.square, 3).result(timeout=bound(60)) == 9
+        assert set(threading.enumerate()) == before
+    p = shmq.Pool(2, context="fork")
+    assert p.apply(T.square, (4,)) == 16
+    p.close()
+    p.join()
+    assert set(threading.enumerate()) == before
+    p = shmq.Pool(2, context="fork")
+    p.terminate()
+    p.join()
+    assert set(threading.enumerate()) == before
+
+
 def test_threads_submit_at_once():
     with executor() as ex:
         out = {}

@@ -241,8 +241,17 @@ class Engine:
         self._wake_supervisor()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until the workers are reaped and the files removed."""
-        return self.finished.wait(timeout)
+        """Wait until the workers are reaped, the files removed and the pool's threads
+        gone (a fork right after a shutdown must not copy a thread still on its way
+        out); False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.finished.wait(timeout):
+            return False
+        for t in (self._supervisor, self._collector):  # each has only to return now
+            if t is not threading.current_thread():
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in (self._supervisor, self._collector)
+                       if t is not threading.current_thread())
 
     def _poke(self) -> None:
         # lock held
