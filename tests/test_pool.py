@@ -266,16 +266,16 @@ def test_shutdown_leaves_no_thread_behind(monkeypatch):
     for method in ("fork", "spawn"):
         with executor(method) as ex:
             assert ex.submit(T.square, 3).result(timeout=bound(60)) == 9
-        assert set(threading.enumerate()) == before
+        assert not set(threading.enumerate()) - before  # (an earlier test's may end meanwhile)
     p = shmq.Pool(2, context="fork")
     assert p.apply(T.square, (4,)) == 16
     p.close()
     p.join()
-    assert set(threading.enumerate()) == before
+    assert not set(threading.enumerate()) - before
     p = shmq.Pool(2, context="fork")
     p.terminate()
     p.join()
-    assert set(threading.enumerate()) == before
+    assert not set(threading.enumerate()) - before
 
 
 def test_threads_submit_at_once():
