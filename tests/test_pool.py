@@ -23,7 +23,7 @@ import pytest
 
 import pool_tasks as T
 import shmq
-from conftest import START_METHODS, bound
+from conftest import EMULATED, START_METHODS, bound
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -276,6 +276,30 @@ def test_shutdown_leaves_no_thread_behind(monkeypatch):
     p.terminate()
     p.join()
     assert not set(threading.enumerate()) - before
+
+
+def _blocked(status_path):
+    with open(status_path) as f:
+        mask = int(next(ln for ln in f if ln.startswith("SigBlk:")).split()[1], 16)
+    return {sig for sig in (signal.SIGINT, signal.SIGTERM) if mask >> (sig - 1) & 1}
+
+
+@pytest.mark.skipif(EMULATED, reason="qemu-user keeps a guest's signal masks virtual: "
+                                     "/proc shows the host thread's")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_pool_threads_leave_ctrl_c_to_the_main_thread(method):
+    # A process-directed SIGINT goes to a thread that does not block it; had a pool
+    # thread taken it, a main thread asleep in result() would sleep through Ctrl-C
+    # (seen: test_ctrl_c_leaves_no_orphan_and_no_file hung so, now and then).
+    with executor(method) as ex:
+        pids = {ex.submit(T.pid_of).result(timeout=bound(60)) for _ in range(8)}
+        ours = [t for t in threading.enumerate() if t.name in ("shmq-pool-supervisor", "shmq-pool-results")]
+        assert len(ours) == 2
+        for t in ours:
+            assert _blocked(f"/proc/self/task/{t.native_id}/status") == {signal.SIGINT, signal.SIGTERM}
+        assert not _blocked(f"/proc/self/task/{threading.get_native_id()}/status")
+        for pid in pids:  # the workers, made by the supervisor: with the signals open
+            assert not _blocked(f"/proc/{pid}/status"), pid
 
 
 def test_threads_submit_at_once():

@@ -131,6 +131,33 @@ def test_a_fork_crew_forks_nothing_here_once_threads_run():
     _starts_a_thread_then_a_worker()
 
 
+def test_a_zygote_that_fails_to_start_leaves_no_descriptor_marked(monkeypatch):
+    # A fork that fails (here: refused, as the suite's fork check refuses one beside a
+    # thread) must not leave the pipe's number in the set every later fork's child puts
+    # /dev/null over: that number is reused by the next file opened.
+    import multiprocessing
+
+    from shmq.workers import processes
+
+    def refused(self):
+        raise OSError("fork refused")
+
+    before = set(processes._owned_ends)
+    fds_before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(multiprocessing.get_context("fork").Process, "start", refused)
+    with pytest.raises(OSError, match="fork refused"):
+        Crew("fork", exit_with, name="t", death_signal=signal.SIGKILL)
+    assert processes._owned_ends == before
+    assert set(os.listdir("/proc/self/fd")) <= fds_before  # both ends of the pipe closed
+    monkeypatch.undo()
+    crew = Crew("fork", exit_with, name="t", death_signal=signal.SIGKILL)  # and it works again
+    try:
+        crew.start("a", 3)
+        assert _reap(crew, 1)[0].exitcode == 3
+    finally:
+        crew.close()
+
+
 def test_a_killed_zygote_is_replaced_and_its_workers_reported():
     crew = Crew("fork", exit_with, name="t", death_signal=signal.SIGKILL)
     try:

@@ -76,6 +76,14 @@ RING_START = "4MiB"
 SOLO_BYTES = 256 << 10
 #: Workers asked to stop (a STOP frame each) exit within this, or are killed.
 STOP_GRACE_S = 5.0
+
+#: Process-directed signals a pool's threads block, so that the kernel hands them to
+#: a thread that does not (the main one, where Python runs their handlers): a SIGINT
+#: taken by a pool thread only sets Python's flag, and a main thread asleep in
+#: ``Future.result()`` or ``AsyncResult.get()`` slept on through its Ctrl-C.
+ROUTED_SIGNALS = frozenset(getattr(signal, n) for n in
+                           ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
+                           if hasattr(signal, n))
 #: A worker that could not be started is tried again after this.
 RESTART_RETRY_S = 1.0
 _LOOKOUT = Lookout(strikes=2, again=2)
@@ -274,11 +282,18 @@ class Engine:
         """Start the workers, restart the dead (after telling the collector what they held),
         stop them at the end, then remove the files."""
         crew, due = self._crew, list(range(self.workers))
+        signal.pthread_sigmask(signal.SIG_BLOCK, ROUTED_SIGNALS)
         try:
             while not (self._stop_workers or self._terminate):
                 for slot in list(due):
                     try:
-                        crew.start(slot)
+                        # a process made now inherits this thread's mask (spawn and the
+                        # fork server through exec too): made with the signals open
+                        signal.pthread_sigmask(signal.SIG_UNBLOCK, ROUTED_SIGNALS)
+                        try:
+                            crew.start(slot)
+                        finally:
+                            signal.pthread_sigmask(signal.SIG_BLOCK, ROUTED_SIGNALS)
                         due.remove(slot)
                     except (OSError, ShmqError) as exc:
                         log.error("could not start pool worker %d (again in %g s): %s", slot,
@@ -316,6 +331,7 @@ class Engine:
     # -- the collector thread ----------------------------------------------------------------
 
     def _collect(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, ROUTED_SIGNALS)  # (see ROUTED_SIGNALS)
         try:
             while True:
                 self._feed()

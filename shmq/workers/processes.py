@@ -358,10 +358,18 @@ class _Zygote:
     def __init__(self, ctx: Any, run_args: tuple[Any, ...], name: str) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         _owned_ends.add(self.conn.fileno())  # before the fork: the zygote must not hold it
-        self.proc = ctx.Process(target=_zygote_main, args=(child, ctx, run_args, name, os.getpid()),
-                                name=f"{name}-zygote", daemon=False)
-        self.proc.start()
-        child.close()
+        try:
+            self.proc = ctx.Process(target=_zygote_main, args=(child, ctx, run_args, name, os.getpid()),
+                                    name=f"{name}-zygote", daemon=False)
+            self.proc.start()
+        except BaseException:
+            # No zygote: the number must leave _owned_ends before the fd is closed, or
+            # every later fork would put /dev/null over whatever reuses the number
+            _owned_ends.discard(self.conn.fileno())
+            self.conn.close()
+            raise
+        finally:
+            child.close()
         self.workers: dict[int, Worker] = {}  # pid -> worker, for its exit report
         self.dead = False
 
