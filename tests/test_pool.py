@@ -295,8 +295,11 @@ def test_pool_threads_leave_ctrl_c_to_the_main_thread(method):
         pids = {ex.submit(T.pid_of).result(timeout=bound(60)) for _ in range(8)}
         ours = [t for t in threading.enumerate() if t.name in ("shmq-pool-supervisor", "shmq-pool-results")]
         assert len(ours) == 2
-        for t in ours:
-            assert _blocked(f"/proc/self/task/{t.native_id}/status") == {signal.SIGINT, signal.SIGTERM}
+        for t in ours:  # (the supervisor opens them while it makes a worker: wait that out)
+            path, deadline = f"/proc/self/task/{t.native_id}/status", time.monotonic() + bound(30)
+            while _blocked(path) != {signal.SIGINT, signal.SIGTERM} and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _blocked(path) == {signal.SIGINT, signal.SIGTERM}, t.name
         assert not _blocked(f"/proc/self/task/{threading.get_native_id()}/status")
         for pid in pids:  # the workers, made by the supervisor: with the signals open
             assert not _blocked(f"/proc/{pid}/status"), pid

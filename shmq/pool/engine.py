@@ -29,15 +29,12 @@ row's update is found by the platform's :class:`~shmq.workers.Lookout`
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +45,7 @@ from ..queue import GROUP, Queue
 from ..rpc.requests import send, taken_up_to
 from ..spool import Spool
 from ..workers import Board, Crew, Lookout, exit_text, held_ranges, reclaim
+from . import lifetime
 from .wire import DIED, INIT_FAILED, OK, STOP, UNDECODABLE, WAKE, remote, traceback_text, unpack_values
 from .worker import LAYOUT, ROW_WORDS, BoardFd, Config, worker_main
 
@@ -188,7 +186,7 @@ class Engine:
                                             daemon=True)
         self._collector = threading.Thread(target=self._collect, name="shmq-pool-results",
                                            daemon=True)
-        _watch(self)
+        lifetime.watch(self)
         self._supervisor.start()
         self._collector.start()
 
@@ -325,7 +323,7 @@ class Engine:
         self._board.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        _live.discard(self)
+        lifetime.forget(self)
         self.finished.set()
 
     # -- the collector thread ----------------------------------------------------------------
@@ -667,59 +665,3 @@ def context(ctx: Any) -> Any:
     if ctx is None or isinstance(ctx, str):
         return multiprocessing.get_context(ctx)
     return ctx
-
-
-# -- the interpreter's exit ----------------------------------------------------------------
-
-_live: weakref.WeakSet[Engine] = weakref.WeakSet()
-_hooked = False
-#: Set at the interpreter's exit: pools refuse new work from then on.
-exiting = False
-
-
-def _forget_after_fork() -> None:
-    # A forked child (a worker, a zygote, a user's fork) inherits our exit hook and this
-    # set, but none of these pools' threads: at its exit it must not wait for them.
-    _live.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _watch(engine: Engine) -> None:
-    """Have :func:`_at_exit` see ``engine``; hooked at the first pool, like the stdlib's
-    executor: before ``atexit``'s callbacks (threading's own exit hooks), so that an
-    ``atexit`` callback that submits finds the pools shut."""
-    global _hooked
-    _live.add(engine)
-    if not _hooked:
-        _hooked = True
-        hook = getattr(threading, "_register_atexit", None)
-        try:
-            if hook is None:
-                raise RuntimeError
-            hook(_at_exit)
-        except RuntimeError:
-            atexit.register(_at_exit)
-
-
-def _at_exit() -> None:
-    """Executors finish their work, as the stdlib's do; pools are terminated.  After an
-    uncaught KeyboardInterrupt (Ctrl-C), nothing waits: every pool is terminated."""
-    global exiting
-    exiting = True
-    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
-    engines = list(_live)
-    try:
-        for e in engines:
-            if interrupted or e.at_exit == "terminate":
-                e.terminate()
-            else:
-                e.close()
-        for e in engines:
-            e.join()
-    finally:  # a second Ctrl-C while waiting: kill them all
-        for e in engines:
-            if not e.finished.is_set():
-                e.terminate()
-                e.join(10.0)

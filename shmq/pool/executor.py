@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, InvalidStateError
 from typing import Any, Self
 
-from . import engine as _engine
+from . import lifetime
 from .engine import Engine, Task, context
 from .wire import EXECUTOR
 
@@ -112,7 +112,7 @@ class ProcessPoolExecutor(Executor):
                 raise BrokenProcessPool(str(e.broken)) from e.broken
             if e.closing:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if _engine.exiting:
+            if lifetime.exiting:
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             e.submit([Task((fn, args, kwargs), f)])
         return f
