@@ -78,7 +78,7 @@ STOP_GRACE_S = 5.0
 #: Process-directed signals a pool's threads block, so that the kernel hands them to
 #: a thread that does not (the main one, where Python runs their handlers): a SIGINT
 #: taken by a pool thread only sets Python's flag, and a main thread asleep in
-#: ``Future.result()`` or ``AsyncResult.get()`` slept on through its Ctrl-C.
+#: ``Future.result()`` or ``AsyncResult.get()`` would sleep on through its Ctrl-C.
 ROUTED_SIGNALS = frozenset(getattr(signal, n) for n in
                            ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
                            if hasattr(signal, n))
@@ -209,6 +209,8 @@ class Engine:
 
     def _take_inbox(self) -> None:
         """Move the submitted tasks to the pending queue (``_lock`` held)."""
+        # one popleft at a time, never extend-then-clear: submit() appends without
+        # _lock, and a task appended between the two would be cleared unseen
         inbox, pending = self._inbox, self._pending
         n = 0
         while inbox:
