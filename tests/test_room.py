@@ -207,8 +207,10 @@ def test_a_stale_want_is_replaced_by_a_blocked_writers_own(full_spool, monkeypat
     try:
         t = _BlockedPut(other.put, b"y" * 100)
         _wait_for(lambda: ctl[F.W_ROOM_WANT_POS] > 1)
-        while t.is_alive():
-            r.get(timeout=bound(10))
+        # Read up to the blocked writer's frame (not "while the thread lives": its put
+        # can commit while the thread still runs, and a get past it would wait for good).
+        while r.get(timeout=bound(10)).data != b"y" * 100:
+            pass
         t.join(bound(30))
         assert t.error is None and ctl[F.W_ROOM_WANT_POS] == 0
     finally:
