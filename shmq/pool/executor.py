@@ -4,7 +4,8 @@ killed workers.
 It drops in where ``concurrent.futures.ProcessPoolExecutor`` is used: the same
 constructor (plus ``max_attempts``), ``submit``, ``map``, ``shutdown`` and the
 context manager, the same errors at the same points, futures of the stdlib's
-class, exceptions re-raised as the worker's own with its traceback chained
+class (:class:`~shmq.pool.futures.PoolFuture`: its lock made only when someone
+waits), exceptions re-raised as the worker's own with its traceback chained
 as ``__cause__``.  What differs is what a dead worker costs: its task runs
 again on a fresh worker (up to ``max_attempts`` times, then that task alone
 fails with :class:`shmq.WorkerCrashed`, a ``BrokenProcessPool``); every
@@ -21,6 +22,7 @@ from typing import Any, Self
 
 from . import lifetime
 from .engine import Engine, Task, context
+from .futures import PoolFuture
 from .wire import EXECUTOR
 
 __all__ = ["ProcessPoolExecutor"]
@@ -90,7 +92,7 @@ class ProcessPoolExecutor(Executor):
         self.mp_context = mp_context
         self.max_attempts = max_attempts
         self._engine = Engine(max_workers, mp_context, initializer, initargs, max_tasks_per_child,
-                              max_attempts, EXECUTOR, "finish", Future.set_running_or_notify_cancel,
+                              max_attempts, EXECUTOR, "finish", PoolFuture.set_running_or_notify_cancel,
                               _deliver)
         # dropped without shutdown(): the work submitted is finished, then the workers go
         weakref.finalize(self, self._engine.close)
@@ -103,7 +105,7 @@ class ProcessPoolExecutor(Executor):
         :raises concurrent.futures.process.BrokenProcessPool: the pool is broken (its
             initializer raised).
         """
-        f: Future[Any] = Future()
+        f: Future[Any] = PoolFuture()
         e = self._engine
         with e.lock:
             if e.broken is not None:
