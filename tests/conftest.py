@@ -207,6 +207,12 @@ def pytest_configure(config):
     _FORK_TOLERATED = frozenset(_tids() - {threading.get_native_id()})
     os.fork = _checked_fork
     faulthandler.dump_traceback_later = _dump_later
+    # A shell script's background job (`pytest ... &`) starts with SIGINT ignored, and
+    # every process a test starts would inherit that: the Ctrl-C tests would wait out
+    # their bounds and fail.  They simulate a terminal's Ctrl-C, so they need Python's
+    # own disposition (a handler here; SIG_DFL, hence Python's handler, after exec).
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config):
