@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shmq
-from conftest import bound, join_all
+from conftest import EMULATED, bound, join_all
 from shmq.columnar import PinnedView
 
 DTYPES = [np.int8, np.uint16, np.float32, np.complex128, "<M8[ns]", "S5", "U3",
@@ -241,3 +241,43 @@ def test_unpin_from_another_thread_cannot_unprotect_a_new_pin(make_spool, monkey
     assert pins.held == {new[3]: 1}
     assert slots.word(pins.slot, shmq._format.S_POS) == new[3]  # the new frame is protected
     pins.unpin(new[3])
+
+
+def _vma_flags(addr):
+    """The VmFlags of the mapping of this process holding ``addr`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or EMULATED,
+                    reason="no transparent huge pages (or an emulator's own madvise)")
+@pytest.mark.parametrize("how", ["get_array", "queue"])
+def test_a_large_copy_is_asked_to_live_on_huge_pages(make_spool, how):
+    # shmq/core/cursor.c: copies of 4 MiB or more (arrays, out-of-band buffers) are
+    # advised MADV_HUGEPAGE before they are written, as numpy advises its own arrays:
+    # on 4 KiB pages every fresh 8 MiB copy cost 2,048 page faults.
+    a = np.arange(1 << 20, dtype=np.float64)  # 8 MiB
+    if how == "get_array":
+        sp = make_spool(capacity="32MiB")
+        r = sp.reader("r")
+        sp.put_array(a)
+        got = r.get_array(timeout=bound(10))
+        r.close()
+    else:
+        q = shmq.Queue(capacity="32MiB")
+        try:
+            q.put(a)
+            got = q.get(timeout=bound(10))
+        finally:
+            q.close()
+    assert np.array_equal(got, a) and got.flags.writeable
+    middle = got.ctypes.data + (got.nbytes // 2 & ~((2 << 20) - 1))
+    assert "hg" in (_vma_flags(middle) or []), "the copy's pages were not advised huge"
