@@ -284,6 +284,36 @@ def _blocked(status_path):
     return {sig for sig in (signal.SIGINT, signal.SIGTERM) if mask >> (sig - 1) & 1}
 
 
+@pytest.mark.parametrize("how", ["terminate", "collected"])
+def test_a_finished_pool_never_writes_to_its_closed_wake_pipe(how):
+    # A Pool terminated (or collected, which terminates it) after its join used to wake
+    # its supervisor through the pipe the join had closed: "x" went to whatever reused
+    # the number (a newer pool's ring file lost its magic; a zygote's pipe announced a
+    # message of gigabytes).  The number is given to a pipe of ours here: nothing may come.
+    import gc
+
+    p = shmq.Pool(2, context="fork")
+    assert p.map(T.square, range(4)) == [0, 1, 4, 9]
+    wake_w = p._engine._wake_w
+    p.close()
+    p.join()
+    with pytest.raises(OSError):
+        os.fstat(wake_w)  # closed by the join, free for anyone
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.dup2(w, wake_w)
+        if how == "terminate":
+            p.terminate()
+        else:
+            del p
+            gc.collect()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)
+    finally:
+        for fd in (r, w, wake_w):
+            os.close(fd)
+
+
 @pytest.mark.skipif(EMULATED, reason="qemu-user keeps a guest's signal masks virtual: "
                                      "/proc shows the host thread's")
 @pytest.mark.parametrize("method", ["fork", "spawn"])

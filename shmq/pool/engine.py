@@ -180,6 +180,7 @@ class Engine:
         self._terminate = False
         self._next_look = 0.0
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._wake_lock = threading.Lock()  # the pipe's numbers are closed (-1) under it
         self._stop_workers = False
         self.finished = threading.Event()  # workers reaped, files removed
         self._supervisor = threading.Thread(target=self._supervise, name="shmq-pool-supervisor",
@@ -271,10 +272,17 @@ class Engine:
                 pass  # closed already
 
     def _wake_supervisor(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        # Never once _cleanup closed the pipe: its number may name another file by then
+        # (a Pool collected long after its join terminates its engine again).  Written
+        # anyway, "x" went over the magic of a newer pool's ring file, and into a
+        # zygote's pipe, whose next message then announced a length of gigabytes.
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
 
     # -- the supervisor thread --------------------------------------------------------------
 
@@ -323,8 +331,10 @@ class Engine:
             q.close()
         self._ring.close()
         self._board.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
         lifetime.forget(self)
         self.finished.set()
 
