@@ -74,7 +74,7 @@ class _MadeOnUse:
         return getattr(f, self.name)
 
 
-class PoolFuture(Future):  # type: ignore[type-arg]
+class PoolFuture(Future):
     """A ``concurrent.futures.Future`` whose condition is made on first use (module docstring)."""
 
     _condition = _MadeOnUse()
