@@ -183,7 +183,10 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     yields = []
     looks = iter([False, False, False, True])  # the first look, then the spin's: ready on its third
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: yields.append(1))
-    monkeypatch.setattr(_notify, "SPIN_S", 60.0)  # the spin cannot run out before the frame
+    # The spin cannot run out before the frame.  The doorbell's own spin: it took SPIN_S
+    # when the spool was opened (patching SPIN_S here left it 30 us, which an emulated
+    # run spent in two looks).
+    monkeypatch.setattr(sp.data_bell, "spin", 60.0)
     assert sp.data_bell.wait(lambda: next(looks), 5)
     assert len(yields) == 3  # one between every two looks
     assert sp.data_bell.sem.value == 0  # never registered: it did not park
@@ -197,7 +200,7 @@ def test_the_spin_looks_after_its_last_yield(make_spool, monkeypatch):
     sp = make_spool(capacity="256KiB")
     frame = []
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: frame.append(1))  # "the writer ran"
-    monkeypatch.setattr(_notify, "SPIN_S", 0.0)  # out of spin after the first yield
+    monkeypatch.setattr(sp.data_bell, "spin", 1e-9)  # out of spin after the first yield
     registered = []
     real = type(sp.data_bell._waiting)
     sp.data_bell._waiting = _Recording(sp.data_bell._waiting, registered)
@@ -231,11 +234,11 @@ def test_before_park_runs_only_when_the_waiter_stays_asleep(make_spool, monkeypa
     bell = sp.data_bell
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: None)
     parks = []
-    monkeypatch.setattr(_notify, "SPIN_S", 60.0)
+    monkeypatch.setattr(bell, "spin", 60.0)  # the doorbell's own (SPIN_S is read when it is made)
     looks = iter([False, False, True])
     assert bell.wait(lambda: next(looks), 5, lambda: parks.append(1))
     assert parks == []  # caught in the spin
-    monkeypatch.setattr(_notify, "SPIN_S", 0.0)
+    monkeypatch.setattr(bell, "spin", 0.0)
     # A frame within the first sleep (the bell rung once the waiter is registered).
     monkeypatch.setattr(_notify, "PUBLISH_AFTER_S", 30.0)
     came = threading.Event()
