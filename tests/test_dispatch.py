@@ -14,6 +14,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -633,3 +634,33 @@ def test_publish_goes_straight_to_the_type_queue(make, rec):
         m = q.get(timeout=bound(5))  # the body as published: one pickle, no forwarding headers
     assert m.id == ids[1] & ((1 << 48) - 1) and m.headers == {"type": "resize"}
     assert m.body == body(rec, n=3, part="a")
+
+
+def test_close_keeps_the_pipes_of_a_supervisor_thread_still_running(tmp_path):
+    # stop() closes after joining the supervisor thread for grace + 30 s; a thread still
+    # running then writes done_w on its way out, and a closed number may name another
+    # file by then (a pool's stray wake byte corrupted a ring file and a zygote's pipe).
+    from shmq.dispatch.supervisor import Supervisor
+
+    sup = Supervisor(str(tmp_path / "d"), {}, {}, start_method="fork", grace=1.0, initializer=None,
+                     log_level=None, max_workers=1, reservoir=0, start_timeout=1.0, qopts={},
+                     unknown_type_delay=0.0)
+    sup.wake_r, sup.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    sup.done_r, sup.done_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    fds = (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w)
+    go = threading.Event()
+    sup.thread = threading.Thread(target=go.wait, args=(bound(30),))
+    sup.thread.start()
+    try:
+        sup.close()
+        assert (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w) == fds
+        for fd in fds:
+            os.fstat(fd)  # still open
+    finally:
+        go.set()
+        sup.thread.join(bound(30))
+    sup.close()  # the thread is gone: now they go
+    assert (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w) == (None,) * 4
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
