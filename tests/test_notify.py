@@ -183,9 +183,8 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     yields = []
     looks = iter([False, False, False, True])  # the first look, then the spin's: ready on its third
     monkeypatch.setattr(_notify._core, "yield_cpu", lambda: yields.append(1))
-    # The spin cannot run out before the frame.  The doorbell's own spin: it took SPIN_S
-    # when the spool was opened (patching SPIN_S here left it 30 us, which an emulated
-    # run spent in two looks).
+    # The spin cannot run out before the frame.  The doorbell's own spin: it reads
+    # SPIN_S when the spool is opened, so patching SPIN_S here would change nothing.
     monkeypatch.setattr(sp.data_bell, "spin", 60.0)
     assert sp.data_bell.wait(lambda: next(looks), 5)
     assert len(yields) == 3  # one between every two looks

@@ -202,8 +202,7 @@ class Supervisor:
         thread = self.thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             # Its last act writes done_w: closed now, the byte would go to whatever
-            # reused the number (a pool's wake byte did so, and corrupted a ring file
-            # and a zygote's pipe).  Left open for the process's life: two pipes.
+            # reused the number.  Left open for the process's life: two pipes.
             return
         for name in ("wake_r", "wake_w", "done_r", "done_w"):
             fd = getattr(self, name)

@@ -273,9 +273,8 @@ class Engine:
 
     def _wake_supervisor(self) -> None:
         # Never once _cleanup closed the pipe: its number may name another file by then
-        # (a Pool collected long after its join terminates its engine again).  Written
-        # anyway, "x" went over the magic of a newer pool's ring file, and into a
-        # zygote's pipe, whose next message then announced a length of gigabytes.
+        # (a Pool collected long after its join terminates its engine again), and a
+        # byte written there would corrupt that file (a ring's magic, a zygote's pipe).
         with self._wake_lock:
             if self._wake_w < 0:
                 return

@@ -1,8 +1,8 @@
 """The executor's futures: ``concurrent.futures.Future``, without a lock made for each.
 
 The stdlib's ``Future.__init__`` makes a ``threading.Condition`` (Python code:
-an RLock and its bound methods), which was two thirds of a trivial
-``submit()``'s time in the parent, and most of its objects for the cyclic GC.
+an RLock and its bound methods): most of a trivial ``submit()``'s time in the
+parent, and most of its objects for the cyclic GC.
 A :class:`PoolFuture` makes its condition (and its lists of waiters and
 callbacks) on first use, which only a thread that must wait or be told
 needs: ``result()``/``exception()`` before the future is done,
