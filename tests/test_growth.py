@@ -162,6 +162,61 @@ def test_a_consumer_finishing_the_last_batch_is_waited_for_instead_of_growing(ma
     assert verify(sp.path).ok
 
 
+@pytest.mark.parametrize("lag", [0, 2 * MiB])
+def test_a_writer_that_bounds_its_lead_wraps_early_with_its_reader_behind(make_spool, lag):
+    """``Ring.wrap_lag`` (the pools' request ring): a writer that stays at most that many
+    bytes ahead of its consumer wraps early with the consumer behind, and its laps reuse
+    the same pages; without it (0) a consumer that is never caught up makes the ring climb
+    into fresh segments to its ceiling.  Either way the consumer reads every frame, and
+    a consumer that stops makes a put find the ring full (before the ceiling, with
+    wrap_lag: its writer then retries after replies): nothing unread is evicted, and puts
+    go on once it reads."""
+    sp = make_spool(capacity="1MiB", max_capacity="64MiB", on_full="block")
+    sp.core.wrap_lag = lag
+    r = sp.reader("r")
+    size, got = 64 * 1024, []
+
+    def frame(i):
+        return i.to_bytes(8, "little") * (size // 8)
+
+    def check(frames):
+        for f in frames:
+            assert f.seq == len(got) and f.data == frame(f.seq)
+            got.append(f.seq)
+
+    ring, lagged_wraps, was = sp.ring.size, 0, 0
+    for i in range(1600):  # 100 MiB through a ring that starts at 1 MiB
+        sp.put(frame(i), timeout=0)
+        at = sp.ring.ctl[F.W_NEXT_POS] % ring
+        lagged_wraps += at < was and r.position < i  # wrapped, with frames unread behind
+        was = at
+        while sp.next_seq - r.position > 24:  # the lead: 24 frames, 1.5 MiB
+            check([r.get(timeout=0)])
+    if lag:
+        assert lagged_wraps >= 20
+        assert sp.stats().growths <= 4 and sp.allocated <= sp.ring.base + 8 * SEG
+    else:
+        assert lagged_wraps <= 1 and sp.stats().growths >= 60  # (1: at the ceiling, 64 MiB)
+    n = 1600
+    if lag:  # the consumer stops right after a wrap: the next lap meets its unread frames
+        while not (sp.ring.ctl[F.W_NEXT_POS] % ring < was and r.position < n - 1):
+            was = sp.ring.ctl[F.W_NEXT_POS] % ring
+            sp.put(frame(n), timeout=0)
+            n += 1
+            while sp.next_seq - r.position > 24:
+                check([r.get(timeout=0)])
+        with pytest.raises(shmq.Full):
+            for _ in range(64):  # the zone is a few segments: one lap at most
+                sp.put(frame(n), timeout=0)
+                n += 1
+        assert sp.allocated <= sp.ring.base + 8 * SEG  # full before the ceiling, not grown
+    check(r.get_many(10_000, timeout=0))
+    sp.put(frame(n), timeout=0)  # room again
+    check([r.get(timeout=0)])
+    assert len(got) == n + 1 and r.lost == 0
+    assert verify(sp.path).ok
+
+
 def test_block_policy_never_evicts_what_a_named_reader_has_not_read(make_spool):
     sp = make_spool(capacity="1MiB", max_capacity="8MiB", on_full="block")
     slow, fast = sp.reader("slow"), sp.reader("fast")

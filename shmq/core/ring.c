@@ -513,7 +513,26 @@ static PyMethodDef Ring_methods[] = {
     {"close", (PyCFunction)Ring_close, METH_NOARGS, "release the mapping and semaphores"},
     {NULL}};
 
-static PyGetSetDef Ring_getset[] = {{"max_payload", (getter)Ring_get_max_payload, NULL, NULL, NULL}, {NULL}};
+static PyObject *Ring_get_wrap_lag(Ring *r, void *c) { return PyLong_FromUnsignedLongLong(r->eng.wrap_lag); }
+
+static int Ring_set_wrap_lag(Ring *r, PyObject *v, void *c) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "wrap_lag cannot be deleted");
+        return -1;
+    }
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    r->eng.wrap_lag = n;
+    return 0;
+}
+
+static PyGetSetDef Ring_getset[] = {
+    {"max_payload", (getter)Ring_get_max_payload, NULL, NULL, NULL},
+    {"wrap_lag", (getter)Ring_get_wrap_lag, (setter)Ring_set_wrap_lag,
+     "growable rings: bytes consumers may still have unread when this handle's writer wraps early "
+     "(0, the default: only once all are caught up).  For a writer that bounds its own lead and "
+     "retries a put that finds the ring full; set before the first put.", NULL},
+    {NULL}};
 
 static PyObject *Ring_new(PyTypeObject *tp, PyObject *args, PyObject *kw) {
     Ring *r = (Ring *)PyType_GenericNew(tp, args, kw);

@@ -171,6 +171,8 @@ typedef struct eng_ring {
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
     uint64_t hot_skip;             /* fixed: 1 + a lap in which this handle's early wrap waited in vain (hot_place) */
+    uint64_t wrap_lag;             /* growable: an early wrap may leave this many bytes unread behind (zone_place);
+                                    * 0: only once every consumer is caught up.  Set before the first put. */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
     /* Guarded by pop_busy (one thread pre-faults at a time, see eng_write): */
     uint64_t pop_start;            /* ring positions this handle pre-faulted: [pop_start, pop_pos) */

@@ -143,19 +143,27 @@ int zone_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs,
         gap >= SHMQ_FRAME_BYTES && gap <= 0xFFFFFFF8ull) {
         uint64_t floor = 0;
         int found = slot_floor(r, SHMQ_S_POS, &floor), caught = found && floor >= start;
-        if (found && !caught && need && start - floor <= 2 * seg) {
+        /* A writer that bounds its own lead (wrap_lag: a pool's byte window) wraps
+         * with consumers behind: what they have not read stays resident between
+         * the batch and the pad.  A zone at least that lead long keeps the next
+         * lap off their frames while the bound holds; if it does not, a put meets
+         * them and reports the ring full (that writer retries after replies). */
+        int lagged = found && !caught && r->wrap_lag && start - floor <= r->wrap_lag && n_off >= r->wrap_lag &&
+                     floor >= lap && floor - lap >= total;
+        if (found && !caught && !lagged && need && start - floor <= 2 * seg) {
             if (crash_point(r, "catching-up")) return SHMQ_ECALLBACK;
             uint64_t now = mono_ns(), lap = now > r->lap_ns ? now - r->lap_ns : 0;
             int w = wait_caught_up(r, start, start - floor, lap / 16); /* cheaper than fresh pages */
             if (w == SHMQ_ECLOSED) return zone_status(r, ECANCELED);
             caught = w;
         }
-        if (caught) { /* every consumer is caught up */
+        if (caught || lagged) { /* every consumer is caught up, or behind by a bounded lead */
             if (total > z || (hl < hh && total > hl)) { /* first: a full filesystem evicts nothing */
                 int st = zone_alloc(r, 0, total);
                 if (st) return st;
             }
-            int st = make_room(r, lap + total, next_seq, lap + ring); /* evicts all: FIRST_POS = lap + ring */
+            /* Evicts what is read: all (FIRST_POS = lap + ring), or up to the slowest cursor */
+            int st = make_room(r, lap + total, next_seq, lap + ring);
             if (st < 0 && st != SHMQ_EFULL && st != SHMQ_EPINNED) return st; /* an error */
             if (st == 0) {
                 r->lap_ns = mono_ns(); /* a new lap of the hot zone */

@@ -64,6 +64,9 @@ BUNDLE_MAX = 64
 #: are sent: large arguments (numpy arrays) go a few at a time, as a worker can take
 #: them, instead of all at once into a ring that must grow (fresh pages) to hold them.
 WINDOW_BYTES = 16 << 20
+#: The request ring wraps early with up to this many byte windows unread behind it
+#: (``Ring.wrap_lag``): its pages are reused lap after lap while large arguments stream.
+WRAP_LAG_WINDOWS = 1
 #: The request ring and the result queue start this large.  A growable ring grows and
 #: gives back segments of about its start size (at most 4 MiB) and keeps four of them
 #: when it wraps early: with 1 MiB, frames of a few MiB (numpy arrays) made most laps
@@ -147,13 +150,19 @@ class Engine:
         self._requests = Queue(capacity=RING_START)  # ours: removed at close (and if we die, see the docstring)
         self._results = Queue(capacity=RING_START)
         self._ring = Spool.open(self._requests.path)  # puts that tell their seqs
+        # Our lead over the workers is bounded (the byte window), and a put that finds the
+        # ring full is sent again after replies (_send_each): the ring may wrap early with
+        # the workers behind, and reuse its pages, instead of climbing into fresh ones.
+        # The same for the workers' replies, which wait for our collector if they must.
+        wrap_lag = WRAP_LAG_WINDOWS * workers * WINDOW_BYTES
+        self._ring.core.wrap_lag = wrap_lag
         # The collector waits for replies beside the callers' threads: a spin would hold
         # the GIL they need to submit (sched_yield on a busy machine: for a time slice).
         self._results._spool.data_bell.spin = 0.0  # (the queue is ours: its spool too)
         self._board = Board.anonymous(LAYOUT, workers, ROW_WORDS)
         assert self._board.fd is not None  # an anonymous board keeps its memfd
         cfg = Config(self._requests.path, self._results.path, BoardFd(self._board.fd), face, initializer,
-                     tuple(initargs), max_tasks)
+                     tuple(initargs), max_tasks, wrap_lag)
         # made before our threads: under fork its zygote is forked here, single-threaded
         self._crew = Crew(ctx, worker_main, (cfg,), name="shmq-pool", death_signal=signal.SIGKILL)
         self._lock = threading.Lock()  # the window's state, the collector's

@@ -71,6 +71,9 @@ class Config(NamedTuple):
     initializer: Any
     initargs: tuple[Any, ...]
     max_tasks: int | None  # frames a worker runs before it exits (None: no limit)
+    #: The result queue may wrap early with this many bytes unread by the parent behind it
+    #: (``Ring.wrap_lag``): a reply that meets them waits for the parent, which always reads.
+    wrap_lag: int = 0
 
 
 def worker_main(cfg: Config, slot: int) -> None:
@@ -88,6 +91,7 @@ def worker_main(cfg: Config, slot: int) -> None:
     # takes ~10 ms for an 8 MiB numpy array where put_many of its encoding takes 0.5.
     results = Spool.open(cfg.results)
     _codec.require_trust(results, False)
+    results.core.wrap_lag = cfg.wrap_lag
     if cfg.initializer is not None:
         try:
             cfg.initializer(*cfg.initargs)
