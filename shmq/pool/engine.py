@@ -64,8 +64,9 @@ BUNDLE_MAX = 64
 #: are sent: large arguments (numpy arrays) go a few at a time, as a worker can take
 #: them, instead of all at once into a ring that must grow (fresh pages) to hold them.
 WINDOW_BYTES = 16 << 20
-#: The request ring wraps early with up to this many byte windows unread behind it
-#: (``Ring.wrap_lag``): its pages are reused lap after lap while large arguments stream.
+#: The request ring, and the workers' replies, wrap early with up to this many byte
+#: windows unread behind them (``Ring.wrap_lag``): their pages are reused lap after lap
+#: while large arguments and results stream.
 WRAP_LAG_WINDOWS = 1
 #: The request ring and the result queue start this large.  A growable ring grows and
 #: gives back segments of about its start size (at most 4 MiB) and keeps four of them
