@@ -61,6 +61,21 @@ static const char *const rep_role_name[REP_ROLES] = {"other", "writer", "named",
 enum { CP_NONE, CP_COPYING, CP_COPIED, CP_DROPPED, CP_ACCEPTED };
 static const char *const rep_state_name[] = {"none", "copying", "copied", "dropped", "accepted"};
 
+/* The hook runs inside TSan's runtime, which holds its own locks (the thread
+ * registry, the report mutex) while it calls it.  An instrumented hook (a
+ * function entry, an atomic, an intercepted libc call) may need a lock that
+ * another thread holds while it waits for one of those: a deadlock, seen as
+ * a harness that hung for ever (GCC 16's libtsan: the reporting thread in
+ * TracePartAlloc from the hook's function entry, two exiting threads in
+ * ThreadFinish waiting for the registry).  So the hook and everything it
+ * calls are compiled without instrumentation, and call no libc function
+ * TSan intercepts. */
+#if defined(__clang__)
+#define REP_HOOK __attribute__((disable_sanitizer_instrumentation, noinline))
+#else
+#define REP_HOOK __attribute__((no_sanitize_thread, noinline))
+#endif
+
 #define REP_THREADS 64
 #define REP_EVENTS 4096  /* reports recorded (TSan prints each racing pair of stacks once) */
 
@@ -92,7 +107,7 @@ static const char *rep_base;
 static uint64_t rep_map_len;
 static __thread int rep_me = -1; /* this thread's index in rep_threads */
 
-static uint64_t rep_gettid(void) { return (uint64_t)syscall(SYS_gettid); }
+REP_HOOK static uint64_t rep_gettid(void) { return (uint64_t)syscall(SYS_gettid); }
 
 /* Once, before any thread starts: the spool's mapping. */
 static void rep_init(const char *base, uint64_t len) {
@@ -114,7 +129,7 @@ static void rep_register(int slot, int role, int index, uint64_t max_copies) {
 /* Main, before creating the threads: how many slots are used. */
 static void rep_threads_used(int n) { rep_nthreads = n; }
 
-static int64_t rep_offset(const void *p) {
+REP_HOOK static int64_t rep_offset(const void *p) {
     const char *c = p;
     return rep_base && c >= rep_base && c < rep_base + rep_map_len ? (int64_t)(c - rep_base) : -1;
 }
@@ -142,14 +157,14 @@ static void rep_copy_done(void) { rep_copy_state(CP_COPIED); }
 static void rep_copy_dropped(void) { rep_copy_state(CP_DROPPED); }
 static void rep_copy_accepted(void) { rep_copy_state(CP_ACCEPTED); }
 
-static int rep_thread_of(uint64_t os_id) {
+REP_HOOK static int rep_thread_of(uint64_t os_id) {
     for (int i = 0; i < rep_nthreads; i++)
         if (rep_threads[i].os_id == os_id) return i;
     return -1;
 }
 
 /* The reader's latest copy attempt whose frame covers file offset `off` (0: none). */
-static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo, uint64_t *hi, int *state) {
+REP_HOOK static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo, uint64_t *hi, int *state) {
     uint64_t last = atomic_load_explicit(&t->copies, memory_order_relaxed);
     if (last >= t->cap) return 0; /* past the log: unknown */
     for (uint64_t id = last; id > 0 && off >= 0; id--) {
@@ -164,8 +179,15 @@ static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo, uint64_t
     return 0;
 }
 
-/* TSan's hook, called in the reporting thread for every report it prints. */
-void __tsan_on_report(void *report) {
+/* `src` into `dst` (n bytes with its NUL), without libc: snprintf is intercepted. */
+REP_HOOK static void rep_copy_str(char *dst, const char *src, size_t n) {
+    size_t i = 0;
+    for (; src && src[i] && i + 1 < n; i++) dst[i] = src[i];
+    dst[i] = 0;
+}
+
+/* TSan's hook, called in the reporting thread for every report it prints (REP_HOOK). */
+REP_HOOK void __tsan_on_report(void *report) {
     int slot = atomic_fetch_add_explicit(&rep_nevents, 1, memory_order_relaxed);
     if (slot >= REP_EVENTS) {
         atomic_store_explicit(&rep_overflow, 1, memory_order_relaxed);
@@ -176,7 +198,7 @@ void __tsan_on_report(void *report) {
     int count, stacks, mops = 0, locs, mutexes, threads = 0, utids;
     void *sleep_trace[1];
     __tsan_get_report_data(report, &desc, &count, &stacks, &mops, &locs, &mutexes, &threads, &utids, sleep_trace, 1);
-    snprintf(e->kind, sizeof e->kind, "%s", desc ? desc : "?");
+    rep_copy_str(e->kind, desc ? desc : "?", sizeof e->kind);
     e->nmops = mops > 2 ? 2 : mops;
     e->cur = 0; /* TSan lists the reporting thread's access first */
     e->reader_th = -1;
@@ -193,7 +215,7 @@ void __tsan_on_report(void *report) {
             __tsan_get_report_thread(report, (unsigned long)k, &ttid, &oid, &running, &name, &parent, trace, 1);
             if (ttid == tid) os_id = oid;
         }
-        if (tid == 0) os_id = (uint64_t)getpid(); /* the main thread is T0 */
+        if (tid == 0) os_id = (uint64_t)syscall(SYS_getpid); /* the main thread is T0 */
         int th = rep_thread_of(os_id);
         e->mop[i].role = th >= 0 ? rep_threads[th].role : (tid == 0 ? REP_MAIN : REP_OTHER);
         e->mop[i].index = th >= 0 ? rep_threads[th].index : -1;
