@@ -23,7 +23,7 @@ NO_SPACE: Final[int]
 BACKLOG: Final[int]
 
 @final
-class Frame(structseq[Any], tuple[int, int, bytes | bytearray]):
+class Frame(structseq[Any], tuple[int, int, bytes | bytearray | memoryview]):
     """One message: ``(seq, timestamp_ns, data)``; ``codec`` names the payload's encoding."""
 
     @property
@@ -31,9 +31,16 @@ class Frame(structseq[Any], tuple[int, int, bytes | bytearray]):
     @property
     def timestamp_ns(self) -> int: ...
     @property
-    def data(self) -> bytes | bytearray: ...
+    def data(self) -> bytes | bytearray | memoryview: ...
     @property
     def codec(self) -> int: ...
+
+@final
+class LargeCopy:
+    """A reader's private copy of a large numpy or out-of-band payload (the buffer
+    behind ``Frame.data``'s memoryview from 4 MiB); not instantiable."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 @final
 class Deferred:
@@ -189,6 +196,7 @@ def values_dumps(obj: object, /) -> bytes | None: ...
 def values_loads(data: ReadableBuffer, /) -> Any: ...
 def crc32(data: ReadableBuffer, crc: int = ..., /) -> int: ...
 def yield_cpu() -> None: ...
+def copy_cache() -> tuple[int, int]: ...
 
 # the engine's inspection and recovery (fsck, repair, shmq.ring) and process identity
 @overload

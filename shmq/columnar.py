@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from . import _core
 from . import _format as F
 from .errors import Empty, ShmqError
 from .writer import Deferred
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from .ring import Ring
     from .writer import Writer
 
-__all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode_arrow", "put_array",
+__all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode_arrow", "private_copy", "put_array",
            "put_records", "put_arrow", "view_of", "records_run", "peek_dtype", "join_records"]
 
 _HEAD = struct.Struct("<II")
@@ -84,10 +85,18 @@ def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview | bytes]:
     return head, data
 
 
+def private_copy(data: Any) -> bool:
+    """Whether ``data`` is a reader's own writable copy of a numpy or out-of-band
+    payload (a ``bytearray``, or from 4 MiB a memoryview over a ``_core.LargeCopy``),
+    rather than a view of the mapping or someone else's buffer: objects rebuilt
+    over it may keep it and write to it."""
+    return type(data) is bytearray or (type(data) is memoryview and type(data.obj) is _core.LargeCopy)
+
+
 def decode_numpy(buf: ReadableBuffer) -> npt.NDArray[Any]:
     """:func:`decode_array` of a frame's payload as a reader took it: writable over a
-    private copy (a bytearray), read-only over the mapping."""
-    return decode_array(buf, writable=isinstance(buf, bytearray))
+    private copy (:func:`private_copy`), read-only over the mapping."""
+    return decode_array(buf, writable=private_copy(buf))
 
 
 def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any]:

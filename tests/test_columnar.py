@@ -31,6 +31,104 @@ def test_array_fidelity(make_spool, dtype, shape):
     assert got.flags.writeable  # one private copy
 
 
+def _mapping_of(addr):
+    """The /proc/self/smaps entry (its lines) of the mapping holding ``addr``, or None."""
+    with open("/proc/self/smaps") as f:
+        entry = None
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                entry = [line] if lo <= addr < hi else None
+            elif entry is not None:
+                entry.append(line)
+                if line.startswith("VmFlags"):
+                    return entry
+    return None
+
+
+def test_a_large_copy_gets_a_mapping_of_its_own(make_spool):
+    """From 4 MiB a numpy payload is copied into a private mapping aligned to a huge page
+    and advised MADV_HUGEPAGE over its whole huge pages, behind a writable memoryview;
+    smaller ones stay bytearrays.  A released mapping is kept for the next copy, at most
+    256 MiB a process, the rest unmapped."""
+    sp = make_spool(capacity="32MiB")
+    small = np.arange((4 << 20) // 8 - 64, dtype=np.float64)  # under 4 MiB with its header
+    large = np.arange((8 << 20) // 8, dtype=np.float64)  # 8 MiB and a header
+    r = sp.reader()
+    sp.put_array(small)
+    assert type(r.get(timeout=1).data) is bytearray
+    sp.put_array(large)
+    data = r.get(timeout=1).data
+    assert type(data) is memoryview and not data.readonly and type(data.obj) is shmq._core.LargeCopy
+    addr = np.frombuffer(data, np.uint8).ctypes.data
+    assert addr % (2 << 20) == 0
+    smaps = _mapping_of(addr)
+    assert smaps is not None
+    assert "hg" in smaps[-1].split()[1:], smaps  # MADV_HUGEPAGE (advice: THP may still be off)
+    kept = shmq._core.copy_cache()
+    del data
+    assert _mapping_of(addr) is not None  # kept for the next copy ...
+    assert shmq._core.copy_cache()[0] == kept[0] + 1
+    sp.put_array(large)
+    got = r.get_array(timeout=1)  # ... which writes over it: the new frame's bytes, nothing of the old
+    assert np.array_equal(got, large) and got.flags.writeable
+    assert shmq._core.copy_cache()[0] == kept[0]
+    got[0] = -1.0  # the copy is the caller's own
+    assert got[0] == -1.0 and large[0] == 0.0
+    del got
+
+    # 40 copies of 8 MiB alive at once, then released: 256 MiB of them kept, the rest unmapped
+    copies, addrs = [], []
+    for i in range(40):
+        sp.put_array(np.full((8 << 20) // 8, float(i)))
+        copies.append(r.get_array(timeout=1))
+        addrs.append(copies[-1].ctypes.data & ~((2 << 20) - 1))
+    assert [float(c[-1]) for c in copies] == [float(i) for i in range(40)]
+    del copies
+    assert shmq._core.copy_cache()[1] <= 256 << 20
+    mapped = sum(_mapping_of(a) is not None for a in addrs)
+    assert 0 < mapped <= (256 << 20) // (8 << 20)
+
+
+def _forked_child_of_large_copies(path, conn, expect):
+    """In a forked child: the parent's live copy is there, its kept ones are not, and
+    the child's own large copies work."""
+    live = _forked_child_of_large_copies.live
+    with shmq.Spool.open(path) as sp:
+        sp.put_array(np.full((6 << 20) // 8, 3.0))
+        r = sp.reader(start=sp.next_seq - 1)
+        mine = r.get_array(timeout=bound(5))
+        conn.send((float(live[-1]) == expect, shmq._core.copy_cache(), float(mine[0]), mine.flags.writeable))
+
+
+def test_large_copies_across_fork(make_spool):
+    """A forked child inherits the copies in use (as any memory) but not the mappings
+    kept for reuse (MADV_DONTFORK: it would share their pages copy-on-write, and the
+    parent's next copy into one would fault every page), and starts with none kept."""
+    sp = make_spool(capacity="32MiB")
+    r = sp.reader()
+    sp.put_array(np.full((8 << 20) // 8, 7.0))
+    sp.put_array(np.full((8 << 20) // 8, 9.0))
+    live = r.get_array(timeout=1)
+    released = r.get_array(timeout=1)
+    addr = released.ctypes.data & ~((2 << 20) - 1)
+    del released
+    assert shmq._core.copy_cache()[0] >= 1 and "dc" in _mapping_of(addr)[-1].split()  # VM_DONTCOPY
+    _forked_child_of_large_copies.live = live
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_forked_child_of_large_copies, args=(sp.path, child, 7.0))
+    p.start()
+    try:
+        assert parent.poll(bound(30)), "the child sent nothing"
+        inherited, kept, first, writable = parent.recv()
+    finally:
+        join_all([p])
+    assert p.exitcode == 0
+    assert inherited and kept == (0, 0) and first == 3.0 and writable
+
+
 def test_non_contiguous_is_made_contiguous(make_spool):
     sp = make_spool()
     base = np.arange(100, dtype=np.int64).reshape(10, 10)

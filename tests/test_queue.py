@@ -148,6 +148,18 @@ def test_numpy_out_of_band_roundtrip(q):
     assert np.array_equal(q.get(timeout=1)["x"], np.ones(1000, dtype=np.uint8))
 
 
+def test_large_out_of_band_arrays_are_writable_private_copies(q):
+    """An out-of-band payload of 4 MiB or more is copied into a mapping of its own
+    (shmq._core.LargeCopy): the arrays are equal, writable and independent."""
+    arrays = [np.arange(1 << 20, dtype=np.float64), np.full(3 << 20, 7, dtype=np.uint8)]
+    q.put(arrays)
+    got = q.get(timeout=1)
+    for a, b in zip(arrays, got):
+        assert a.dtype == b.dtype and np.array_equal(a, b) and b.flags.writeable
+    got[0][:] = 0
+    assert np.array_equal(got[1], arrays[1]) and arrays[0][1] == 1.0
+
+
 def test_put_keeps_buffers_out_of_band_and_the_rest_in_one_frame_kind(q):
     """The C put path writes exact builtin values in the values codec and pickles the rest
     in-band; an object with out-of-band buffers (numpy) goes to the Python encoder, which

@@ -134,7 +134,7 @@ def check_revealed_types_of_key_methods(runs):
     assert re.fullmatch(r"def \(data: \S*Buffer, \*, block: bool =, timeout: float \| None =, "
                         r"codec: int =\) -> int", by_expr["reveal_type(sp.put)"]), by_expr
     assert re.fullmatch(r"def \(block: bool =, timeout: float \| None =\) -> "
-                        r"tuple\[int, int, bytes \| bytearray, fallback=shmq\._core\.Frame\]",
+                        r"tuple\[int, int, bytes \| bytearray \| memoryview\[int\], fallback=shmq\._core\.Frame\]",
                         by_expr["reveal_type(r.get)"]), by_expr
     assert by_expr["reveal_type(q.get)"] == "def (block: bool =, timeout: float | None =) -> Any"
     # Dispatcher.handler(...) returns the handler with its own signature, not Any

@@ -59,6 +59,7 @@ typedef struct {
     PyTypeObject *FrameType, *RingType, *CursorType, *ReservationType, *LockType, *WaitingType, *QueuePortType;
     PyTypeObject *DeferredType; /* shmq.Deferred: a payload written by fill() under the writer lock */
     PyTypeObject *SemaphoreType;
+    PyTypeObject *LargeCopyType; /* a large payload's private copy (frame.c) */
     ValuesKeys keys;            /* the values codec's cache of dict keys (values.h) */
 } CoreState;
 
@@ -187,5 +188,11 @@ extern PyType_Spec lock_spec, waiting_spec, semaphore_spec;
 /* ---- frame.c ---- */
 PyObject *make_frame(CoreState *st, uint64_t seq, uint64_t ts, PyObject *data, int codec);
 PyTypeObject *frame_type_new(void);
+/* Payloads of this size or more that a reader copies out as a writable buffer (numpy,
+ * out-of-band pickle) get a mapping of their own: large_copy_new (frame.c). */
+#define LARGE_COPY ((uint64_t)4 << 20)
+extern PyType_Spec largecopy_spec;
+PyObject *large_copy_new(CoreState *st, Py_ssize_t n, char **dst);
+PyObject *core_copy_cache(PyObject *m, PyObject *unused);
 
 #endif

@@ -8,7 +8,6 @@
 #include "binding.h"
 
 #include <string.h>
-#include <sys/mman.h>
 
 /* ---- errors ---- */
 
@@ -31,43 +30,30 @@ PyObject *cursor_error(Cursor *c, int code) {
 
 /* ---- the Python sink of the takes ---- */
 
-/* Copies this large (a numpy array, out-of-band buffers) are asked to live on
- * transparent huge pages, as numpy asks for its own arrays of 4 MiB or more:
- * such a copy is fresh memory (the process keeps it: a result, an argument),
- * and on 4 KiB pages an 8 MiB one took 2,048 page faults, most of a pool
- * parent's time per numpy result. */
-#define HUGE_COPY ((uint64_t)4 << 20)
-#define HUGE_PAGE ((uintptr_t)2 << 20)
+/* Where copy_py puts a payload: the new object (first: drop_py clears it). */
+typedef struct {
+    PyObject *data;
+    CoreState *st;
+} CopyOut;
 
-static void advise_huge(char *p, uint64_t n) {
-#ifdef MADV_HUGEPAGE
-    uintptr_t a = ((uintptr_t)p + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-    uintptr_t e = ((uintptr_t)p + (uintptr_t)n) & ~(HUGE_PAGE - 1);
-    /* advice only: where THP is off (or "never") nothing changes */
-    if (e > a) (void)madvise((void *)a, (size_t)(e - a), MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)n;
-#endif
-}
-
-/* The payload as a new bytes object (a bytearray for numpy and out-of-band
- * pickle frames: arrays rebuilt over it are writable), in *(PyObject **)ctx. */
+/* The payload as a new bytes object, in the CopyOut at ctx.  Numpy and
+ * out-of-band pickle payloads are copied writable (arrays rebuilt over them
+ * are writable): a bytearray, or from LARGE_COPY bytes a memoryview over a
+ * mapping of its own (large_copy_new: one page fault per huge page). */
 static const char *copy_py(void *ctx, const char *src, const shmq_frame_header *h) {
-    PyObject **out = ctx;
+    CopyOut *o = ctx;
     if (h->codec == SHMQ_CODEC_PICKLE_OOB || h->codec == SHMQ_CODEC_NUMPY) {
-        if (h->length < HUGE_COPY) {
-            if (!(*out = PyByteArray_FromStringAndSize(src, h->length))) return NULL;
-            return PyByteArray_AS_STRING(*out);
+        if (h->length < LARGE_COPY) {
+            if (!(o->data = PyByteArray_FromStringAndSize(src, h->length))) return NULL;
+            return PyByteArray_AS_STRING(o->data);
         }
-        if (!(*out = PyByteArray_FromStringAndSize(NULL, h->length))) return NULL;
-        char *dst = PyByteArray_AS_STRING(*out);
-        advise_huge(dst, h->length); /* before the first touch: the copy below */
+        char *dst;
+        if (!(o->data = large_copy_new(o->st, (Py_ssize_t)h->length, &dst))) return NULL;
         memcpy(dst, src, h->length);
         return dst;
     }
-    if (!(*out = PyBytes_FromStringAndSize(src, h->length))) return NULL;
-    return PyBytes_AS_STRING(*out);
+    if (!(o->data = PyBytes_FromStringAndSize(src, h->length))) return NULL;
+    return PyBytes_AS_STRING(o->data);
 }
 
 static void drop_py(void *ctx) { Py_CLEAR(*(PyObject **)ctx); }
@@ -76,12 +62,12 @@ static void drop_py(void *ctx) { Py_CLEAR(*(PyObject **)ctx); }
  * up), or NULL with an exception.  Advances the cursor and adds overwritten
  * frames to *lost. */
 PyObject *read_one(Ring *r, uint64_t *seqp, uint64_t *posp, int verify, uint64_t *lost) {
-    PyObject *data = NULL;
+    CopyOut out = {NULL, r->st};
     shmq_frame_header h = {0};
-    int got = read_loop(&r->eng, seqp, posp, verify, lost, &h, NULL, copy_py, drop_py, &data);
+    int got = read_loop(&r->eng, seqp, posp, verify, lost, &h, NULL, copy_py, drop_py, &out);
     if (got < 0) return ring_error(r, got);
     if (!got) Py_RETURN_NONE;
-    return make_frame(r->st, h.seq, h.ts, data, h.codec);
+    return make_frame(r->st, h.seq, h.ts, out.data, h.codec);
 }
 
 static PyObject *obj_entry(Cursor *c, PyObject *data, const shmq_frame_header *h, Codes *codes, Py_ssize_t i) {
@@ -108,7 +94,7 @@ static PyObject *obj_entry(Cursor *c, PyObject *data, const shmq_frame_header *h
 /* Where each frame goes: a bytes (a Frame unless raw), a list entry
  * (as_list) or the single result. */
 typedef struct {
-    PyObject *data; /* first: copy_py and drop_py use it */
+    CopyOut copy; /* first: copy_py and drop_py use it */
     Cursor *c;
     PyObject *out, *single;
     shmq_frame_header *rawh;
@@ -119,8 +105,8 @@ typedef struct {
 
 static int taken_py(void *ctx, const shmq_frame_header *h) {
     PySink *k = ctx;
-    PyObject *f = k->data;
-    k->data = NULL;
+    PyObject *f = k->copy.data;
+    k->copy.data = NULL;
     if (!k->raw && !(f = make_frame(k->c->ring->st, h->seq, h->ts, f, h->codec))) return -1;
     if (k->codes && !(f = obj_entry(k->c, f, h, k->codes, k->i))) return -1;
     k->i++;
@@ -137,7 +123,7 @@ static int taken_py(void *ctx, const shmq_frame_header *h) {
 /* The result of a take into a PySink: the list, the frame, None; NULL with
  * the error if `got` < 0. */
 static PyObject *take_result(PySink *k, long got) {
-    Py_CLEAR(k->data);
+    Py_CLEAR(k->copy.data);
     if (got < 0) {
         Py_XDECREF(k->out);
         Py_XDECREF(k->single);
@@ -150,7 +136,7 @@ static PyObject *take_result(PySink *k, long got) {
 
 /* Read up to max frames from a private cursor (anonymous / named), under its lock. */
 static PyObject *private_take(Cursor *c, Py_ssize_t max, int as_list, shmq_frame_header *rawh, Codes *codes) {
-    PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
+    PySink k = {{NULL, c->ring->st}, c, NULL, NULL, rawh, codes, rawh || codes, 0};
     if (as_list && !(k.out = PyList_New(0))) return NULL;
     Sink sink = {copy_py, drop_py, taken_py, &k};
     long got = eng_cursor_lock(&c->eng);
@@ -166,7 +152,7 @@ static PyObject *group_take(Cursor *c, Py_ssize_t max, int as_list, double lock_
                             Codes *codes) {
     eng_cursor *e = &c->eng;
     eng_ring *r = e->ring;
-    PySink k = {NULL, c, NULL, NULL, rawh, codes, rawh || codes, 0};
+    PySink k = {{NULL, c->ring->st}, c, NULL, NULL, rawh, codes, rawh || codes, 0};
     if (as_list && !(k.out = PyList_New(0))) return NULL;
     uint64_t *s = cur_slot(e), pos, lost;
     int lk = group_lock(e, lock_wait, &s[SHMQ_S_LOCK_HOLDER], r->holder);

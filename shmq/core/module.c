@@ -131,6 +131,8 @@ static PyMethodDef core_methods[] = {
     {"values_loads", values_loads, METH_O,
      "values_loads(buffer) -> object: a values-codec payload decoded (ValueError if damaged)"},
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
+    {"copy_cache", core_copy_cache, METH_NOARGS,
+     "copy_cache() -> (mappings, bytes): released large copies (LargeCopy) kept for reuse, at most 256 MiB"},
     {"yield_cpu", core_yield_cpu, METH_NOARGS,
      "yield_cpu(): sched_yield() with the GIL held (a spinning waiter's pause between looks)"},
     {NULL}};
@@ -150,7 +152,8 @@ static int core_exec(PyObject *m) {
     if (add_type(m, &ring_spec, &st->RingType) < 0 || add_type(m, &cursor_spec, &st->CursorType) < 0 ||
         add_type(m, &reservation_spec, &st->ReservationType) < 0 || add_type(m, &lock_spec, &st->LockType) < 0 ||
         add_type(m, &waiting_spec, &st->WaitingType) < 0 || add_type(m, &queue_port_spec, &st->QueuePortType) < 0 ||
-        add_type(m, &deferred_spec, &st->DeferredType) < 0 || add_type(m, &semaphore_spec, &st->SemaphoreType) < 0)
+        add_type(m, &deferred_spec, &st->DeferredType) < 0 || add_type(m, &semaphore_spec, &st->SemaphoreType) < 0 ||
+        add_type(m, &largecopy_spec, &st->LargeCopyType) < 0)
         return -1;
     if (PyModule_AddFunctions(m, inspect_methods) < 0) return -1;
     if (!(st->FrameType = frame_type_new())) return -1;
@@ -177,7 +180,7 @@ static int core_exec(PyObject *m) {
 #define STATE_OBJECTS(X)                                                                                         \
     X(SpoolFormatError) X(ShmqError) X(crash_hook) X(pickle_loads) X(EmptyError) X(pickle_dumps) X(dumps_protocol)           \
     X(dumps_kwnames) X(inband_callback) X(EMPTY) X(STUCK) X(UNDECODED) X(FrameType) X(RingType) X(CursorType)   \
-    X(ReservationType) X(LockType) X(WaitingType) X(QueuePortType) X(DeferredType) X(SemaphoreType)
+    X(ReservationType) X(LockType) X(WaitingType) X(QueuePortType) X(DeferredType) X(SemaphoreType) X(LargeCopyType)
 
 static int core_traverse(PyObject *m, visitproc visit, void *arg) {
     CoreState *st = state_of(m);

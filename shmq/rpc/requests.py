@@ -40,7 +40,7 @@ from typing import Any
 from .. import _format as F
 from .. import codec as _codec
 from .._core import encode_batch
-from ..columnar import PinnedView
+from ..columnar import PinnedView, private_copy
 from ..errors import Empty, ShmqError, TooLarge
 from ..spool import Spool
 
@@ -260,7 +260,7 @@ def decode(frame: Any) -> Any:
     if frame.codec == F.CODEC_PICKLE:
         return _loads(frame.data)  # the common case, without the codec layer's dispatch
     data = frame.data
-    if frame.codec == F.CODEC_PICKLE_OOB and not isinstance(data, bytearray):
+    if frame.codec == F.CODEC_PICKLE_OOB and not private_copy(data):
         data = bytearray(data)  # the buffers outlive the frame
     return _codec.decode_item(data, frame.codec)
 

@@ -51,7 +51,7 @@ def spools(path: str) -> None:
     assert_type(seq, int)
     assert_type(frame.seq, int)
     assert_type(frame.timestamp_ns, int)
-    assert_type(frame.data, bytes | bytearray)
+    assert_type(frame.data, bytes | bytearray | memoryview)
     assert_type(frame.codec, int)
 
     r = sp.reader("indexer")  # named: durable position
