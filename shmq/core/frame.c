@@ -89,16 +89,15 @@ PyTypeObject *frame_type_new(void) {
  *
  * A reader's copy of a numpy or out-of-band pickle payload of LARGE_COPY bytes
  * or more is memory the process keeps (a pool's result, a worker's argument).
- * Allocated by glibc, its huge pages depended on where the block fell: on
- * 4 KiB pages an 8 MiB copy costs 2,048 page faults.  A private anonymous
- * mapping aligned to a huge page, with MADV_HUGEPAGE over its whole huge
- * pages, takes one fault per 2 MiB where THP is enabled (or "madvise").
+ * On 4 KiB pages an 8 MiB copy costs 2,048 page faults, and a block from the
+ * C allocator is not aligned to huge pages.  A private anonymous mapping
+ * aligned to a huge page, with MADV_HUGEPAGE over its whole huge pages, takes
+ * one fault per 2 MiB where THP is enabled (or "madvise").
  *
  * Fresh pages are still zeroed by the kernel before the copy overwrites them,
- * and on a virtual machine whose host reclaims the memory a guest frees, the
- * first touch of a page may also fault in the host: a pool parent's map over
- * 32 arrays of 8 MiB spent from 0.02 s to 0.4 s (run to run) in
- * clear_page_erms under the huge-page faults of its result copies.  So a
+ * and that zeroing is what varies: a pool parent's map over 32 arrays of
+ * 8 MiB spends 0.01 s to 0.4 s in clear_page_erms under the huge-page faults
+ * of its result copies, from one map to the next on the same machine.  So a
  * released copy's mapping is not unmapped but kept for the next copy, up to
  * COPY_CACHE_BYTES in all, its pages marked MADV_FREE: reused while the
  * system has memory (no fault, no zeroing: the stdlib's pickles get the same
