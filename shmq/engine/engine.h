@@ -223,6 +223,7 @@ typedef struct {
     uint64_t rng;      /* xorshift state of delay_clock */
     uint64_t released; /* ring position up to which this cursor released its pages */
     uint64_t known;    /* a NEXT_SEQ loaded before: frames below it are committed */
+    uint64_t last_len; /* the payload length of the frame taken last (eng_spin_for_frame) */
     _Atomic int busy;  /* threads waiting for the group lock or parked (close deferred) */
     _Atomic int closed;
     _Atomic unsigned long mu; /* a private cursor's take lock: the holding thread (eng_cursor_lock) */

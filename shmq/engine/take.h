@@ -181,6 +181,7 @@ ALWAYS_INLINE long take_loop(eng_cursor *c, uint64_t *seq, uint64_t *pos, long m
             account(c, &h, now);
         }
         got++;
+        c->last_len = h.length;
         if (k->taken(k->ctx, &h) < 0) return SHMQ_ECALLBACK;
     }
     return got;

@@ -266,21 +266,27 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
  * producer is caught up between most frames of a stream; the wait it would
  * enter instead costs microseconds and registers it as a waiter, which makes
  * every put ring the doorbell (a futex wake and a pwrite) until it is out
- * again.  1 if a frame is there now. */
+ * again.  The moment is CAUGHT_UP_SPIN_NS, plus the time the last frame taken
+ * would take to copy at SPIN_COPY_BYTES_PER_NS (at most SPIN_MAX_NS): a
+ * writer of 1 MiB frames needs tens of microseconds per frame, and a reader
+ * that parked between them paid a wake-up per frame (and, at a fixed ring's
+ * early wrap, per lap).  So a reader spins at most about as long as its own
+ * copy of the frame took.  1 if a frame is there now. */
 #define CAUGHT_UP_SPIN_NS 2000ull
+#define SPIN_COPY_BYTES_PER_NS 16ull
+#define SPIN_MAX_NS 200000ull
 int eng_spin_for_frame(eng_cursor *c) {
-    eng_ring *r = c->ring;
+    uint64_t limit = CAUGHT_UP_SPIN_NS + c->last_len / SPIN_COPY_BYTES_PER_NS, t0 = 0;
+    if (limit > SPIN_MAX_NS) limit = SPIN_MAX_NS;
     if (eng_cursor_check(c) < 0) return 0;
-    uint64_t t0 = 0;
     for (unsigned spin = 0;; spin++) {
         if (eng_cursor_available(c)) return 1;
         if ((spin & 7) == 7) {
             uint64_t now = mono_ns();
             if (!t0) t0 = now;
-            else if (now - t0 > CAUGHT_UP_SPIN_NS) return 0;
+            else if (now - t0 > limit) return 0;
         }
         cpu_relax();
-        (void)r;
     }
 }
 

@@ -261,11 +261,11 @@ static inline void roll_rate(eng_ring *r, uint64_t ts) {
  * consumers keep up, a fixed block/error ring reuses its first HOT_BYTES
  * (or 2 batches, if larger): once the writer's next batch would end past
  * that and every named reader and group has consumed everything (waiting,
- * the caller's lock dropped, for consumers still copying the last HOT_LAG
- * bytes or two batches, as long as that takes at 2 GB/s: wait_floor; a wait
- * in vain is not tried again this lap), it pads the rest of the ring (a
- * PAD, as at any wrap) and starts the next lap at offset 0, in lines the
- * consumers read moments ago.  The consumers' cursors then sit at that PAD,
+ * the caller's lock dropped, for consumers within HOT_LAG bytes or
+ * HOT_LAG_BATCHES batches, at most the region, as long as that takes at
+ * 2 GB/s: wait_floor; a wait in vain is not tried again this lap), it pads
+ * the rest of the ring (a PAD, as at any wrap) and starts the next lap at
+ * offset 0, in lines the consumers read moments ago.  The consumers' cursors then sit at that PAD,
  * which make_room counts as consumed (past_pad): the whole ring stays the
  * backlog's if they stop there.  A consumer that is behind holds the writer
  * to the whole ring as before.  Consumed frames past the hot region are
@@ -279,7 +279,14 @@ static inline void roll_rate(eng_ring *r, uint64_t ts) {
  * handle was closed by another thread during the wait. */
 #define HOT_BYTES ((uint64_t)8 << 20)
 #define HOT_RING_MAX ((uint64_t)64 << 20) /* read.c's KEEP_WHOLE: readers keep their pages */
-#define HOT_LAG ((uint64_t)64 << 10)      /* consumers this close (or 2 batches) are waited for */
+/* Consumers this close are waited for: HOT_LAG bytes, or HOT_LAG_BATCHES of
+ * the writer's batches, at most the hot region.  A consumer of 1 MiB frames
+ * keeping up is at times 3 or more frames behind when the writer reaches the
+ * region's end (1-3 times in a run of 2,000): with only two batches waited
+ * for, each such time sent the writer on a whole cold lap (56 MiB of fresh
+ * or evicted pages), and the run lost about a quarter of its speed. */
+#define HOT_LAG ((uint64_t)64 << 10)
+#define HOT_LAG_BATCHES 8
 static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs, uint64_t total,
                      uint64_t *placed, Placement *pl) {
     uint64_t ring = r->ring_bytes, n_off = start % ring, lap = start - n_off, gap = ring - n_off, floor;
@@ -290,7 +297,8 @@ static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *
     if (!slot_floor(r, SHMQ_S_POS, &floor) || r->hot_skip == lap + 1) return 0; /* no consumer; or tried this lap */
     if (floor < start) { /* consumers copying the last batches: wait for them (lock dropped), at 2 GB/s */
         uint64_t lag = start - floor;
-        uint64_t near = 2 * total > HOT_LAG ? 2 * total : HOT_LAG;
+        uint64_t near = HOT_LAG_BATCHES * total > HOT_LAG ? HOT_LAG_BATCHES * total : HOT_LAG;
+        if (near > zone) near = zone;
         int w = lag > near ? 0 : wait_floor(r, start, 50000 + lag / 2, 50000 + total / 2);
         if (w == SHMQ_ECLOSED) return eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
         if (w != 1) {
