@@ -92,7 +92,13 @@ def main() -> None:
     ap.add_argument("--micro-only", action="store_true", help="only the single-process table (no bench rows)")
     ap.add_argument("--reuse-base", action="store_true", help="reuse the base build already in --out")
     ap.add_argument("--no-callgrind", action="store_true", help="skip the instruction counts (valgrind)")
+    ap.add_argument("--row", action="append", metavar="ROW|CONTENDER",
+                    help="a bench.py row and contender instead of the default rows (repeatable); a peer "
+                         "(e.g. '1->1 1 MiB reserve|iceoryx2') runs once per build, a same-phase reference")
     a = ap.parse_args()
+    rows = [tuple(x.split("|", 1)) for x in a.row] if a.row else ROWS
+    if any(len(x) != 2 for x in rows):
+        ap.error("--row takes 'ROW|CONTENDER'")
     out = a.out or tempfile.mkdtemp(prefix="shmq-engineab-")
     os.makedirs(out, exist_ok=True)
     rev = subprocess.run(["git", "rev-parse", "--short", a.base], cwd=ROOT, check=True, capture_output=True,
@@ -106,11 +112,11 @@ def main() -> None:
                else build(b, a.base, out) for b in BUILDS}
     for b in BUILDS:
         print(f"# {b}: {glob.glob(os.path.join(targets[b], 'shmq', '_core*.so'))[0]}", flush=True)
-    res: dict = {f"{r}|{c}": {b: [] for b in BUILDS} for r, c in ROWS}
+    res: dict = {f"{r}|{c}": {b: [] for b in BUILDS} for r, c in rows}
     mic: dict = {k: {b: [] for b in BUILDS} for k in abi3_ab.MICRO}
     for i in range(a.runs):
         order = BUILDS if i % 2 == 0 else BUILDS[::-1]
-        for r, c in [] if a.micro_only else ROWS:
+        for r, c in [] if a.micro_only else rows:
             for b in order:
                 d = abi3_ab.child(targets[b], ["--one", r, c, a.mode])
                 res[f"{r}|{c}"][b].append(d["items_per_s"] / 1e6)
@@ -125,7 +131,7 @@ def main() -> None:
     print(f"\n# load {os.getloadavg()}")
     print(f"{'row':26s} {'contender':17s} {'base M/s':>9s} {'head M/s':>9s} {'head/base':>9s} {'pair med':>8s}"
           "  runs base | head")
-    for r, c in [] if a.micro_only else ROWS:
+    for r, c in [] if a.micro_only else rows:
         f, s = res[f"{r}|{c}"]["base"], res[f"{r}|{c}"]["head"]
         mf, ms = statistics.median(f), statistics.median(s)
         pair = statistics.median(y / x for x, y in zip(f, s))
