@@ -31,6 +31,7 @@ pins.  It imports neither spool nor reader.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -118,6 +119,8 @@ def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any
             shape = tuple(int(x) for x in desc["shape"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ShmqError(f"numpy frame with a corrupt descriptor: {exc}") from None
+        if any(x < 0 for x in shape):
+            raise ShmqError(f"numpy frame with a negative dimension in its shape {shape}")
         if dtype.hasobject:  # object pointers from shared memory: never (docs/security.md)
             raise ShmqError("numpy frame with an object dtype: refused (frames carry no pointers)")
         if len(_DESCS) > 256:
@@ -125,7 +128,7 @@ def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any
         parsed = _DESCS[raw] = (dtype, shape)
     dtype, shape = parsed
     off = F.align(_HEAD.size + n)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints (np.prod took 4 us of a 12 us view)
     if off + count * dtype.itemsize != len(mv):
         raise ShmqError("numpy frame: descriptor and payload sizes disagree")
     arr = np.frombuffer(mv[off:], dtype=dtype, count=count).reshape(shape)

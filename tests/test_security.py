@@ -309,6 +309,20 @@ def test_numpy_object_dtype_is_refused():
         codec.decode(head + bytes(8), F.CODEC_NUMPY, codec.TRUSTED)
 
 
+@pytest.mark.parametrize("shape", [[-1, -2], [-4], [2, -1]])
+def test_numpy_negative_dimension_is_refused(shape):
+    # Two negative dimensions multiply to a size that matches the payload: the
+    # size check alone let numpy's reshape raise a ValueError instead.
+    import json
+    import struct
+
+    desc = json.dumps({"descr": "<i8", "shape": shape}).encode()
+    head = struct.pack("<II", len(desc), 0) + desc
+    head += bytes(-len(head) % 8)
+    with pytest.raises(shmq.ShmqError, match="negative dimension"):
+        codec.decode(head + bytes(16), F.CODEC_NUMPY, codec.TRUSTED)
+
+
 def test_workqueue_refuses_a_dead_letter_spool_others_can_write(spool_dir):
     path = os.path.join(spool_dir, "jobs")
     shmq.WorkQueue(path, capacity=65536, dead_capacity=8192).close()
