@@ -64,11 +64,17 @@ class Pins:
                 floor = p
         return floor
 
-    def pin(self, pos) -> bool:
+    def pin(self, pos, held=False) -> bool:
         """Pin the frame at ``pos`` against eviction; False if it is already gone.
 
         Done under the writer lock, so no writer can be between checking the
-        pins and evicting (no store/load reordering window).
+        pins and evicting (no store/load reordering window), unless ``held``:
+        the caller's named cursor, published in a block/error ring, still holds
+        the frame, and moves on only after this returns (a release store).
+        Writers read the named cursors before the pins (the engine's
+        make_room): one that sees the cursor moved sees this pin, so no lock
+        is needed (the reader of a fast producer's frames waited for each
+        write's lock otherwise).
 
         :raises shmq.ShmqError: this handle's pin slot is locked by another process.
         """
@@ -80,14 +86,20 @@ class Pins:
                 raise ShmqError(f"{self.path}: pin slot {name} is in use")
             slots.set_word(i, F.S_POS, F.NO_PIN)
             self.slot = i
+        if held:
+            self._hold(pos)
+            return True
         with self._lock:
             if not self._ring.still_there(pos):
                 return False
-            with self._held_lock:
-                self.held[pos] = self.held.get(pos, 0) + 1
-                if pos < slots.word(self.slot, F.S_POS):
-                    slots.set_word(self.slot, F.S_POS, pos)
+            self._hold(pos)
             return True
+
+    def _hold(self, pos) -> None:
+        with self._held_lock:
+            self.held[pos] = self.held.get(pos, 0) + 1
+            if pos < self._slots.word(self.slot, F.S_POS):
+                self._slots.set_word(self.slot, F.S_POS, pos)
 
     def unpin(self, pos) -> None:
         """Drop one pin of ``pos`` and wake writers waiting for room (not under the writer
@@ -104,9 +116,10 @@ class Pins:
             self._slots.set_word(self.slot, F.S_POS, min(self.held, default=F.NO_PIN))
         self._on_release()
 
-    def read(self, seq, pos):
+    def read(self, seq, pos, held=False):
         """Pin and map data frame ``seq`` at cursor ``pos``: ``(payload view, codec,
         header pos, next pos)``, or None if it is gone, a pad, or another frame.
+        ``held``: the caller's published cursor holds the frame (see :meth:`pin`).
 
         The header is re-read under the pin, when it can no longer change;
         the caller unpins the header position when done with the view.
@@ -116,7 +129,7 @@ class Pins:
         if hit is None:
             return None
         fpos = hit.pos
-        if not self.pin(fpos):
+        if not self.pin(fpos, held):
             return None
         if ring.header_at(fpos) != hit:
             self.unpin(fpos)

@@ -377,7 +377,7 @@ class Reader:
                 # Nothing yet.  Not the core's get: a frame committed meanwhile
                 # would come back copied, where the caller asked for a pin.
                 return None
-            got = sp.pins.read(seq, pos)
+            got = sp.pins.read(seq, pos, self._cursor_holds(pos))
             if got is not None:
                 view, codec, fpos, npos = got
                 self.advance(seq + 1, npos)
@@ -391,6 +391,12 @@ class Reader:
     def commit(self) -> None:
         """Persist the position (anonymous readers have nothing to persist)."""
         self.check()
+
+    def _cursor_holds(self, pos: int) -> bool:
+        """True if this reader's published cursor keeps the frame at ``pos`` from
+        being evicted until the reader moves it (a zero-copy read may then pin
+        it without the writer lock: :meth:`shmq.pins.Pins.pin`)."""
+        return False
 
     # -- hooks for subclasses --------------------------------------------
 
@@ -528,6 +534,13 @@ class NamedReader(SlotReader):
     def flush_stats(self) -> None:
         if not self._closed:
             self._cur.flush()
+
+    def _cursor_holds(self, pos: int) -> bool:
+        # Block and error rings never evict what a named cursor has not passed;
+        # overwrite rings do.  The published position, not the private one: a
+        # seek back without auto-commit leaves it ahead of the cursor.
+        return (self._spool.on_full != "overwrite"
+                and self._spool.slots.word(self._slot, F.S_POS) <= pos)
 
     def advance(self, seq: int, pos: int) -> None:
         self._set_cursor(seq, pos)

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -165,6 +166,102 @@ def test_pinned_view_blocks_overwrite_until_released(make_spool):
     view.release()
     sp.put(bytes(20000), timeout=1)
     sp.put(bytes(20000), timeout=1)  # now it may be overwritten
+
+
+def _view_while_the_writer_lock_is_held(sp, r):
+    """r.get_array(copy=False) in a thread while this thread holds the writer lock:
+    (the view, or None if it did not return while the lock was held)."""
+    got, done = [], threading.Event()
+
+    def view():
+        got.append(r.get_array(copy=False, timeout=bound(10)))
+        done.set()
+
+    t = threading.Thread(target=view)
+    with sp.writer_lock:
+        t.start()
+        in_time = done.wait(0.5)
+    t.join(bound(10))
+    assert got, "the view did not come"
+    return got[0] if in_time else None
+
+
+@pytest.mark.parametrize("on_full", ["block", "error"])
+def test_a_named_readers_view_pins_without_the_writer_lock_and_still_protects(make_spool, on_full):
+    # The named cursor, published, holds the frame until the reader moves it
+    # on, after the pin: no lock is needed, and the frame is kept all the same.
+    sp = make_spool(capacity=64 * 1024, on_full=on_full)
+    r = sp.reader("n")
+    sp.put_array(np.arange(10))
+    r.get_array(copy=False).release()  # the handle's pin slot is taken (under the lock) once
+    big = np.arange(4096, dtype=np.float64)  # 32 KiB: half the ring
+    sp.put_array(big)
+    view = _view_while_the_writer_lock_is_held(sp, r)
+    assert view is not None, "the named reader's view waited for the writer lock"
+    assert sp.pins.held and r.committed == 2  # pinned, and the cursor moved past it
+    with pytest.raises(shmq.Full):
+        for _ in range(4):
+            sp.put(bytes(20000), timeout=0.1)
+    assert np.array_equal(view.array, big)
+    view.release()
+    r.get_many(10, timeout=0)  # what went in before Full: the reader's, not the pin's, to keep
+    for _ in range(3):
+        sp.put(bytes(20000), timeout=1)
+        assert len(r.get(timeout=1).data) == 20000
+
+
+def _put_numbered_frames(path, n):
+    sp = shmq.Spool.open(path)
+    for i in range(n):
+        sp.put_array(np.full(8192, i, dtype=np.int64), timeout=bound(30))  # 64 KiB
+    sp.close()
+
+
+def test_lock_free_pins_hold_under_a_writer_that_wants_the_room(make_spool):
+    # A producer process fills a ring of 4 frames as fast as it can while the
+    # named reader keeps its last two views alive: every frame is wanted by the
+    # writer while it is viewed, after the cursor moved past it.  A view that
+    # a write overwrote would show another frame's number.
+    n = 1500 if not EMULATED else 300
+    sp = make_spool(capacity=4 * 65600, on_full="block")
+    r = sp.reader("n")
+    p = mp.get_context("fork").Process(target=_put_numbered_frames, args=(sp.path, n))
+    p.start()
+    try:
+        kept = []
+        for i in range(n):
+            v = r.get_array(copy=False, timeout=bound(30))
+            assert v.array[0] == i and v.array[-1] == i
+            kept.append((i, v))
+            if len(kept) > 2:
+                j, old = kept.pop(0)
+                assert (old.array == j).all(), f"frame {j} changed while viewed"
+                old.release()
+        for j, old in kept:
+            assert (old.array == j).all()
+            old.release()
+    finally:
+        p.join(bound(30))
+    assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("case", ["overwrite", "seek back without commit", "anonymous"])
+def test_a_view_the_cursor_does_not_hold_is_pinned_under_the_writer_lock(make_spool, case):
+    # An overwrite ring evicts what named cursors have not read; a seek back
+    # without a commit leaves the published position ahead of the frame; an
+    # anonymous cursor holds nothing.  These pin under the writer lock.
+    sp = make_spool(capacity=64 * 1024, on_full="overwrite" if case == "overwrite" else "block")
+    r = sp.reader() if case == "anonymous" else sp.reader("n", auto_commit=case != "seek back without commit")
+    sp.put_array(np.arange(10))
+    sp.put_array(np.arange(10))
+    r.get_array(copy=False).release()  # the handle's pin slot is taken (under the lock) once
+    if case == "seek back without commit":
+        r.get_array()
+        r.commit()
+        r.seek(1)
+        assert r.committed == 2 and r.cursor()[0] == 1
+    view = _view_while_the_writer_lock_is_held(sp, r)
+    assert view is None, "the view was pinned while another thread held the writer lock"
 
 
 def test_pinned_view_context_manager_and_group(make_spool):

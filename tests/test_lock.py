@@ -110,6 +110,32 @@ def test_threads_exclude_each_other_and_the_record_is_cleared(shared):
     assert shared.words[TOKEN] == 0 and shared.words[BREAKS] == 0  # nothing was broken
 
 
+def test_with_waits_out_another_process_and_records_itself(ctx, shared):
+    # `with lock:` on a lock another process holds spins, then sleeps on the
+    # semaphore; either way it enters only after the release, and the holder
+    # word names this process from the moment it holds the lock.
+    p, release = _start_holder(ctx, shared)
+    inside, seen, done = threading.Event(), [], threading.Event()
+
+    def enter():
+        with shared.lock:
+            seen.append(shared.words[HOLDER])
+            inside.set()
+        done.set()
+
+    t = threading.Thread(target=enter)
+    t.start()
+    try:
+        assert not inside.wait(0.2), "entered while another process held the lock"
+        assert holder_pid(shared.words[HOLDER]) == p.pid
+    finally:
+        release.send(b"go")
+    assert inside.wait(bound(10)) and done.wait(bound(10))
+    t.join(bound(10))
+    p.join(bound(10))
+    assert seen == [holder_word()] and shared.words[HOLDER] == 0 and shared.sem.value == 1
+
+
 def test_holder_word_names_this_process():
     assert holder_pid(holder_word()) == os.getpid()
     assert _lock.holder_alive(holder_word())

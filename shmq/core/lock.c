@@ -85,9 +85,45 @@ static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* A `with lock:` that finds the lock taken spins for it up to LOCK_SPIN_NS
+ * (the GIL released) before it sleeps on the semaphore.  Locks are held for
+ * one operation: microseconds, or tens of them for a write of 1 MiB under
+ * the writer lock, and a zero-copy view's pin (shmq/pins.py, under the
+ * writer lock) taken between two puts of a fast producer slept and was
+ * woken once per frame: the view row ran at a third of the copying one.
+ * The spin watches the holder word and tries the semaphore only when that
+ * reads free, so the holder's release does not contend with the spinner's
+ * atomics; the holder is recorded before the GIL is taken back (as
+ * eng_sem_lock does).  1: acquired. */
+#define LOCK_SPIN_NS 100000ull
+static int lock_spin(Lock *l) {
+    int got = 0;
+    uint64_t *word = l->holder_word, holder = l->holder;
+    sem_t *sem = l->sem;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t t0 = mono_ns();
+    for (unsigned i = 1;; i++) {
+        if (!ld_rlx(word) && sem_trywait(sem) == 0) {
+            st_rlx(word, holder);
+            got = 1;
+            break;
+        }
+        if (!(i & 63) && mono_ns() - t0 > LOCK_SPIN_NS) break;
+        cpu_relax();
+    }
+    Py_END_ALLOW_THREADS
+    if (got) l->owner = PyThread_get_thread_ident();
+    return got;
+}
+
 static PyObject *Lock_enter(Lock *l, PyObject *unused) {
-    /* Waits as long as it takes; every `wait` seconds without the lock,
-     * on_stuck(lock) (Python) may break a dead holder's lock or raise. */
+    /* Waits as long as it takes (a spin first: lock_spin); every `wait`
+     * seconds without the lock, on_stuck(lock) (Python) may break a dead
+     * holder's lock or raise. */
+    if (lock_open(l) < 0) return NULL;
+    int rc = lock_take(l, 0);
+    if (rc < 0) return NULL;
+    if (rc == 0 || lock_spin(l)) return Py_NewRef((PyObject *)l);
     for (;;) {
         if (lock_open(l) < 0) return NULL;
         int rc = lock_take(l, l->wait);

@@ -166,7 +166,13 @@ static uint64_t past_pad(eng_ring *r, uint64_t floor, uint64_t first, uint64_t n
  * exception set.  Overwrite policy walks the evicted headers (a few loads
  * each); block/error jump in one step to the slowest named cursor. */
 int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos) {
-    uint64_t *c = r->ctl, ring = r->ring_bytes;
+    uint64_t *c = r->ctl, ring = r->ring_bytes, floor = 0;
+    /* The named cursors first (acquire loads), then the pins: a named reader
+     * of a block/error ring pins the frame at its cursor without the writer
+     * lock, while its published cursor still holds that frame, and only then
+     * moves the cursor on (a release store; shmq/pins.py).  A writer that sees
+     * the cursor moved therefore sees the pin. */
+    int have_floor = r->policy != 0 && slot_floor(r, SHMQ_S_POS, &floor);
     uint64_t pin = pin_floor(r);
     if (pin < limit) { /* a zero-copy view reads that frame: Python waits for it (the room marker) */
         take_full_marker(r);
@@ -176,8 +182,7 @@ int make_room(eng_ring *r, uint64_t limit, uint64_t next_seq, uint64_t batch_pos
     uint64_t next_pos = ld_rlx(&c[SHMQ_W_NEXT_POS]);
     record_high_water(r);
     if (r->policy != 0) {
-        uint64_t floor;
-        if (!slot_floor(r, SHMQ_S_POS, &floor)) floor = pos; /* no consumers registered: keep everything */
+        if (!have_floor) floor = pos; /* no consumers registered: keep everything */
         floor = past_pad(r, floor, pos, next_pos);
         /* The jump below goes past `limit`, up to the slowest cursor: never past a
          * pinned frame (a reader moves its cursor on before it releases its view).
