@@ -278,11 +278,11 @@ class Doorbell:
                     self._key = watcher().watch(self.file.fd)
                     self._watched = True
 
-    def wait(self, ready, timeout: float | None, before_park=None) -> bool:
+    def wait(self, ready, timeout: float | None, before_park=None, spin: float = 0.0) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
-        ``spin`` seconds, yielding the CPU to other runnable processes between
+        ``spin`` seconds (the argument, if longer than the attribute), yielding the CPU to other runnable processes between
         looks, with a look after the last yield too (the GIL stays held; a
         frame caught here never registers a waiter), then sleeps on the
         futex word with the GIL released.  A waiter still waiting
@@ -298,8 +298,9 @@ class Doorbell:
             return False
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        spin_until = now + self.spin
-        while self.spin > 0:  # a look after every yield, the last one too (the writer may have run)
+        spin = max(self.spin, spin)
+        spin_until = now + spin
+        while spin > 0:  # a look after every yield, the last one too (the writer may have run)
             _core.yield_cpu()
             if ready():
                 return True

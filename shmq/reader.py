@@ -46,6 +46,13 @@ STATS_FLUSH_FRAMES = 64
 #: A reader that has found nothing to read for this long trims a growable spool
 #: (gives back the segments every consumer is done with; Spool.trim_idle).
 TRIM_IDLE_S = 0.01
+#: A zero-copy read that has to wait spins, before it parks, about as long as
+#: its last frame took the writer to copy (at this many bytes a second), at
+#: most SPIN_MAX_S, the engine's rule for its own reads (eng_spin_for_frame):
+#: a reader of 5 MiB Arrow frames that parked between them woke late, and a
+#: writer wrapping its hot region early waited for it (docs/format.md).
+SPIN_COPY_BYTES_PER_S = 16e9
+SPIN_MAX_S = 200e-6
 #: The engine's cursor kinds (its K_ANON, K_NAMED, K_GROUP).
 K_ANON, K_NAMED, K_GROUP = 0, 1, 2
 
@@ -73,6 +80,7 @@ class Reader:
         self._spool = spool
         self._verify = verify
         self._closed = False
+        self._last_len = 0  # the payload length of the last zero-copy read (its spin)
         seq, pos = self._initial_cursor(start)
         self._cur = _core.Cursor(spool.core, self._kind, -1 if self._slot is None else self._slot,
                                  seq, pos, self._auto_commit(), bool(verify), self._lock_name())
@@ -171,12 +179,13 @@ class Reader:
             deadline = self.wait(timeout, deadline)
             f = self._cur.get()
 
-    def wait(self, timeout: float | None, deadline: float | None) -> float | None:
+    def wait(self, timeout: float | None, deadline: float | None, spin: float = 0.0) -> float | None:
         """Park until the cursor has something to read (or was told to re-check).
 
         ``timeout`` is the caller's whole budget (0: do not wait, None:
         forever); ``deadline`` is None on the first call and what the
         previous call returned afterwards, so loops keep one budget.
+        ``spin``: seconds to spin before parking, if longer than the doorbell's.
 
         :returns: the deadline to pass next time.
         :raises shmq.Empty: the budget is spent.
@@ -201,7 +210,7 @@ class Reader:
                 return deadline
             self._spool.trim_idle()
             left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0 or not bell.wait(ready, left, flush):
+        if left is not None and left <= 0 or not bell.wait(ready, left, flush, spin):
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
@@ -309,8 +318,9 @@ class Reader:
             got = self.take(copy, timeout)
             if got is not None:
                 seq, payload, frame_codec, pos = got
+                self._last_len = len(payload)
                 return view_of(self._spool.pins, seq, payload, frame_codec, pos, copy, codec, decode)
-            deadline = self.wait(timeout, deadline)
+            deadline = self.wait(timeout, deadline, min(SPIN_MAX_S, self._last_len / SPIN_COPY_BYTES_PER_S))
 
     def _get_records(self, max_frames: int, block: bool, timeout: float | None) -> NDArray[Any]:
         """get_many(as_array=True): up to ``max_frames`` consecutive numpy frames of one dtype

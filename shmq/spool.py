@@ -418,8 +418,10 @@ class Spool:
         # directly); the core hands anything else to type(self)._put_slow.
         return self.core.put_api(data, block, timeout, codec)
 
-    def _put_slow(self, data: ReadableBuffer, block: bool, timeout: float | None, codec: int) -> int:
-        """Everything the core's put could not finish: validation, waits, recovery."""
+    def _put_slow(self, data: ReadableBuffer | tuple[ReadableBuffer, ...], block: bool, timeout: float | None,
+                  codec: int) -> int:
+        """Everything the core's put could not finish: validation, waits, recovery
+        (``data``: one bytes-like, or a tuple of segments, as put_array passes)."""
         timeout = None if block and timeout is None else check_block_timeout(block, timeout)
         self.check_open()
         return self.writer.append((data,), timeout, codec)
@@ -494,11 +496,11 @@ class Spool:
         :raises TypeError: not an array, or an object dtype.
         :raises shmq.TooLarge: it can never fit.
         """
-        from .columnar import put_array
+        from .columnar import encode_array
 
-        timeout = check_block_timeout(block, timeout)
-        self.check_open()
-        return put_array(self.writer, arr, timeout)
+        # The core's put of one frame of two segments (descriptor, data): the
+        # uncontended put in C; waits and recovery in _put_slow, as for put().
+        return self.core.put_api(encode_array(arr), block, timeout, F.CODEC_NUMPY)
 
     def put_arrow(self, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
         """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).

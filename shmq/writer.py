@@ -24,7 +24,7 @@ from ._format import FRAME_BYTES
 from ._lock import holder_pid
 from ._space import no_space_to_grow
 from .errors import Full, Timeout, TooLarge
-from .waiting import check_block_timeout, retry_stuck
+from .waiting import _NOT_YET, check_block_timeout, first_look, retry_stuck
 
 __all__ = ["Writer", "Deferred", "set_crash_hook"]
 
@@ -167,9 +167,14 @@ class Writer:
         timeout = check_block_timeout(True, timeout)
         deadline, lock_deadline = self._deadlines(timeout)
         reserve = self._core.reserve
+        got = reserve(nbytes, codec, first_look(self._lock))  # the uncontended case: one core call
+        if type(got) is not int:
+            return got
+        first = got  # retry_stuck's first look, taken
         while True:
             got = retry_stuck(lambda wait: reserve(nbytes, codec, wait), self._lock, lock_deadline,
-                              _is_lock_stuck, lambda: self._lock_timeout(timeout, holder=False))
+                              _is_lock_stuck, lambda: self._lock_timeout(timeout, holder=False), first)
+            first = _NOT_YET
             if type(got) is not int:
                 return got
             if got == _NO_SPACE:

@@ -170,7 +170,7 @@ typedef struct eng_ring {
     uint64_t rate_until;
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
-    uint64_t hot_skip;             /* fixed: 1 + a lap in which this handle's early wrap waited in vain (hot_place) */
+    uint64_t hot_retry;            /* fixed: no early wrap is tried below this position (hot_place: a wait in vain) */
     uint64_t wrap_lag;             /* growable: an early wrap may leave this many bytes unread behind (zone_place);
                                     * 0: only once every consumer is caught up.  Set before the first put. */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
