@@ -689,6 +689,43 @@ def test_sigstopped_writer_lock_holder_makes_queue_put_raise_full(ctx):
         q.close()
 
 
+@pytest.mark.parametrize("kind", ["named", "group"])
+def test_threads_sharing_a_reader_of_large_frames_take_each_once(make_spool, kind):
+    """After a large frame a caught-up get spins with the GIL released (reading its
+    cursor once, unlocked): the reader's other threads take frames meanwhile, and
+    every frame still goes to exactly one of them.  (Named and group readers: a
+    block ring with only an anonymous reader keeps every frame and fills up.)"""
+    sp = make_spool(capacity="8MiB", on_full="block")
+    r = sp.reader("r", group=kind == "group")
+    n, nthreads, size = 400, 4, 256 * 1024  # 256 KiB: a 18 us spin, unlocked
+    got, errors = [], []
+
+    def take():
+        try:
+            while True:
+                data = r.get(timeout=bound(30)).data
+                if data == b"stop":
+                    return
+                got.append(int.from_bytes(data[:8], "little"))
+                assert data[-8:] == data[:8]
+        except BaseException as exc:  # reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=take) for _ in range(nthreads)]
+    for th in threads:
+        th.start()
+    buf = bytearray(size)
+    for i in range(n):
+        buf[:8] = buf[-8:] = i.to_bytes(8, "little")
+        sp.put(buf, timeout=bound(30))
+    for _ in range(nthreads):
+        sp.put(b"stop", timeout=bound(30))
+    for th in threads:
+        th.join(bound(60))
+    assert not any(th.is_alive() for th in threads) and errors == []
+    assert sorted(got) == list(range(n))
+
+
 @pytest.mark.parametrize("kind", ["anonymous", "group"])
 @pytest.mark.parametrize("closing", ["reader", "spool"])
 @pytest.mark.parametrize("timeout", [None, 30])

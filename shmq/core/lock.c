@@ -88,10 +88,9 @@ static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
 /* A `with lock:` that finds the lock taken spins for it up to LOCK_SPIN_NS
  * (the GIL released) before it sleeps on the semaphore.  Locks are held for
  * one operation: microseconds, or tens of them for a write of 1 MiB under
- * the writer lock, and a zero-copy view's pin (shmq/pins.py, under the
- * writer lock) taken between two puts of a fast producer slept and was
- * woken once per frame: the view row ran at a third of the copying one.
- * The spin watches the holder word and tries the semaphore only when that
+ * the writer lock, and a zero-copy view's pin taken under the writer lock
+ * (shmq/pins.py: groups, overwrite rings) between two puts of a fast
+ * producer slept and was woken once per frame.  The spin watches the holder word and tries the semaphore only when that
  * reads free, so the holder's release does not contend with the spinner's
  * atomics; the holder is recorded before the GIL is taken back (as
  * eng_sem_lock does).  1: acquired. */

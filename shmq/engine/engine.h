@@ -170,7 +170,7 @@ typedef struct eng_ring {
     uint64_t rate_until;
     int rate_word;
     uint64_t lap_ns;               /* growable: when this handle last wrapped early (0: not yet) */
-    uint64_t hot_retry;            /* fixed: no early wrap is tried below this position (hot_place: a wait in vain) */
+    uint64_t hot_retry;            /* no wait for an early wrap below this position (hot_wait: one in vain) */
     uint64_t wrap_lag;             /* growable: an early wrap may leave this many bytes unread behind (zone_place);
                                     * 0: only once every consumer is caught up.  Set before the first put. */
     struct eng_resv *resv;         /* the open reservation (it holds the writer lock) */
@@ -397,6 +397,19 @@ int room_state(eng_ring *r, int publish);
 void room_unwant(eng_ring *r);
 int wait_caught_up(eng_ring *r, uint64_t start, uint64_t lag, uint64_t lap_share);
 int wait_floor(eng_ring *r, uint64_t start, uint64_t budget_ns, uint64_t stall_ns);
+/* The hot region (write.c): a fixed ring's first HOT_BYTES, and how far into
+ * its zone a growable ring waits for its consumers to wrap early (zone.c). */
+#define HOT_BYTES ((uint64_t)8 << 20)
+#define HOT_RING_MAX ((uint64_t)64 << 20) /* read.c's KEEP_WHOLE: readers keep their pages */
+/* Consumers this close are waited for: HOT_LAG bytes, or HOT_LAG_BATCHES of
+ * the writer's batches, at most the hot region.  A consumer of 1 MiB frames
+ * keeping up is at times 3 or more frames behind when the writer reaches the
+ * region's end (1-3 times in a run of 2,000): with only two batches waited
+ * for, each such time sent the writer on a whole cold lap (56 MiB of fresh
+ * or evicted pages), and the run lost about a quarter of its speed. */
+#define HOT_LAG ((uint64_t)64 << 10)
+#define HOT_LAG_BATCHES 8
+int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64_t cap);
 int eng_spin_for_frame(eng_cursor *c);
 /* A take for eng_park: 1 got something, 0 nothing, < 0 an error. */
 typedef int (*eng_take_fn)(void *ctx);

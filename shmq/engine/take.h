@@ -181,7 +181,7 @@ ALWAYS_INLINE long take_loop(eng_cursor *c, uint64_t *seq, uint64_t *pos, long m
             account(c, &h, now);
         }
         got++;
-        c->last_len = h.length;
+        st_rlx(&c->last_len, h.length); /* read by eng_spin_for_frame without the cursor lock */
         if (k->taken(k->ctx, &h) < 0) return SHMQ_ECALLBACK;
     }
     return got;

@@ -271,23 +271,48 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
  * writer of 1 MiB frames needs tens of microseconds per frame, and a reader
  * that parked between them paid a wake-up per frame (and, at a fixed ring's
  * early wrap, per lap).  So a reader spins at most about as long as its own
- * copy of the frame took.  1 if a frame is there now. */
+ * copy of the frame took; a spin longer than CAUGHT_UP_SPIN_NS drops the
+ * caller's lock (the GIL: the process's other threads run meanwhile).  1 if
+ * a frame is there now. */
 #define CAUGHT_UP_SPIN_NS 2000ull
 #define SPIN_COPY_BYTES_PER_NS 16ull
 #define SPIN_MAX_NS 200000ull
 int eng_spin_for_frame(eng_cursor *c) {
-    uint64_t limit = CAUGHT_UP_SPIN_NS + c->last_len / SPIN_COPY_BYTES_PER_NS, t0 = 0;
+    eng_ring *r = c->ring;
+    uint64_t limit = CAUGHT_UP_SPIN_NS + ld_rlx(&c->last_len) / SPIN_COPY_BYTES_PER_NS, t0 = 0;
     if (limit > SPIN_MAX_NS) limit = SPIN_MAX_NS;
     if (eng_cursor_check(c) < 0) return 0;
+    int unlocked = limit > CAUGHT_UP_SPIN_NS, got = 0, group = c->kind == K_GROUP;
+    uint64_t seq = 0;
+    void *saved = NULL;
+    if (unlocked) {
+        /* Without the caller's lock another thread may take the cursor's lock
+         * (whose slow path drops the caller's lock itself): a private cursor's
+         * seq is read once, here; a group's shared one needs no lock. */
+        if (!group) {
+            if (eng_cursor_lock(c) < 0) return 1; /* let the take say what is wrong */
+            seq = c->seq;
+            eng_cursor_unlock(c);
+        }
+        saved = ring_block(r);
+    }
     for (unsigned spin = 0;; spin++) {
-        if (eng_cursor_available(c)) return 1;
+        if (unlocked && !group ? seq < ld_acq(&r->ctl[SHMQ_W_NEXT_SEQ]) : eng_cursor_available(c)) {
+            got = 1;
+            break;
+        }
         if ((spin & 7) == 7) {
             uint64_t now = mono_ns();
             if (!t0) t0 = now;
-            else if (now - t0 > limit) return 0;
+            else if (now - t0 > limit) break;
         }
         cpu_relax();
     }
+    if (unlocked) {
+        ring_unblock(r, saved);
+        if (ring_closing(r)) return 0; /* the caller's park reports the close */
+    }
+    return got;
 }
 
 /* The longest sleep of a parked read. */

@@ -283,16 +283,28 @@ static inline void roll_rate(eng_ring *r, uint64_t ts) {
  * zone (zone.c).  Writer lock held (hot_retry is the lock's); only rewrites
  * the placement (place_batch evicts after it).  0, or SHMQ_ECLOSED if the
  * handle was closed by another thread during the wait. */
-#define HOT_BYTES ((uint64_t)8 << 20)
-#define HOT_RING_MAX ((uint64_t)64 << 20) /* read.c's KEEP_WHOLE: readers keep their pages */
-/* Consumers this close are waited for: HOT_LAG bytes, or HOT_LAG_BATCHES of
- * the writer's batches, at most the hot region.  A consumer of 1 MiB frames
- * keeping up is at times 3 or more frames behind when the writer reaches the
- * region's end (1-3 times in a run of 2,000): with only two batches waited
- * for, each such time sent the writer on a whole cold lap (56 MiB of fresh
- * or evicted pages), and the run lost about a quarter of its speed. */
-#define HOT_LAG ((uint64_t)64 << 10)
-#define HOT_LAG_BATCHES 8
+
+/* The wait at a hot region's end (hot_place; a growable ring's zone past
+ * HOT_BYTES, zone_place), `floor` < `start` the slowest consumer: wait, the
+ * caller's lock dropped, for consumers within HOT_LAG bytes or
+ * HOT_LAG_BATCHES batches of `total` bytes (at most `cap`) to consume
+ * everything, as long as that takes at 2 GB/s (wait_floor).  1 if they did;
+ * 0 if not (behind, or not in time: no wait again before the writer has
+ * written another `cap` bytes, hot_retry); SHMQ_ECLOSED. */
+int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64_t cap) {
+    uint64_t lag = start - floor;
+    uint64_t near = HOT_LAG_BATCHES * total > HOT_LAG ? HOT_LAG_BATCHES * total : HOT_LAG;
+    if (near > cap) near = cap;
+    int w = lag > near ? 0 : wait_floor(r, start, 50000 + lag / 2, 50000 + total / 2);
+    if (w == SHMQ_ECLOSED) return eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
+    /* Behind, or not caught up in time (a consumer preempted for half a
+     * millisecond does that): on into the ring for `cap` bytes, then try
+     * again.  A whole lap of the ring instead made a run of 2,000 x 1 MiB
+     * frames take 40% longer (56 MiB of cold pages). */
+    if (w != 1) r->hot_retry = start + cap;
+    return w == 1;
+}
+
 static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs, uint64_t total,
                      uint64_t *placed, Placement *pl) {
     uint64_t ring = r->ring_bytes, n_off = start % ring, lap = start - n_off, gap = ring - n_off, floor;
@@ -301,20 +313,9 @@ static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *
         return 0; /* overwrite, a large ring, or inside the hot region */
     if (gap < SHMQ_FRAME_BYTES || gap > 0xFFFFFFF8ull) return 0; /* a PAD header must fit, its u32 length too */
     if (start < r->hot_retry || !slot_floor(r, SHMQ_S_POS, &floor)) return 0; /* tried just now; or no consumer */
-    if (floor < start) { /* consumers copying the last batches: wait for them (lock dropped), at 2 GB/s */
-        uint64_t lag = start - floor;
-        uint64_t near = HOT_LAG_BATCHES * total > HOT_LAG ? HOT_LAG_BATCHES * total : HOT_LAG;
-        if (near > zone) near = zone;
-        int w = lag > near ? 0 : wait_floor(r, start, 50000 + lag / 2, 50000 + total / 2);
-        if (w == SHMQ_ECLOSED) return eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
-        if (w != 1) {
-            /* Behind, or not caught up in time (a consumer preempted for half a
-             * millisecond does that): on into the ring for one region's worth,
-             * then try again.  A whole lap of the ring instead made a run of
-             * 2,000 x 1 MiB frames take 40% longer (56 MiB of cold pages). */
-            r->hot_retry = start + zone;
-            return 0;
-        }
+    if (floor < start) { /* consumers copying the last batches: wait for them (lock dropped) */
+        int w = hot_wait(r, start, floor, total, zone);
+        if (w != 1) return w; /* 0: on into the ring; or SHMQ_ECLOSED */
     }
     if (pin_floor(r) < lap + total) return 0; /* a zero-copy view still reads the lap's start */
     place_at_lap(pl, placed, needs, count, n_off, gap, lap + ring);

@@ -156,6 +156,14 @@ int zone_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs,
             int w = wait_caught_up(r, start, start - floor, lap / 16); /* cheaper than fresh pages */
             if (w == SHMQ_ECLOSED) return zone_status(r, ECANCELED);
             caught = w;
+        } else if (found && !caught && !lagged && n_off + total > HOT_BYTES && start >= r->hot_retry) {
+            /* Past a fixed ring's hot region, in pages the zone has: wait for
+             * consumers a few batches behind as a fixed ring does (hot_wait),
+             * rather than stride on through a grown zone's colder pages (a
+             * grown spool of 1 MiB frames ran at 45% of a fixed one). */
+            int w = hot_wait(r, start, floor, total, HOT_BYTES);
+            if (w < 0) return w; /* SHMQ_ECLOSED */
+            caught = w;
         }
         if (caught || lagged) { /* every consumer is caught up, or behind by a bounded lead */
             if (total > z || (hl < hh && total > hl)) { /* first: a full filesystem evicts nothing */
