@@ -21,8 +21,10 @@ seqs would cost a 32-byte header per record (a third of a 100-byte record)
 or a second numbering the lock-free readers could not check cheaply.
 
 Layers: this module sits above the parts that carry bytes and never calls
-back into the facade.  ``Spool.put_array`` hands it the spool's writer
-(:class:`shmq.writer.Writer`) and ``Reader.get_array`` the bytes it took
+back into the facade.  ``Spool.put_array`` takes its encoding
+(:func:`encode_array`) to the core's put, ``Spool.put_arrow`` and
+``put_many`` of records hand it the spool's writer
+(:class:`shmq.writer.Writer`), and ``Reader.get_array`` the bytes it took
 (and the spool's pins and ring): the waiting, the cursor and the locks stay
 the spool's and the reader's, and this module only encodes, decodes and
 pins.  It imports neither spool nor reader.
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from .ring import Ring
     from .writer import Writer
 
-__all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode_arrow", "private_copy", "put_array",
+__all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode_arrow", "private_copy",
            "put_records", "put_arrow", "view_of", "records_run", "peek_dtype", "join_records"]
 
 _HEAD = struct.Struct("<II")
@@ -195,12 +197,6 @@ class PinnedView:
 
 # --- writing: into the spool's writer (shmq.writer.Writer, a part below the facade) ---
 # ``timeout`` is the validated one (0: do not wait for room; None: forever).
-
-
-def put_array(writer: Writer, arr: npt.NDArray[Any], timeout: float | None) -> int:
-    """Append ``arr`` as one frame (dtype and shape in a small descriptor; one copy)."""
-    head, data = encode_array(arr)
-    return writer.append(((head, data),), timeout, F.CODEC_NUMPY)
 
 
 def put_records(writer: Writer, arr: npt.NDArray[Any], timeout: float | None, *,
