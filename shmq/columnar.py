@@ -130,7 +130,7 @@ def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any
         parsed = _DESCS[raw] = (dtype, shape)
     dtype, shape = parsed
     off = F.align(_HEAD.size + n)
-    count = math.prod(shape)  # Python ints (np.prod took 4 us of a 12 us view)
+    count = math.prod(shape)  # Python ints (np.prod takes 4 us of a 12 us view)
     if off + count * dtype.itemsize != len(mv):
         raise ShmqError("numpy frame: descriptor and payload sizes disagree")
     arr = np.frombuffer(mv[off:], dtype=dtype, count=count).reshape(shape)

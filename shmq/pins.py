@@ -73,8 +73,8 @@ class Pins:
         the frame, and moves on only after this returns (a release store).
         Writers read the named cursors before the pins (the engine's
         make_room): one that sees the cursor moved sees this pin, so no lock
-        is needed (the reader of a fast producer's frames waited for each
-        write's lock otherwise).
+        is needed (the reader of a fast producer's frames would wait for each
+        write's lock).
 
         :raises shmq.ShmqError: this handle's pin slot is locked by another process.
         """

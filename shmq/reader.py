@@ -49,8 +49,8 @@ TRIM_IDLE_S = 0.01
 #: A zero-copy read that has to wait spins, before it parks, about as long as
 #: its last frame took the writer to copy (at this many bytes a second), at
 #: most SPIN_MAX_S, the engine's rule for its own reads (eng_spin_for_frame):
-#: a reader of 5 MiB Arrow frames that parked between them woke late, and a
-#: writer wrapping its hot region early waited for it (docs/format.md).
+#: a reader of 5 MiB Arrow frames that parks between them wakes late, and a
+#: writer wrapping its hot region early waits for it (docs/format.md).
 SPIN_COPY_BYTES_PER_S = 16e9
 SPIN_MAX_S = 200e-6
 #: The engine's cursor kinds (its K_ANON, K_NAMED, K_GROUP).

@@ -312,7 +312,7 @@ def test_numpy_object_dtype_is_refused():
 @pytest.mark.parametrize("shape", [[-1, -2], [-4], [2, -1]])
 def test_numpy_negative_dimension_is_refused(shape):
     # Two negative dimensions multiply to a size that matches the payload: the
-    # size check alone let numpy's reshape raise a ValueError instead.
+    # size check alone lets numpy's reshape raise a ValueError instead.
     import json
     import struct
 

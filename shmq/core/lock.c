@@ -90,7 +90,7 @@ static PyObject *Lock_release_if_held(Lock *l, PyObject *unused) {
  * one operation: microseconds, or tens of them for a write of 1 MiB under
  * the writer lock, and a zero-copy view's pin taken under the writer lock
  * (shmq/pins.py: groups, overwrite rings) between two puts of a fast
- * producer slept and was woken once per frame.  The spin watches the holder word and tries the semaphore only when that
+ * producer would sleep and be woken once per frame.  The spin watches the holder word and tries the semaphore only when that
  * reads free, so the holder's release does not contend with the spinner's
  * atomics; the holder is recorded before the GIL is taken back (as
  * eng_sem_lock does).  1: acquired. */

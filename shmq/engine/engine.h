@@ -405,8 +405,8 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget_ns, uint64_t stall_n
  * the writer's batches, at most the hot region.  A consumer of 1 MiB frames
  * keeping up is at times 3 or more frames behind when the writer reaches the
  * region's end (1-3 times in a run of 2,000): with only two batches waited
- * for, each such time sent the writer on a whole cold lap (56 MiB of fresh
- * or evicted pages), and the run lost about a quarter of its speed. */
+ * for, each such time would send the writer on a whole cold lap (56 MiB of
+ * fresh or evicted pages), a quarter of the run's speed. */
 #define HOT_LAG ((uint64_t)64 << 10)
 #define HOT_LAG_BATCHES 8
 int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64_t cap);

@@ -269,7 +269,7 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
  * again.  The moment is CAUGHT_UP_SPIN_NS, plus the time the last frame taken
  * would take to copy at SPIN_COPY_BYTES_PER_NS (at most SPIN_MAX_NS): a
  * writer of 1 MiB frames needs tens of microseconds per frame, and a reader
- * that parked between them paid a wake-up per frame (and, at a fixed ring's
+ * that parks between them pays a wake-up per frame (and, at a fixed ring's
  * early wrap, per lap).  So a reader spins at most about as long as its own
  * copy of the frame took; a spin longer than CAUGHT_UP_SPIN_NS drops the
  * caller's lock (the GIL: the process's other threads run meanwhile).  1 if

@@ -299,7 +299,7 @@ int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64
     if (w == SHMQ_ECLOSED) return eng_fail(SHMQ_ECLOSED, "spool handle was closed by another thread");
     /* Behind, or not caught up in time (a consumer preempted for half a
      * millisecond does that): on into the ring for `cap` bytes, then try
-     * again.  A whole lap of the ring instead made a run of 2,000 x 1 MiB
+     * again.  A whole lap of the ring instead makes a run of 2,000 x 1 MiB
      * frames take 40% longer (56 MiB of cold pages). */
     if (w != 1) r->hot_retry = start + cap;
     return w == 1;

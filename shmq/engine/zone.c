@@ -160,7 +160,7 @@ int zone_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs,
             /* Past a fixed ring's hot region, in pages the zone has: wait for
              * consumers a few batches behind as a fixed ring does (hot_wait),
              * rather than stride on through a grown zone's colder pages (a
-             * grown spool of 1 MiB frames ran at 45% of a fixed one). */
+             * grown spool of 1 MiB frames runs at 45% of a fixed one so). */
             int w = hot_wait(r, start, floor, total, HOT_BYTES);
             if (w < 0) return w; /* SHMQ_ECLOSED */
             caught = w;
