@@ -257,33 +257,6 @@ static inline void roll_rate(eng_ring *r, uint64_t ts) {
     }
 }
 
-/* ---- the hot region of a fixed ring ----
- *
- * A fixed ring written sequentially strides through all of its memory: on a
- * 64 MiB ring every lap is out of the caches by the time it comes round, so
- * a 1 MiB frame was written and read at memory speed (iceoryx2's loaned
- * samples, a few chunks recycled, stay in cache: 3x as fast).  So while its
- * consumers keep up, a fixed block/error ring reuses its first HOT_BYTES
- * (or 2 batches, if larger): once the writer's next batch would end past
- * that and every named reader and group has consumed everything (waiting,
- * the caller's lock dropped, for consumers within HOT_LAG bytes or
- * HOT_LAG_BATCHES batches, at most the region, as long as that takes at
- * 2 GB/s: wait_floor; after a wait in vain the writer goes on into the
- * ring and tries again once it has written another region's worth), it pads
- * the rest of the ring (a PAD, as at any wrap) and starts the next lap at
- * offset 0, in lines the consumers read moments ago.  The consumers' cursors
- * then sit at that PAD, which make_room counts as consumed (past_pad): the
- * whole ring stays the backlog's if they stop there.  A consumer that is behind holds the writer
- * to the whole ring as before.  Consumed frames past the hot region are
- * evicted at the early wrap instead of a lap later (block and error
- * policies evict what named cursors consumed whenever they make room
- * anyway); overwrite rings, whose anonymous readers expect a lap of
- * history, and rings over HOT_RING_MAX (whose readers release the pages
- * behind them, read.c) stay sequential.  Growable rings have their own hot
- * zone (zone.c).  Writer lock held (hot_retry is the lock's); only rewrites
- * the placement (place_batch evicts after it).  0, or SHMQ_ECLOSED if the
- * handle was closed by another thread during the wait. */
-
 /* The wait at a hot region's end (hot_place; a growable ring's zone past
  * HOT_BYTES, zone_place), `floor` < `start` the slowest consumer: wait, the
  * caller's lock dropped, for consumers within HOT_LAG bytes or
@@ -305,6 +278,32 @@ int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64
     return w == 1;
 }
 
+/* ---- the hot region of a fixed ring ----
+ *
+ * A fixed ring written sequentially strides through all of its memory: on a
+ * 64 MiB ring every lap is out of the caches by the time it comes round, so
+ * a 1 MiB frame was written and read at memory speed (iceoryx2's loaned
+ * samples, a few chunks recycled, stay in cache: 3x as fast).  So while its
+ * consumers keep up, a fixed block/error ring reuses its first HOT_BYTES
+ * (or 2 batches, if larger): once the writer's next batch would end past
+ * that and every named reader and group has consumed everything (waiting,
+ * the caller's lock dropped, for consumers within HOT_LAG bytes or
+ * HOT_LAG_BATCHES batches, at most the region, as long as that takes at
+ * 2 GB/s: wait_floor; after a wait in vain the writer goes on into the
+ * ring and tries again once it has written another region's worth), it pads
+ * the rest of the ring (a PAD, as at any wrap) and starts the next lap at
+ * offset 0, in lines the consumers read moments ago.  The consumers' cursors
+ * then sit at that PAD, which make_room counts as consumed (past_pad): the
+ * whole ring stays the backlog's if they stop there.  A consumer that is
+ * behind holds the writer to the whole ring as before.  Consumed frames
+ * past the hot region are evicted at the early wrap instead of a lap later
+ * (block and error policies evict what named cursors consumed whenever they
+ * make room anyway); overwrite rings, whose anonymous readers expect a lap
+ * of history, and rings over HOT_RING_MAX (whose readers release the pages
+ * behind them, read.c) stay sequential.  Growable rings have their own hot
+ * zone (zone.c; past HOT_BYTES it waits with hot_wait too).  Writer lock held (hot_retry is the lock's); only rewrites
+ * the placement (place_batch evicts after it).  0, or SHMQ_ECLOSED if the
+ * handle was closed by another thread during the wait. */
 static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs, uint64_t total,
                      uint64_t *placed, Placement *pl) {
     uint64_t ring = r->ring_bytes, n_off = start % ring, lap = start - n_off, gap = ring - n_off, floor;
