@@ -48,7 +48,9 @@ STATS_FLUSH_FRAMES = 64
 TRIM_IDLE_S = 0.01
 #: A zero-copy read that has to wait spins, before it parks, about as long as
 #: its last frame took the writer to copy (at this many bytes a second), at
-#: most SPIN_MAX_S, the engine's rule for its own reads (eng_spin_for_frame):
+#: most SPIN_MAX_S: the engine's rule for its own reads, whose constants
+#: (wait.c, eng_spin_for_frame: SPIN_COPY_BYTES_PER_NS, SPIN_MAX_NS) these
+#: must match:
 #: a reader of 5 MiB Arrow frames that parks between them wakes late, and a
 #: writer wrapping its hot region early waits for it (docs/format.md).
 SPIN_COPY_BYTES_PER_S = 16e9

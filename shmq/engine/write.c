@@ -295,7 +295,7 @@ int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64
  * offset 0, in lines the consumers read moments ago.  The consumers' cursors
  * then sit at that PAD, which make_room counts as consumed (past_pad): the
  * whole ring stays the backlog's if they stop there.  A consumer that is
- * behind holds the writer to the whole ring as before.  Consumed frames
+ * behind holds the writer to the whole ring.  Consumed frames
  * past the hot region are evicted at the early wrap instead of a lap later
  * (block and error policies evict what named cursors consumed whenever they
  * make room anyway); overwrite rings, whose anonymous readers expect a lap
