@@ -17,6 +17,7 @@ TYPE_CHECKING = False
 
 if TYPE_CHECKING:
     import logging
+    from types import ModuleType
     from typing import Any
     from typing import overload as overload
 else:
@@ -51,3 +52,18 @@ def logger() -> logging.Logger:
     import logging
 
     return logging.getLogger("shmq")
+
+
+_columnar: ModuleType | None = None
+
+
+def columnar() -> ModuleType:
+    """``shmq.columnar`` (numpy and Arrow frames; it imports numpy), imported on the first
+    call.  Per-frame paths call this rather than importing in the function: a relative
+    import of a loaded module costs 0.5-0.9 us, a third of a small put_array."""
+    global _columnar
+    if _columnar is None:
+        from . import columnar as mod
+
+        _columnar = mod
+    return _columnar

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 
 from . import _core
 from . import _format as F
-from ._lazy import TYPE_CHECKING
+from ._lazy import TYPE_CHECKING, columnar
 from .errors import ShmqError, UntrustedSpool
 
 if TYPE_CHECKING:
@@ -267,13 +267,9 @@ def decode(data: ReadableBuffer, codec: int | None, trust: Trust) -> Any:
 
         return json.loads(bytes(data))
     if codec == F.CODEC_NUMPY:
-        from .columnar import decode_array
-
-        return decode_array(data)
+        return columnar().decode_array(data)
     if codec == F.CODEC_ARROW:
-        from .columnar import decode_arrow
-
-        return decode_arrow(data)
+        return columnar().decode_arrow(data)
     raise ShmqError(f"unknown codec {codec} (a newer shmq, or a damaged frame header)")
 
 

@@ -23,7 +23,7 @@ import time
 
 from . import _core
 from . import _format as F
-from ._lazy import TYPE_CHECKING, overload
+from ._lazy import TYPE_CHECKING, columnar, overload
 from .errors import Empty, ReaderBusy
 from .waiting import check_block_timeout, retry_async
 
@@ -295,23 +295,17 @@ class Reader:
         :raises shmq.Empty: nothing arrived in time.
         :raises shmq.ShmqError: the frame is not a numpy frame (it is consumed).
         """
-        from .columnar import decode_numpy
-
-        return self._get_decoded(block, timeout, copy, F.CODEC_NUMPY, decode_numpy)
+        return self._get_decoded(block, timeout, copy, F.CODEC_NUMPY, columnar().decode_numpy)
 
     def get_arrow(self, block: bool = True, timeout: float | None = None, copy: bool = True) -> Any:
         """The next frame as a pyarrow Table (zero-copy over the mapping with ``copy=False``,
         as a PinnedView); see :meth:`get_array`."""
-        from .columnar import decode_arrow
-
-        return self._get_decoded(block, timeout, copy, F.CODEC_ARROW, decode_arrow)
+        return self._get_decoded(block, timeout, copy, F.CODEC_ARROW, columnar().decode_arrow)
 
     def _get_decoded(self, block: bool, timeout: float | None, copy: bool, codec: int,
                      decode: Callable[[Any], Any]) -> Any:
         """The next frame (pinned if not ``copy``) decoded by shmq.columnar, which gets the
         bytes taken here: the wait, the cursor and the locks stay this reader's."""
-        from .columnar import view_of
-
         if timeout is not None or not block:
             timeout = check_block_timeout(block, timeout)
         deadline = None
@@ -321,34 +315,33 @@ class Reader:
             if got is not None:
                 seq, payload, frame_codec, pos = got
                 self._last_len = len(payload)
-                return view_of(self._spool.pins, seq, payload, frame_codec, pos, copy, codec, decode)
+                return columnar().view_of(self._spool.pins, seq, payload, frame_codec, pos, copy, codec, decode)
             deadline = self.wait(timeout, deadline, min(SPIN_MAX_S, self._last_len / SPIN_COPY_BYTES_PER_S))
 
     def _get_records(self, max_frames: int, block: bool, timeout: float | None) -> NDArray[Any]:
         """get_many(as_array=True): up to ``max_frames`` consecutive numpy frames of one dtype
         as one array, blocking only for the first, stopping at another dtype or codec.  For
         anonymous and named readers runs are copied once, straight from the mapping."""
-        from .columnar import join_records, peek_dtype, records_run
-
+        col = columnar()
         ring = self._spool.ring
-        run = None if self.shared or self._closed else records_run(ring, *self.cursor(), max_frames, None)
+        run = None if self.shared or self._closed else col.records_run(ring, *self.cursor(), max_frames, None)
         if run is not None:
             self.advance(run[1], run[2])
             return run[0]
         parts = [self.get_array(block, timeout).reshape(-1)]
         if not self.shared and max_frames > 1:
-            run = records_run(ring, *self.cursor(), max_frames - 1, parts[0].dtype)
+            run = col.records_run(ring, *self.cursor(), max_frames - 1, parts[0].dtype)
             if run is not None:
                 self.advance(run[1], run[2])
                 parts.append(run[0])
         while self.shared and len(parts) < max_frames:
             try:
-                if peek_dtype(ring, *self.cursor()) != parts[0].dtype:
+                if col.peek_dtype(ring, *self.cursor()) != parts[0].dtype:
                     break
             except Empty:
                 break
             parts.append(self.get_array(block=False).reshape(-1))
-        return join_records(parts)
+        return col.join_records(parts)
 
     def seek(self, where: str | int) -> None:
         """Move the cursor to "earliest", "latest" or a seq (the next frame returned).

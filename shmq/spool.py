@@ -40,7 +40,7 @@ from ._format import (
     W_NEXT_POS, W_NEXT_SEQ, W_PUT_BYTES, W_RATE,
 )
 from ._lock import FIRST_LOOK_S, LOCK_RECOVERY_TIMEOUT_S, RecoverableLock, holder_pid, holder_word
-from ._lazy import TYPE_CHECKING, logger, overload
+from ._lazy import TYPE_CHECKING, columnar, logger, overload
 from ._mapping import (
     SEM_READ_WAITERS, SEM_SPACE_WAITERS, SEM_WRITER, Mapping, create_file, open_semaphore,
     destroy_file, resolve_path, sem_name,
@@ -444,11 +444,9 @@ class Spool:
         :raises shmq.TooLarge: the batch can never fit in this ring.
         """
         if type(items).__module__ == "numpy" and getattr(items, "ndim", 0) == 1:
-            from .columnar import put_records
-
             timeout = check_block_timeout(block, timeout)
             self.check_open()
-            return put_records(self.writer, items, timeout)  # type: ignore[arg-type]
+            return columnar().put_records(self.writer, items, timeout)
         if type(items) is not list and type(items) is not tuple:
             items = list(items)
         if not items:
@@ -496,11 +494,9 @@ class Spool:
         :raises TypeError: not an array, or an object dtype.
         :raises shmq.TooLarge: it can never fit.
         """
-        from .columnar import encode_array
-
         # The core's put of one frame of two segments (descriptor, data): the
         # uncontended put in C; waits and recovery in _put_slow, as for put().
-        return self.core.put_api(encode_array(arr), block, timeout, F.CODEC_NUMPY)
+        return self.core.put_api(columnar().encode_array(arr), block, timeout, F.CODEC_NUMPY)
 
     def put_arrow(self, data: Any, *, block: bool = True, timeout: float | None = None) -> int:
         """Append a pyarrow RecordBatch or Table as one frame (an Arrow IPC stream).
@@ -508,11 +504,9 @@ class Spool:
         :raises ImportError: pyarrow is not installed.
         :raises TypeError: not a RecordBatch or Table.
         """
-        from .columnar import put_arrow
-
         timeout = check_block_timeout(block, timeout)
         self.check_open()
-        return put_arrow(self.writer, data, timeout)
+        return columnar().put_arrow(self.writer, data, timeout)
 
     def notify_space(self) -> None:
         """Wake writers blocked on a full spool (call after a consumer advances)."""
