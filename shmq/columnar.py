@@ -61,7 +61,7 @@ _HEADS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}  # (dtype, shape
 _DESCS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...]]] = {}  # descriptor bytes -> (dtype, shape)
 
 
-def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview | bytes]:
+def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, Any]:
     """Frame segments for ``arr``: ``(header, data)``; the data is not copied if contiguous.
 
     :raises TypeError: not an array, or an object dtype (it would need pickling).
@@ -83,9 +83,12 @@ def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview | bytes]:
         if len(_HEADS) > 256:
             _HEADS.clear()
         _HEADS[key] = head
+    if not arr.size:
+        return head, b""
+    if arr.dtype.kind in "biufc":  # numbers export their bytes as they are
+        return head, arr
     # as bytes: some dtypes (datetime64, ...) do not export the buffer protocol
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""  # type: ignore[arg-type,unused-ignore]
-    return head, data
+    return head, memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type,unused-ignore]
 
 
 def private_copy(data: Any) -> bool:
@@ -222,6 +225,36 @@ def _arrow() -> Any:
     return pa
 
 
+#: Recent schemas and their streams' fixed part: [(schema, bytes of a stream of no batches, or None if
+#: its streams are not the sum of their messages)].  A few, as a producer may alternate schemas.
+_STREAM_BASES: list[tuple[Any, int | None]] = []
+_STREAM_BASES_MAX = 8
+
+
+def _stream_size(pa: Any, schema: Any, batches: list[Any], write: Callable[[Any], None]) -> int:
+    """The exact size of the IPC stream ``write`` writes.  A stream is the schema message,
+    one message per batch and an end marker, unless the schema has dictionaries (their
+    batches travel too).  Which of the two a schema's streams are is found once, on its
+    first put of a batch: a mock write (6 us for 10 columns) against the sum of the
+    messages (1 us), which serves from then on when they agree."""
+    known = next((base for s, base in _STREAM_BASES if s is schema or s.equals(schema, check_metadata=True)),
+                 False)
+    if known is not None and known is not False:
+        return known + sum(pa.ipc.get_record_batch_size(b) for b in batches)
+    mock = pa.MockOutputStream()  # measures the IPC size without copying data
+    write(mock)
+    size = mock.size()
+    if known is False and batches:  # a stream of no batches writes no dictionaries: it tells nothing
+        empty = pa.MockOutputStream()
+        with pa.ipc.new_stream(empty, schema):
+            pass
+        summed = empty.size() + sum(pa.ipc.get_record_batch_size(b) for b in batches)
+        if len(_STREAM_BASES) >= _STREAM_BASES_MAX:
+            del _STREAM_BASES[0]
+        _STREAM_BASES.append((schema, empty.size() if summed == size else None))
+    return size
+
+
 def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
     pa = _arrow()
@@ -238,9 +271,7 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
             for b in batches:
                 writer.write_batch(b)
 
-    mock = pa.MockOutputStream()  # measures the IPC size without copying data
-    write(mock)
-    size = mock.size()
+    size = _stream_size(pa, schema, batches, write)
 
     def fill(view: memoryview) -> None:  # under the writer lock: the IPC stream goes straight into the ring
         sink = pa.FixedSizeBufferWriter(pa.py_buffer(view))

@@ -12,7 +12,7 @@ import shmq
 from conftest import EMULATED, bound, join_all
 from shmq.columnar import PinnedView
 
-DTYPES = [np.int8, np.uint16, np.float32, np.complex128, "<M8[ns]", "S5", "U3",
+DTYPES = [np.int8, np.uint16, np.float32, np.complex128, np.bool_, ">f8", "<M8[ns]", "S5", "U3",
           np.dtype([("id", "<i8"), ("v", "<f8"), ("tag", "S4")]),
           np.dtype([("xy", "<f4", (2,)), ("n", ">i4")])]
 
@@ -363,6 +363,52 @@ def test_arrow_roundtrip_nulls_and_nested(make_spool):
         assert v.batch.equals(table)
     with pytest.raises(TypeError):
         sp.put_arrow({"not": "arrow"})
+
+
+def test_an_unaligned_array_round_trips(make_spool):
+    sp = make_spool()
+    raw = np.arange(8 * 5 + 1, dtype=np.uint8)
+    arr = raw[1:].view("<i8")  # C-contiguous, not aligned
+    assert arr.flags.c_contiguous and not arr.flags.aligned
+    sp.put_array(arr)
+    got = sp.reader().get_array(timeout=1)
+    assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes()
+
+
+def test_arrow_frames_are_exactly_the_ipc_stream_whatever_the_schema(make_spool):
+    # put_arrow sizes a frame by summing messages once a schema's first put has
+    # checked that sum against a measured stream: dictionaries (their batches
+    # travel too), schemas differing in metadata only, streams of no batches and
+    # more schemas than it remembers must each still be framed to the byte.
+    pa = pytest.importorskip("pyarrow")
+    sp = make_spool(capacity="4MiB")
+
+    def stream(data):
+        sink = pa.BufferOutputStream()
+        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
+        with pa.ipc.new_stream(sink, data.schema) as w:
+            for b in batches:
+                w.write_batch(b)
+        return sink.getvalue().to_pybytes()
+
+    plain = pa.record_batch({"a": pa.array([1, 2, 3], pa.int64()), "s": ["x", None, "zz"]})
+    tagged = plain.replace_schema_metadata({"k": "a value that makes the schema message longer"})
+    field_meta = pa.record_batch([plain.column(0)], schema=pa.schema([pa.field("a", pa.int64(), metadata={"u": "m"})]))
+    dict_schema = pa.schema([pa.field("d", pa.dictionary(pa.int8(), pa.string()))])
+    dicts = [pa.record_batch([pa.array(words).dictionary_encode()], schema=dict_schema)
+             for words in (["p", "q", "p"], ["a much longer word", "r"])]
+    many = [pa.record_batch({f"c{i}": pa.array(range(i + 1), pa.int32())}) for i in range(12)]
+    puts = [plain, plain, pa.Table.from_batches([plain, plain]), tagged, plain, field_meta,
+            pa.Table.from_batches([], schema=dict_schema), *dicts, dicts[0],
+            pa.Table.from_batches([], schema=plain.schema), *many, plain, *many]
+    seqs = [sp.put_arrow(d) for d in puts]
+    r = sp.reader()
+    for seq, data in zip(seqs, puts):
+        frame = sp.read_at(seq)
+        assert bytes(frame.data) == stream(data), seq
+        got = r.get_arrow(timeout=1)
+        want = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
+        assert got.equals(want) and got.schema.metadata == want.schema.metadata
 
 
 def test_queue_carries_arrays_out_of_band():
