@@ -46,15 +46,6 @@ STATS_FLUSH_FRAMES = 64
 #: A reader that has found nothing to read for this long trims a growable spool
 #: (gives back the segments every consumer is done with; Spool.trim_idle).
 TRIM_IDLE_S = 0.01
-#: A zero-copy read that has to wait spins, before it parks, about as long as
-#: its last frame took the writer to copy (at this many bytes a second), at
-#: most SPIN_MAX_S: the engine's rule for its own reads, whose constants
-#: (wait.c, eng_spin_for_frame: SPIN_COPY_BYTES_PER_NS, SPIN_MAX_NS) these
-#: must match:
-#: a reader of 5 MiB Arrow frames that parks between them wakes late, and a
-#: writer wrapping its hot region early waits for it (docs/format.md).
-SPIN_COPY_BYTES_PER_S = 16e9
-SPIN_MAX_S = 200e-6
 #: The engine's cursor kinds (its K_ANON, K_NAMED, K_GROUP).
 K_ANON, K_NAMED, K_GROUP = 0, 1, 2
 
@@ -316,7 +307,11 @@ class Reader:
                 seq, payload, frame_codec, pos = got
                 self._last_len = len(payload)
                 return columnar().view_of(self._spool.pins, seq, payload, frame_codec, pos, copy, codec, decode)
-            deadline = self.wait(timeout, deadline, min(SPIN_MAX_S, self._last_len / SPIN_COPY_BYTES_PER_S))
+            # Zero-copy reads do not go through the engine's take: the engine's
+            # spin rule all the same (a reader of 5 MiB Arrow frames that parks
+            # between them wakes late, and a writer wrapping its hot region
+            # early waits for it; docs/format.md).
+            deadline = self.wait(timeout, deadline, _core.spin_for_frame(self._last_len))
 
     def _get_records(self, max_frames: int, block: bool, timeout: float | None) -> NDArray[Any]:
         """get_many(as_array=True): up to ``max_frames`` consecutive numpy frames of one dtype

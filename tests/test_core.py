@@ -372,6 +372,16 @@ def test_short_tail_has_no_header_and_pads_carry_the_next_seq(spool_dir, writer)
         _drop(sp)
 
 
+def test_a_caught_up_readers_spin_grows_with_its_last_frame_up_to_a_cap():
+    # One rule for the engine's takes and Python's zero-copy reads (reader.py).
+    spin = _core.spin_for_frame
+    assert spin(0) == pytest.approx(2e-6)
+    assert spin(0) < spin(64 << 10) < spin(1 << 20) < spin(4 << 20) == pytest.approx(200e-6)
+    assert spin(1 << 62) == pytest.approx(200e-6)
+    with pytest.raises(OverflowError):
+        spin(-1)
+
+
 def test_short_tail_cursor_is_read_by_the_core(spool_dir):
     sp = _fresh(spool_dir, 4096, False)
     spec = SpecWriter(sp.path)

@@ -115,6 +115,12 @@ static PyObject *core_yield_cpu(PyObject *m, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *core_spin_for_frame(PyObject *m, PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    return PyFloat_FromDouble((double)eng_spin_ns(n) * 1e-9);
+}
+
 static PyMethodDef core_methods[] = {
     {"setup", core_setup, METH_VARARGS, "setup(SpoolFormatError, Empty, ShmqError)"},
     {"setup_pickle", core_setup_pickle, METH_VARARGS, "setup_pickle(pickle.loads, pickle.dumps, protocol)"},
@@ -133,6 +139,9 @@ static PyMethodDef core_methods[] = {
     {"crc32", core_crc32, METH_VARARGS, "crc32(data, crc=0): the frame checksum (equals zlib.crc32)"},
     {"copy_cache", core_copy_cache, METH_NOARGS,
      "copy_cache() -> (mappings, bytes): released large copies (LargeCopy) kept for reuse, at most 256 MiB"},
+    {"spin_for_frame", core_spin_for_frame, METH_O,
+     "spin_for_frame(nbytes) -> seconds a caught-up reader whose last frame was nbytes long spins before it "
+     "parks (the engine's rule for its own reads)"},
     {"yield_cpu", core_yield_cpu, METH_NOARGS,
      "yield_cpu(): sched_yield() with the GIL held (a spinning waiter's pause between looks)"},
     {NULL}};

@@ -277,10 +277,14 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
 #define CAUGHT_UP_SPIN_NS 2000ull
 #define SPIN_COPY_BYTES_PER_NS 16ull
 #define SPIN_MAX_NS 200000ull
+uint64_t eng_spin_ns(uint64_t last_len) {
+    uint64_t limit = CAUGHT_UP_SPIN_NS + last_len / SPIN_COPY_BYTES_PER_NS;
+    return limit > SPIN_MAX_NS ? SPIN_MAX_NS : limit;
+}
+
 int eng_spin_for_frame(eng_cursor *c) {
     eng_ring *r = c->ring;
-    uint64_t limit = CAUGHT_UP_SPIN_NS + ld_rlx(&c->last_len) / SPIN_COPY_BYTES_PER_NS, t0 = 0;
-    if (limit > SPIN_MAX_NS) limit = SPIN_MAX_NS;
+    uint64_t limit = eng_spin_ns(ld_rlx(&c->last_len)), t0 = 0;
     if (eng_cursor_check(c) < 0) return 0;
     int unlocked = limit > CAUGHT_UP_SPIN_NS, got = 0, group = c->kind == K_GROUP;
     uint64_t seq = 0;
