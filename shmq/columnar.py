@@ -225,9 +225,10 @@ def _arrow() -> Any:
     return pa
 
 
-#: Recent schemas and their streams' fixed part: [(schema, bytes of a stream of no batches, or None if
-#: its streams are not the sum of their messages)].  A few, as a producer may alternate schemas.
-_STREAM_BASES: list[tuple[Any, int | None]] = []
+#: Recent schemas and their streams' fixed part: [(schema, bytes of a stream of no batches, or
+#: -1 if its streams carry more than their messages: measured on every put)].  A few, as a
+#: producer may alternate schemas.
+_STREAM_BASES: list[tuple[Any, int]] = []
 _STREAM_BASES_MAX = 8
 
 
@@ -237,21 +238,20 @@ def _stream_size(pa: Any, schema: Any, batches: list[Any], write: Callable[[Any]
     batches travel too).  Which of the two a schema's streams are is found once, on its
     first put of a batch: a mock write (6 us for 10 columns) against the sum of the
     messages (1 us), which serves from then on when they agree."""
-    known = next((base for s, base in _STREAM_BASES if s is schema or s.equals(schema, check_metadata=True)),
-                 False)
-    if known is not None and known is not False:
-        return known + sum(pa.ipc.get_record_batch_size(b) for b in batches)
+    base = next((b for s, b in _STREAM_BASES if s is schema or s.equals(schema, check_metadata=True)), None)
+    if base is not None and base >= 0:
+        return base + sum(pa.ipc.get_record_batch_size(b) for b in batches)
     mock = pa.MockOutputStream()  # measures the IPC size without copying data
     write(mock)
     size = mock.size()
-    if known is False and batches:  # a stream of no batches writes no dictionaries: it tells nothing
+    if base is None and batches:  # a stream of no batches writes no dictionaries: it tells nothing
         empty = pa.MockOutputStream()
         with pa.ipc.new_stream(empty, schema):
             pass
         summed = empty.size() + sum(pa.ipc.get_record_batch_size(b) for b in batches)
         if len(_STREAM_BASES) >= _STREAM_BASES_MAX:
             del _STREAM_BASES[0]
-        _STREAM_BASES.append((schema, empty.size() if summed == size else None))
+        _STREAM_BASES.append((schema, empty.size() if summed == size else -1))
     return size
 
 
