@@ -23,6 +23,7 @@ import pytest
 
 import shmq
 from conftest import bound, join_all
+from shmq.rpc.board import service_status
 
 FORK = mp.get_context("fork")
 T = bound(30)  # bound for any single wait in these tests
@@ -797,3 +798,63 @@ def test_something_else_at_the_path_is_refused_not_taken_over(spool_dir):
         shmq.Service(sp_path)
     with shmq.Spool.open(sp_path) as sp:
         assert sp.readers() == []  # no group was added
+
+
+def test_a_stop_racing_the_end_of_serve_never_writes_into_a_reused_descriptor(svc_path, monkeypatch):
+    """stop() from another thread reads the wake pipe's descriptor and writes a byte to
+    it; serve() closes the pipe when it ends.  A stop() paused between the two while
+    serve() ends (here: a worker killed after the stop flag is set, so serve() ends
+    without the byte) must still write into the wake pipe, not into the file that took
+    the descriptor's number after the close (a byte there corrupts it)."""
+    svc = shmq.Service(svc_path)
+    served = threading.Event()
+    # spawn: serve() runs in a thread here, and this process forks only without threads
+    server = threading.Thread(target=lambda: (svc.serve(handler, workers=1, mp_context="spawn"), served.set()))
+    real_write = os.write
+    inside, may_go, seen = threading.Event(), threading.Event(), {}
+
+    def write(fd, data):
+        if threading.current_thread().name == "late-stop":
+            seen["before"] = os.fstat(fd).st_ino
+            inside.set()
+            may_go.wait(T)
+            try:
+                seen["at_write"] = os.fstat(fd).st_ino
+            except OSError as exc:
+                seen["at_write"] = exc
+        return real_write(fd, data)
+
+    late = threading.Thread(target=svc.stop, name="late-stop")
+    reused = []
+    server.start()
+    try:
+        with shmq.Client(svc_path) as cl:
+            assert cl.call("up", timeout=T)["echo"] == "up"  # serve() runs, its pipe exists
+        pid = service_status(svc_path)["pids"][0]
+        monkeypatch.setattr(os, "write", write)
+        late.start()
+        assert inside.wait(T)  # stop() has set the flag and holds the descriptor
+        os.kill(pid, signal.SIGKILL)  # serve() wakes for the death, sees the flag, ends
+        # Without the lock serve() closes the pipe now; give it the time to, then
+        # take the freed numbers (a file opened meanwhile would get them).
+        served.wait(2.0)
+        for _ in range(4):
+            reused.extend(os.pipe())
+        may_go.set()
+        late.join(T)
+        server.join(T)
+        assert not late.is_alive() and not server.is_alive() and served.is_set()
+        assert seen["at_write"] == seen["before"], "stop() wrote to a descriptor serve() had closed"
+        for fd in reused[::2]:  # nothing arrived in the files that took the numbers
+            os.set_blocking(fd, False)
+            with pytest.raises(BlockingIOError):
+                os.read(fd, 1)
+    finally:
+        may_go.set()
+        if late.ident:
+            late.join(T)
+        svc.stop()
+        server.join(T)
+        for fd in reused:
+            os.close(fd)
+        svc.close()

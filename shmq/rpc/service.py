@@ -201,6 +201,11 @@ class Service:
         self._replies = Replies(self.path, trusted)
         self._stopping = False
         self._wake_w: int | None = None
+        # stop() writes to the wake pipe and serve() closes it under this lock: a
+        # stop() from another thread that read the fd just before serve() closed it
+        # would write into whatever file took the number next.  Reentrant: serve()'s
+        # own SIGINT/SIGTERM handler calls stop() in the thread that may hold it.
+        self._wake_lock = threading.RLock()
         self._board: Board | None = None
         self._board_tried = False
         self._ring()  # create it now: clients find the service at once
@@ -482,14 +487,18 @@ class Service:
     # -- serving --------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Make :meth:`serve` (or iteration) return: workers finish the call in hand."""
+        """Make :meth:`serve` (or iteration) return: workers finish the call in hand.
+
+        Safe from any thread and from a signal handler, during and after
+        :meth:`serve` (which then returns soon, or has returned: nothing to do).
+        """
         self._stopping = True
-        w = self._wake_w
-        if w is not None:
-            try:
-                os.write(w, b"s")
-            except OSError:
-                pass
+        with self._wake_lock:
+            if self._wake_w is not None:
+                try:
+                    os.write(self._wake_w, b"s")
+                except OSError:
+                    pass
 
     def serve(self, handler: Callable[[Any], Any], workers: int = 1, *,
               mp_context: BaseContext | str | None = None, grace: float = 10.0) -> None:
@@ -540,9 +549,10 @@ class Service:
             crew.close()
             for sig, old in restore.items():
                 signal.signal(sig, old)
-            self._wake_w = None
-            os.close(r)
-            os.close(w)
+            with self._wake_lock:
+                self._wake_w = None
+                os.close(r)
+                os.close(w)
 
 
 def _worker_main(name, opts, handler, index):
