@@ -282,8 +282,8 @@ int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64
  *
  * A fixed ring written sequentially strides through all of its memory: on a
  * 64 MiB ring every lap is out of the caches by the time it comes round, so
- * a 1 MiB frame was written and read at memory speed (iceoryx2's loaned
- * samples, a few chunks recycled, stay in cache: 3x as fast).  So while its
+ * a 1 MiB frame would be written and read at memory speed (iceoryx2's
+ * loaned samples, a few chunks recycled, stay in cache: 3x as fast).  So while its
  * consumers keep up, a fixed block/error ring reuses its first HOT_BYTES
  * (or 2 batches, if larger): once the writer's next batch would end past
  * that and every named reader and group has consumed everything (waiting,
@@ -301,9 +301,10 @@ int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64
  * make room anyway); overwrite rings, whose anonymous readers expect a lap
  * of history, and rings over HOT_RING_MAX (whose readers release the pages
  * behind them, read.c) stay sequential.  Growable rings have their own hot
- * zone (zone.c; past HOT_BYTES it waits with hot_wait too).  Writer lock held (hot_retry is the lock's); only rewrites
- * the placement (place_batch evicts after it).  0, or SHMQ_ECLOSED if the
- * handle was closed by another thread during the wait. */
+ * zone (zone.c; past HOT_BYTES it waits with hot_wait too).  Writer lock
+ * held (hot_retry is the lock's); only rewrites the placement (place_batch
+ * evicts after it).  0, or SHMQ_ECLOSED if the handle was closed by another
+ * thread during the wait. */
 static int hot_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs, uint64_t total,
                      uint64_t *placed, Placement *pl) {
     uint64_t ring = r->ring_bytes, n_off = start % ring, lap = start - n_off, gap = ring - n_off, floor;

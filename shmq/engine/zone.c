@@ -159,8 +159,9 @@ int zone_place(eng_ring *r, uint64_t start, size_t count, const uint64_t *needs,
         } else if (found && !caught && !lagged && n_off + total > HOT_BYTES && start >= r->hot_retry) {
             /* Past a fixed ring's hot region, in pages the zone has: wait for
              * consumers a few batches behind as a fixed ring does (hot_wait),
-             * rather than stride on through a grown zone's colder pages (a
-             * grown spool of 1 MiB frames runs at 45% of a fixed one so). */
+             * rather than stride on through a grown zone's colder pages
+             * (striding, a grown spool of 1 MiB frames runs at 45% of a
+             * fixed one). */
             int w = hot_wait(r, start, floor, total, HOT_BYTES);
             if (w < 0) return w; /* SHMQ_ECLOSED */
             caught = w;
