@@ -106,7 +106,7 @@ WEAKENINGS = {
 SELF_TEST_SCENARIO = "block"
 REPORT_RE = re.compile(r"^WARNING: ThreadSanitizer: (.*?)(?: \(pid=\d+\))?$", re.M)
 #: The harness's record of one TSan report (stress/tsan_harness/reports.h), on its stdout.
-EVENT_RE = re.compile(r"^tsan-report (\d+) kind=(\S+) cur=(\d+)((?: access=\S+)*)(?: copy=(\S+))?$", re.M)
+EVENT_RE = re.compile(r"^tsan-report (\d+) kind=(\S+) cur=(\d+) first=(\d+)((?: access=\S+)*)(?: copy=(\S+))?$", re.M)
 RUN_TIMEOUT_S = 600
 
 SCENARIOS = {
@@ -351,8 +351,8 @@ def describe(rep, depth=3):
                          f"{a['role']} {a['index']} at file offset {a['off']:#x}" for a in ev["accesses"])
         if ev["copy"]:
             c = ev["copy"]
-            what += (f"; copy {c['id']} [{c['lo']:#x}, {c['hi']:#x}) {c['at_report']} at the report, "
-                     f"then {c['outcome']}")
+            what += (f"; copy {c['id']} of seq {c['seq']} [{c['lo']:#x}, {c['hi']:#x}) {c['at_report']} "
+                     f"at the report (first seq {ev['first_seq']}), then {c['outcome']}")
         what += " | "
     return what + " / ".join(f"{what}: {' < '.join(frames[:depth]) or '(stack not kept)'}"
                              for what, frames in rep["accesses"])
@@ -360,22 +360,25 @@ def describe(rep, depth=3):
 
 def parse_events(stdout):
     """The harness's record of each TSan report, in report order (stress/tsan_harness/reports.h):
-    its kind, the index of the reporting thread's access, each access (role and index of the
-    harness thread that made it, write or read, atomic, spool file offset, size) and, for a
-    reader's read, the copy attempt holding it (id, state when reported, final outcome, and
-    the file range [lo, hi) of the frame's header and payload)."""
+    its kind, the index of the reporting thread's access, the spool's FIRST_SEQ as that thread
+    saw it, each access (role and index of the harness thread that made it, write or read,
+    atomic, spool file offset, size) and, for a reader's read, the copy attempt holding it
+    (id, state when reported, final outcome, the file range [lo, hi) of the frame's header and
+    payload, and the frame's seq)."""
     events = []
     for m in EVENT_RE.finditer(stdout):
         accesses = []
-        for a in m.group(4).split():
+        for a in m.group(5).split():
             _, role, index, rw, atomic, off, size = a[len("access="):].split(":")
             accesses.append({"role": role, "index": int(index), "write": rw == "w", "atomic": atomic == "1",
                              "off": int(off), "size": int(size)})
         copy = None
-        if m.group(5):
-            cid, at_report, outcome, lo, hi = m.group(5).split(":")
-            copy = {"id": int(cid), "at_report": at_report, "outcome": outcome, "lo": int(lo), "hi": int(hi)}
-        events.append({"kind": m.group(2), "cur": int(m.group(3)), "accesses": accesses, "copy": copy})
+        if m.group(6):
+            cid, at_report, outcome, lo, hi, seq = m.group(6).split(":")
+            copy = {"id": int(cid), "at_report": at_report, "outcome": outcome, "lo": int(lo), "hi": int(hi),
+                    "seq": int(seq)}
+        events.append({"kind": m.group(2), "cur": int(m.group(3)), "first_seq": int(m.group(4)),
+                       "accesses": accesses, "copy": copy})
     return events
 
 
@@ -387,14 +390,20 @@ def lapped_reader(ev, ring):
     offsets [start, end) of the ring), one a read by an anonymous (lock-free) reader, the
     other a store by a writer, where the read belongs to a copy attempt of that reader
     covering the byte, and either
-      - "finished": the writer's store is the later access (it fired the report) and the
-        reader was already done with that copy (returned or dropped it) before the store:
-        the writer lapped the reader over bytes it had copied and validated, or
+      - "finished": the writer's store is the later access (it fired the report), it
+        overwrote an evicted frame (the copy's seq is below the FIRST_SEQ the writer had
+        stored) and the reader was already done with that copy (returned or dropped it)
+        before the store: the writer lapped the reader over bytes it had finished with;
+      - "read first": as "finished", but the reader had made the whole copy and not yet
+        checked it when the lapping store ran: every byte of the copy was read before that
+        store, so this store changed nothing the reader holds, whatever its check decides;
       - "discarded": the copy was still being made or checked when the race fired and the
         reader then dropped it as overwritten (the seqlock re-check of FIRST_POS).
-    A racing copy that the reader went on to return, a read outside a logged copy (a header
-    the engine read and rejected without copying), a control word or slot, or any other
-    thread or report kind is not explained (docs/guarantees.md, "ThreadSanitizer")."""
+    A store to a frame not yet evicted (a reader copying what a writer has not finished:
+    a missing release at the commit), a copy being made at a store and then returned, a
+    read outside a logged copy (a header the engine read and rejected without copying), a
+    control word or slot, or any other thread or report kind is not explained
+    (docs/guarantees.md, "ThreadSanitizer")."""
     if not ev or ev["kind"] != "data-race" or len(ev["accesses"]) != 2:
         return None
     acc = ev["accesses"]
@@ -410,8 +419,11 @@ def lapped_reader(ev, ring):
     c = ev["copy"]
     if not c or not c["id"] or not c["lo"] <= read["off"] < c["hi"]:
         return None
-    if acc[ev["cur"]] is write and c["at_report"] in ("accepted", "dropped"):
+    lapped = acc[ev["cur"]] is write and c["seq"] < ev["first_seq"]
+    if lapped and c["at_report"] in ("accepted", "dropped"):
         return "finished"
+    if lapped and c["at_report"] == "copied":
+        return "read first"
     if c["at_report"] in ("copying", "copied") and c["outcome"] == "dropped":
         return "discarded"
     return None
@@ -489,7 +501,7 @@ def main(argv=None):
                 explained += len(lapped)
                 log(f"tsan: {scenario} seed {seed}: {len(reports)} TSan report(s)"
                     + (f" ({len(lapped)} lapped lock-free reader, explained: " + ", ".join(
-                        f"{sum(r['why'] == w for r in lapped)} {w}" for w in ("finished", "discarded")) + ")"
+                        f"{sum(r['why'] == w for r in lapped)} {w}" for w in ("finished", "read first", "discarded")) + ")"
                        if lapped else "")
                     + f" in {time.monotonic() - t:.1f} s; {out}")
                 for r in other:

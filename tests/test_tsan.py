@@ -66,27 +66,40 @@ ANON_READ = "access=1:anon:0:r:0:8200:8"
 
 @pytest.mark.parametrize("line,why", [
     # the writer's later store over bytes an anonymous reader had already returned
-    (f"tsan-report 0 kind=data-race cur=0 {WRITER_STORE} {ANON_READ} copy=7:accepted:accepted:8192:8400",
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=7:accepted:accepted:8192:8400:3",
      "finished"),
+    # ... over a frame not evicted yet (the copy's seq 5 is FIRST_SEQ): the writer was still writing
+    # the frame the reader had copied and returned (a missing release at the commit)
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=7:accepted:accepted:8192:8400:5",
+     None),
+    # the whole copy made before the lapping store, checked after it and returned
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=7:copied:accepted:8192:8400:3",
+     "read first"),
+    # ... but of a frame not evicted yet
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=7:copied:accepted:8192:8400:5",
+     None),
+    # ... or still being made at the store and then returned: later bytes may hold the store's values
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=7:copying:accepted:8192:8400:3",
+     None),
     # a copy raced while being made, then discarded by the seqlock re-check
-    (f"tsan-report 0 kind=data-race cur=1 {WRITER_STORE} {ANON_READ} copy=7:copying:dropped:8192:8400",
+    (f"tsan-report 0 kind=data-race cur=1 first=5 {WRITER_STORE} {ANON_READ} copy=7:copying:dropped:8192:8400:3",
      "discarded"),
     # ... but returned: a torn copy delivered
-    (f"tsan-report 0 kind=data-race cur=1 {WRITER_STORE} {ANON_READ} copy=7:copying:accepted:8192:8400", None),
+    (f"tsan-report 0 kind=data-race cur=1 first=5 {WRITER_STORE} {ANON_READ} copy=7:copying:accepted:8192:8400:3", None),
     # the reader's read came last (it fired the report) yet its copy was already finished: not a copy's read
-    (f"tsan-report 0 kind=data-race cur=1 {WRITER_STORE} {ANON_READ} copy=7:accepted:accepted:8192:8400", None),
+    (f"tsan-report 0 kind=data-race cur=1 first=5 {WRITER_STORE} {ANON_READ} copy=7:accepted:accepted:8192:8400:3", None),
     # no copy of that reader covers the byte (a header read and rejected, or a log overflow)
-    (f"tsan-report 0 kind=data-race cur=0 {WRITER_STORE} {ANON_READ} copy=0:none:open:0:0", None),
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} {ANON_READ} copy=0:none:open:0:0:3", None),
     # a named reader holds writers back: any such race is a bug
-    (f"tsan-report 0 kind=data-race cur=0 {WRITER_STORE} access=1:named:0:r:0:8200:8 "
-     "copy=7:accepted:accepted:8192:8400", None),
+    (f"tsan-report 0 kind=data-race cur=0 first=5 {WRITER_STORE} access=1:named:0:r:0:8200:8 "
+     "copy=7:accepted:accepted:8192:8400:3", None),
     # a control word (below the ring), an atomic access, another kind
-    ("tsan-report 0 kind=data-race cur=0 access=0:writer:1:w:0:64:8 access=1:anon:0:r:0:64:8 "
-     "copy=7:accepted:accepted:0:100", None),
-    (f"tsan-report 0 kind=data-race cur=0 access=0:writer:1:w:1:8200:8 {ANON_READ} "
-     "copy=7:accepted:accepted:8192:8400", None),
-    (f"tsan-report 0 kind=heap-use-after-free cur=0 {WRITER_STORE} {ANON_READ} "
-     "copy=7:accepted:accepted:8192:8400", None),
+    ("tsan-report 0 kind=data-race cur=0 first=5 access=0:writer:1:w:0:64:8 access=1:anon:0:r:0:64:8 "
+     "copy=7:accepted:accepted:0:100:3", None),
+    (f"tsan-report 0 kind=data-race cur=0 first=5 access=0:writer:1:w:1:8200:8 {ANON_READ} "
+     "copy=7:accepted:accepted:8192:8400:3", None),
+    (f"tsan-report 0 kind=heap-use-after-free cur=0 first=5 {WRITER_STORE} {ANON_READ} "
+     "copy=7:accepted:accepted:8192:8400:3", None),
 ])
 def test_classifier_decides_from_what_happened(line, why):
     assert _classify(line) == why

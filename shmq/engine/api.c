@@ -494,7 +494,7 @@ static const char *copy_c(void *ctx, const char *src, const shmq_frame_header *h
         k->need = h->length;
         return NULL;
     }
-    TRACE_COPY_BEGIN(src - SHMQ_FRAME_BYTES, src + h->length);
+    TRACE_COPY_BEGIN(src - SHMQ_FRAME_BYTES, src + h->length, h->seq);
     memcpy(k->buf + at, src, h->length);
     TRACE_COPY_DONE();
     return k->buf + at;

@@ -120,16 +120,16 @@ void eng_clear_error(void);
  * program defines (stress/tsan_harness/harness.c, whose report classifier
  * needs them: reports.h).  Without it -- libshmq, the binding -- nothing. */
 #ifdef SHMQ_TRACE_COPIES
-void eng_trace_copy_begin(const void *frame, const void *end); /* about to copy the frame at [frame, end) */
+void eng_trace_copy_begin(const void *frame, const void *end, uint64_t seq); /* about to copy frame seq at [frame, end) */
 void eng_trace_copy_done(void);                                /* copied, not yet checked */
 void eng_trace_copy_dropped(void);                             /* overwritten meanwhile: discarded */
 void eng_trace_copy_accepted(void);                            /* passed the check: returned */
-#define TRACE_COPY_BEGIN(frame, end) eng_trace_copy_begin((frame), (end))
+#define TRACE_COPY_BEGIN(frame, end, seq) eng_trace_copy_begin((frame), (end), (seq))
 #define TRACE_COPY_DONE() eng_trace_copy_done()
 #define TRACE_COPY_DROPPED() eng_trace_copy_dropped()
 #define TRACE_COPY_ACCEPTED() eng_trace_copy_accepted()
 #else
-#define TRACE_COPY_BEGIN(frame, end) ((void)0)
+#define TRACE_COPY_BEGIN(frame, end, seq) ((void)0)
 #define TRACE_COPY_DONE() ((void)0)
 #define TRACE_COPY_DROPPED() ((void)0)
 #define TRACE_COPY_ACCEPTED() ((void)0)

@@ -129,11 +129,11 @@ static pthread_barrier_t go;
 
 /* The C API sink's copies (engine.h, SHMQ_TRACE_COPIES), logged for the
  * calling reader thread (reports.h). */
-void eng_trace_copy_begin(const void *frame, const void *end);
+void eng_trace_copy_begin(const void *frame, const void *end, uint64_t seq);
 void eng_trace_copy_done(void);
 void eng_trace_copy_dropped(void);
 void eng_trace_copy_accepted(void);
-void eng_trace_copy_begin(const void *frame, const void *end) { rep_copy_begin(frame, end); }
+void eng_trace_copy_begin(const void *frame, const void *end, uint64_t seq) { rep_copy_begin(frame, end, seq); }
 void eng_trace_copy_done(void) { rep_copy_done(); }
 void eng_trace_copy_dropped(void) { rep_copy_dropped(); }
 void eng_trace_copy_accepted(void) { rep_copy_accepted(); }
@@ -390,7 +390,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "FAIL cannot find the spool's mapping in /proc/self/maps\n");
         return 3;
     }
-    rep_init(base, map_len);
+    rep_init(base, map_len, SHMQ_W_FIRST_SEQ);
     make_plans();
     for (int w = 1; w < n_writers; w++) frame_base[w] = frame_base[w - 1] + frames_of[w - 1];
 

@@ -18,19 +18,25 @@
  * final outcome.  stress/tsan.py parses those lines; their format is part of
  * the harness's interface:
  *
- *   tsan-report N kind=K cur=I access=I:ROLE:IDX:rw:atomic:OFF:SIZE access=... copy=ID:STATE:OUTCOME:LO:HI
+ *   tsan-report N kind=K cur=I first=F access=I:ROLE:IDX:rw:atomic:OFF:SIZE access=... copy=ID:STATE:OUTCOME:LO:HI:SEQ
  *
  *   K        TSan's report type ("data-race", "lock-order-inversion", ...)
  *   cur      the index of the access made by the reporting thread (the later one)
+ *   first    the spool's FIRST_SEQ control word (the oldest frame not evicted) as
+ *            the reporting thread saw it at the report.  A writer evicts under
+ *            the writer lock before it overwrites a byte, so when the writer's
+ *            store fired the report, every frame below F was evicted before it.
  *   ROLE     writer | named | group | anon | main | other; IDX its index in the role
  *   rw       r or w; atomic 1 for an atomic access
  *   OFF      offset in the spool file (-1: outside the mapping); SIZE in bytes
  *   copy     the reader's copy attempt holding that read (ID 0: none found),
  *            STATE when the report fired (copying | copied | dropped |
  *            accepted), OUTCOME at the end (dropped | accepted | open), and
- *            the file offsets [LO, HI) of the frame's header and payload.
+ *            the file offsets [LO, HI) of the frame's header and payload, and
+ *            the frame's seq (from the header the sink copied it under).
  *
- * Engine-independent: the harness's sink calls rep_copy_begin() before it
+ * Engine-independent but for the index of FIRST_SEQ among the control words at
+ * the mapping's start (rep_init): the harness's sink calls rep_copy_begin() before it
  * copies a frame out of the ring, rep_copy_dropped() when the engine
  * discards the copy and rep_copy_accepted() when the frame is returned.
  * Everything shared with the hook is an atomic (relaxed: it adds no
@@ -80,8 +86,8 @@ static const char *const rep_state_name[] = {"none", "copying", "copied", "dropp
 #define REP_EVENTS 4096  /* reports recorded (TSan prints each racing pair of stacks once) */
 
 /* One copy attempt: the file offsets [lo, hi) of the frame's header and payload,
- * and its state (CP_*).  A reader's attempts are numbered 1, 2, ... */
-typedef struct { _Atomic uint64_t lo, hi; _Atomic uint8_t state; } rep_copy;
+ * its seq and its state (CP_*).  A reader's attempts are numbered 1, 2, ... */
+typedef struct { _Atomic uint64_t lo, hi, seq; _Atomic uint8_t state; } rep_copy;
 typedef struct {
     uint64_t os_id;          /* written before the barrier, read-only afterwards */
     int role, index;
@@ -95,8 +101,9 @@ typedef struct {
     char kind[32];
     struct { int role, index, write, atomic, size; int64_t off; } mop[2];
     int reader_th;        /* the rep_threads index of the reader whose copy holds the read, or -1 */
-    uint64_t copy_id, lo, hi;
+    uint64_t copy_id, lo, hi, seq;
     int state_at_report;
+    uint64_t first_seq;   /* FIRST_SEQ as the reporting thread saw it */
 } rep_event;
 
 static rep_thread rep_threads[REP_THREADS];
@@ -105,14 +112,17 @@ static rep_event rep_events[REP_EVENTS];
 static _Atomic int rep_nevents, rep_overflow;
 static const char *rep_base;
 static uint64_t rep_map_len;
+static int rep_first_word; /* FIRST_SEQ's index among the control words at the mapping's start */
 static __thread int rep_me = -1; /* this thread's index in rep_threads */
 
 REP_HOOK static uint64_t rep_gettid(void) { return (uint64_t)syscall(SYS_gettid); }
 
-/* Once, before any thread starts: the spool's mapping. */
-static void rep_init(const char *base, uint64_t len) {
+/* Once, before any thread starts: the spool's mapping (from file offset 0) and
+ * the index of the FIRST_SEQ control word among the 8-byte words it starts with. */
+static void rep_init(const char *base, uint64_t len, int first_seq_word) {
     rep_base = base;
     rep_map_len = len;
+    rep_first_word = first_seq_word;
 }
 
 /* Each thread, before the start barrier: its role.  `max_copies`: an upper bound
@@ -134,8 +144,8 @@ REP_HOOK static int64_t rep_offset(const void *p) {
     return rep_base && c >= rep_base && c < rep_base + rep_map_len ? (int64_t)(c - rep_base) : -1;
 }
 
-/* The sink is about to copy a frame whose header starts at `frame` and whose payload ends at `end`. */
-static void rep_copy_begin(const void *frame, const void *end) {
+/* The sink is about to copy frame `seq`, whose header starts at `frame` and whose payload ends at `end`. */
+static void rep_copy_begin(const void *frame, const void *end, uint64_t seq) {
     if (rep_me < 0 || !rep_threads[rep_me].log) return;
     rep_thread *t = &rep_threads[rep_me];
     uint64_t id = atomic_load_explicit(&t->copies, memory_order_relaxed) + 1;
@@ -143,6 +153,7 @@ static void rep_copy_begin(const void *frame, const void *end) {
         rep_copy *c = &t->log[id];
         atomic_store_explicit(&c->lo, (uint64_t)rep_offset(frame), memory_order_relaxed);
         atomic_store_explicit(&c->hi, (uint64_t)rep_offset(end), memory_order_relaxed);
+        atomic_store_explicit(&c->seq, seq, memory_order_relaxed);
         atomic_store_explicit(&c->state, CP_COPYING, memory_order_relaxed);
     }
     atomic_store_explicit(&t->copies, id, memory_order_relaxed); /* after the fields: the hook sees them */
@@ -164,7 +175,8 @@ REP_HOOK static int rep_thread_of(uint64_t os_id) {
 }
 
 /* The reader's latest copy attempt whose frame covers file offset `off` (0: none). */
-REP_HOOK static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo, uint64_t *hi, int *state) {
+REP_HOOK static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo, uint64_t *hi, uint64_t *seq,
+                                       int *state) {
     uint64_t last = atomic_load_explicit(&t->copies, memory_order_relaxed);
     if (last >= t->cap) return 0; /* past the log: unknown */
     for (uint64_t id = last; id > 0 && off >= 0; id--) {
@@ -172,7 +184,8 @@ REP_HOOK static uint64_t rep_find_copy(rep_thread *t, int64_t off, uint64_t *lo,
         uint64_t l = atomic_load_explicit(&c->lo, memory_order_relaxed);
         uint64_t h = atomic_load_explicit(&c->hi, memory_order_relaxed);
         if ((uint64_t)off >= l && (uint64_t)off < h) {
-            *lo = l, *hi = h, *state = atomic_load_explicit(&c->state, memory_order_relaxed);
+            *lo = l, *hi = h, *seq = atomic_load_explicit(&c->seq, memory_order_relaxed);
+            *state = atomic_load_explicit(&c->state, memory_order_relaxed);
             return id;
         }
     }
@@ -202,6 +215,8 @@ REP_HOOK void __tsan_on_report(void *report) {
     e->nmops = mops > 2 ? 2 : mops;
     e->cur = 0; /* TSan lists the reporting thread's access first */
     e->reader_th = -1;
+    /* The reporting thread's view: its own eviction, if it is the writer whose store fired the report. */
+    e->first_seq = rep_base ? __atomic_load_n((const uint64_t *)rep_base + rep_first_word, __ATOMIC_RELAXED) : 0;
     uint64_t me = rep_gettid();
     for (int i = 0; i < e->nmops; i++) {
         int tid = -1, size = 0, write = 0, atomic = 0;
@@ -226,9 +241,9 @@ REP_HOOK void __tsan_on_report(void *report) {
         if (os_id == me) e->cur = i;
         if (!write && th >= 0 && rep_threads[th].log && e->reader_th < 0) {
             e->reader_th = th;
-            e->lo = e->hi = 0;
+            e->lo = e->hi = e->seq = 0;
             e->state_at_report = CP_NONE;
-            e->copy_id = rep_find_copy(&rep_threads[th], e->mop[i].off, &e->lo, &e->hi, &e->state_at_report);
+            e->copy_id = rep_find_copy(&rep_threads[th], e->mop[i].off, &e->lo, &e->hi, &e->seq, &e->state_at_report);
         }
     }
 }
@@ -238,16 +253,16 @@ static void rep_print(FILE *out) {
     if (n > REP_EVENTS) n = REP_EVENTS;
     for (int i = 0; i < n; i++) {
         rep_event *e = &rep_events[i];
-        fprintf(out, "tsan-report %d kind=%s cur=%d", i, e->kind, e->cur);
+        fprintf(out, "tsan-report %d kind=%s cur=%d first=%llu", i, e->kind, e->cur, (unsigned long long)e->first_seq);
         for (int k = 0; k < e->nmops; k++)
             fprintf(out, " access=%d:%s:%d:%c:%d:%lld:%d", k, rep_role_name[e->mop[k].role], e->mop[k].index,
                     e->mop[k].write ? 'w' : 'r', e->mop[k].atomic, (long long)e->mop[k].off, e->mop[k].size);
         if (e->reader_th >= 0) {
             rep_thread *t = &rep_threads[e->reader_th];
             int fin = e->copy_id ? t->log[e->copy_id].state : CP_NONE;
-            fprintf(out, " copy=%llu:%s:%s:%llu:%llu", (unsigned long long)e->copy_id,
+            fprintf(out, " copy=%llu:%s:%s:%llu:%llu:%llu", (unsigned long long)e->copy_id,
                     rep_state_name[e->state_at_report], fin == CP_DROPPED ? "dropped" : fin == CP_ACCEPTED ? "accepted" : "open",
-                    (unsigned long long)e->lo, (unsigned long long)e->hi);
+                    (unsigned long long)e->lo, (unsigned long long)e->hi, (unsigned long long)e->seq);
         }
         fputc('\n', out);
     }
