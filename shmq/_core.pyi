@@ -21,6 +21,8 @@ SLOW: Final[int]
 TOO_LARGE: Final[int]
 NO_SPACE: Final[int]
 BACKLOG: Final[int]
+#: The most segments one frame of put_many may have (a tuple of bytes-likes).
+MAX_SEGMENTS: Final[int]
 
 @final
 class Frame(structseq[Any], tuple[int, int, bytes | bytearray | memoryview]):

@@ -255,6 +255,74 @@ def _stream_size(pa: Any, schema: Any, batches: list[Any], write: Callable[[Any]
     return size
 
 
+# A stream of one batch of plain columns (fixed-width, byte-aligned, no nulls, no offsets)
+# is its messages, then each column's data buffer padded to 8 bytes, then the end marker.
+# Its messages depend only on the schema and the row count, so once pyarrow's writer has
+# written a stream of that layout, and the stream checked to be exactly that, shmq writes
+# the next ones itself: the messages, then the buffers as segments of one core put, which
+# skips pyarrow's writer's own work per batch (docs/columnar.md has the figures).
+
+#: Recent layouts: [(schema, rows, the stream's bytes before the first buffer, or None:
+#: its streams are not that; pyarrow's writer writes them)].
+_LAYOUTS: list[tuple[Any, int, bytes | None]] = []
+_LAYOUTS_MAX = 8
+_ZEROS = memoryview(bytes(8))
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker: continuation, length 0
+
+
+def _plain_buffers(pa: Any, batches: list[Any]) -> list[Any] | None:
+    """The data buffers of a single batch of plain columns, in stream order, or None."""
+    if len(batches) != 1:
+        return None
+    batch = batches[0]
+    rows = batch.num_rows
+    try:
+        bufs = batch.to_struct_array().buffers()  # [struct validity, (validity, data) per column]
+    except (AttributeError, pa.ArrowException):  # an older pyarrow, a type without one
+        return None
+    if rows == 0 or len(bufs) != 1 + 2 * batch.num_columns or bufs[0] is not None \
+            or 2 * batch.num_columns + 2 > _core.MAX_SEGMENTS:  # messages, buffers and pads, end marker
+        return None
+    data = bufs[2::2]
+    for field, validity, buf in zip(batch.schema, bufs[1::2], data):
+        t = field.type
+        if validity is not None or buf is None or t.num_fields or pa.types.is_dictionary(t) \
+                or not pa.types.is_primitive(t) or t.bit_width % 8:
+            return None
+        if buf.size != rows * (t.bit_width // 8):  # larger: a slice, or spare room (offset 0 iff equal)
+            return None
+    return data
+
+
+def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None] | None:
+    return next((e for e in _LAYOUTS if e[1] == rows and (e[0] is schema or e[0].equals(schema, check_metadata=True))),
+                None)
+
+
+def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[Any]) -> None:
+    """Remember the messages of the stream pyarrow wrote into ``view`` if the stream is
+    exactly them, then ``bufs`` each padded to 8 zero bytes, then the end marker; else
+    remember that this layout's streams are not that."""
+    written = pa.py_buffer(view)
+    prefix = None
+    at = 0
+    for _ in range(2):  # the schema message, then the batch's: continuation, length, metadata
+        if view[at:at + 4] != b"\xff\xff\xff\xff":
+            break
+        at += 8 + int.from_bytes(view[at + 4:at + 8], "little")
+    else:
+        pos, same = at, True
+        for b in bufs:
+            pad = -b.size % 8
+            same = same and written.slice(pos, b.size).equals(b) and view[pos + b.size:pos + b.size + pad] == bytes(pad)
+            pos += b.size + pad
+        if same and pos + 8 == len(view) and view[pos:] == _EOS:
+            prefix = bytes(view[:at])
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        del _LAYOUTS[0]
+    _LAYOUTS.append((schema, rows, prefix))
+
+
 def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     """Append a pyarrow RecordBatch or Table as one Arrow IPC stream frame."""
     pa = _arrow()
@@ -265,6 +333,19 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
         batches, schema = [data], data.schema
     else:
         raise TypeError(f"put_arrow() takes a pyarrow RecordBatch or Table, not {type(data).__name__}")
+
+    plain = _plain_buffers(pa, batches)
+    known = None
+    if plain is not None:
+        known = _layout(schema, batches[0].num_rows)
+        if known is not None and known[2] is not None:
+            segments: list[Any] = [known[2]]
+            for b in plain:
+                segments.append(b)
+                if b.size % 8:
+                    segments.append(_ZEROS[:-b.size % 8])
+            segments.append(_EOS)
+            return writer.append((tuple(segments),), timeout, F.CODEC_ARROW)
 
     def write(sink: Any) -> None:
         with pa.ipc.new_stream(sink, schema) as writer:
@@ -278,6 +359,8 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
         write(sink)
         if sink.tell() != size:
             raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
+        if plain is not None and known is None:
+            _learn_layout(pa, schema, batches[0].num_rows, view, plain)
 
     return writer.append((Deferred(size, fill),), timeout, F.CODEC_ARROW)
 

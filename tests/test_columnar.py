@@ -411,6 +411,66 @@ def test_arrow_frames_are_exactly_the_ipc_stream_whatever_the_schema(make_spool)
         assert got.equals(want) and got.schema.metadata == want.schema.metadata
 
 
+def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc_stream(make_spool, monkeypatch):
+    # A batch of plain columns (fixed width, no nulls, no offsets) whose layout (schema,
+    # rows) pyarrow's writer has written once is written by shmq itself: the remembered
+    # messages, the buffers padded to 8 bytes, the end marker.  Each frame must be the
+    # IPC stream to the byte, whatever path wrote it; the rest stays pyarrow's.
+    pa = pytest.importorskip("pyarrow")
+    from shmq import columnar
+    monkeypatch.setattr(columnar, "_LAYOUTS", [])
+    sp = make_spool(capacity="8MiB")
+
+    def stream(data):
+        sink = pa.BufferOutputStream()
+        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
+        with pa.ipc.new_stream(sink, data.schema) as w:
+            for b in batches:
+                w.write_batch(b)
+        return sink.getvalue().to_pybytes()
+
+    rng = np.random.default_rng(5)
+    types = [pa.int8(), pa.uint16(), pa.int32(), pa.float32(), pa.float64(), pa.date32(),
+             pa.timestamp("us", tz="UTC"), pa.duration("ns"), pa.float16()]
+    def plain(rows, seed):  # each column: random floats, or integers of its width viewed as its type
+        cols = [pa.array(rng.random(rows).astype(f"float{t.bit_width}")) if pa.types.is_floating(t)
+                else pa.array(rng.integers(-99, 100, rows).astype(f"int{t.bit_width}")).view(t) for t in types]
+        return pa.record_batch(cols, names=[f"c{i}" for i in range(len(types))])
+    odd = [plain(7, s) for s in range(3)]                # pads after 1-, 2-, 4-byte columns
+    big = [plain(65536, s) for s in range(2)]
+    wide = [pa.record_batch({f"c{i}": pa.array([i, i + 1, i + 2], pa.int64()) for i in range(n)}) for n in (31, 32)]
+    wide = [wide[0], wide[0], wide[1], wide[1]]  # 32 columns: more segments than a frame has
+    spare = pa.Array.from_buffers(pa.int32(), 3, [None, pa.py_buffer(np.arange(8, dtype=np.int32))])
+    not_plain = [
+        odd[0].slice(1, 5), odd[0].slice(1, 5),                    # offsets
+        pa.record_batch({"a": pa.array([1, None, 3])}),            # nulls
+        pa.record_batch({"b": pa.array([True, False, True])}),     # bits, not bytes
+        pa.record_batch({"s": pa.array(["x", "yy", "zzz"])}),      # variable width
+        pa.record_batch([spare], names=["spare"]),                 # a buffer with room to spare
+        pa.Table.from_batches([odd[0], odd[1]]),                   # more than one batch
+    ]
+    puts = [*odd, *big, *wide, *not_plain, pa.Table.from_batches([odd[2]]), odd[0], *not_plain]
+    new_stream = pa.ipc.new_stream
+    calls = []
+    monkeypatch.setattr(pa.ipc, "new_stream", lambda *a, **k: calls.append(1) or new_stream(*a, **k))
+    seqs = []
+    for d in puts:
+        before = len(calls)
+        seqs.append(sp.put_arrow(d))
+        seqs[-1] = (seqs[-1], len(calls) > before)
+    r = sp.reader()
+    for (seq, by_pyarrow), data in zip(seqs, puts):
+        assert bytes(sp.read_at(seq).data) == stream(data), seq
+        want = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
+        assert r.get_arrow(timeout=1).equals(want), seq
+    by_pyarrow = [b for _, b in seqs]
+    # each plain layout's first stream is pyarrow's, the rest shmq's; everything else pyarrow's
+    assert by_pyarrow[:9] == [True, False, False, True, False, True, False, True, True]
+    assert all(by_pyarrow[9:9 + len(not_plain)])
+    assert by_pyarrow[9 + len(not_plain):11 + len(not_plain)] == [False, False]
+    assert all(by_pyarrow[11 + len(not_plain):])
+
+
 def test_queue_carries_arrays_out_of_band():
     q = shmq.Queue()
     try:

@@ -181,7 +181,8 @@ static int core_exec(PyObject *m) {
         PyModule_AddIntConstant(m, "NO_ROOM", SHMQ_EFULL) < 0 || PyModule_AddIntConstant(m, "SLOW", SHMQ_EPINNED) < 0 ||
         PyModule_AddIntConstant(m, "TOO_LARGE", SHMQ_ETOOLARGE) < 0 ||
         PyModule_AddIntConstant(m, "NO_SPACE", SHMQ_ENOSPACE) < 0 ||
-        PyModule_AddIntConstant(m, "BACKLOG", SHMQ_EBACKLOG) < 0)
+        PyModule_AddIntConstant(m, "BACKLOG", SHMQ_EBACKLOG) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SEGMENTS", MAX_SEGS) < 0)
         return -1;
     return 0;
 }
