@@ -548,3 +548,36 @@ def test_core_crc32_is_zlib_crc32(data, start):
     assert _core.crc32(data) == zlib.crc32(data)
     assert _core.crc32(data, start) == zlib.crc32(data, start)
     assert _core.crc32(memoryview(data)[1::1]) == zlib.crc32(data[1:])
+
+
+def test_payloads_copied_at_every_distance_from_their_ring_position_round_trip(make_spool):
+    # The engine copies a payload whose ring destination sits 1 to 63 bytes past its
+    # source (mod 4096) with a loop of its own (shmq/engine/copy.c), not memcpy: put
+    # payloads from sources at each distance 0..80 (and a few far ones), for sizes
+    # around the loop's bounds; each must come back exactly, with its CRC.
+    np = pytest.importorskip("numpy")
+    import ctypes
+    sp = make_spool(capacity="1MiB", on_full="block", checksum=True)
+    r = sp.reader("r", verify=True)
+    from shmq._mapping import read_geometry
+    geo = read_geometry(sp.path)
+    ring_off, ring_bytes = geo["ring_offset"], geo["ring_bytes"]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(sp.mapping.mm))
+    ctl = np.frombuffer(sp.mapping.mm, dtype=np.uint64, count=F.W_NEXT_POS + 1)
+    source = np.frombuffer(random.Random(3).randbytes(70000 + 8192), dtype=np.uint8)
+    src_addr = source.ctypes.data
+    try:
+        for size in (2047, 2048, 4096 + 13, 65536 + 5):
+            need = F.FRAME_BYTES + (size + 7) // 8 * 8
+            for k in [*range(81), 1000, 4095]:
+                off = int(ctl[F.W_NEXT_POS]) % ring_bytes
+                if ring_bytes - off < need:
+                    off = 0
+                s = (base + ring_off + off + F.FRAME_BYTES - k - src_addr) % 4096
+                payload = memoryview(source)[s:s + size]
+                seq = sp.put(payload)
+                assert (int(ctl[F.W_NEXT_POS]) - need) % ring_bytes == off  # it went where we aimed
+                got = r.get(timeout=1)
+                assert got.seq == seq and bytes(got.data) == bytes(payload), (size, k)
+    finally:
+        del ctl

@@ -39,21 +39,25 @@ typedef struct {
 /* The payload as a new bytes object, in the CopyOut at ctx.  Numpy and
  * out-of-band pickle payloads are copied writable (arrays rebuilt over them
  * are writable): a bytearray, or from LARGE_COPY bytes a memoryview over a
- * mapping of its own (large_copy_new: one page fault per huge page). */
+ * mapping of its own (large_copy_new: one page fault per huge page).  The
+ * object is made empty, then filled by eng_copy (engine.h: memcpy but at the
+ * distances where x86-64's rep movsb is slow). */
 static const char *copy_py(void *ctx, const char *src, const shmq_frame_header *h) {
     CopyOut *o = ctx;
+    char *dst;
     if (h->codec == SHMQ_CODEC_PICKLE_OOB || h->codec == SHMQ_CODEC_NUMPY) {
         if (h->length < LARGE_COPY) {
-            if (!(o->data = PyByteArray_FromStringAndSize(src, h->length))) return NULL;
-            return PyByteArray_AS_STRING(o->data);
+            if (!(o->data = PyByteArray_FromStringAndSize(NULL, h->length))) return NULL;
+            dst = PyByteArray_AS_STRING(o->data);
+        } else if (!(o->data = large_copy_new(o->st, (Py_ssize_t)h->length, &dst))) {
+            return NULL;
         }
-        char *dst;
-        if (!(o->data = large_copy_new(o->st, (Py_ssize_t)h->length, &dst))) return NULL;
-        memcpy(dst, src, h->length);
-        return dst;
+    } else {
+        if (!(o->data = PyBytes_FromStringAndSize(NULL, h->length))) return NULL;
+        dst = PyBytes_AS_STRING(o->data);
     }
-    if (!(o->data = PyBytes_FromStringAndSize(src, h->length))) return NULL;
-    return PyBytes_AS_STRING(o->data);
+    eng_copy(dst, src, h->length);
+    return dst;
 }
 
 static void drop_py(void *ctx) { Py_CLEAR(*(PyObject **)ctx); }

@@ -495,7 +495,7 @@ static const char *copy_c(void *ctx, const char *src, const shmq_frame_header *h
         return NULL;
     }
     TRACE_COPY_BEGIN(src - SHMQ_FRAME_BYTES, src + h->length, h->seq);
-    memcpy(k->buf + at, src, h->length);
+    eng_copy(k->buf + at, src, h->length);
     TRACE_COPY_DONE();
     return k->buf + at;
 }

@@ -10,6 +10,7 @@
  *   engine.h      this header
  *   take.h        the lock-free read loop and the takes, inline (a caller's sink known)
  *   crc.c         CRC-32; error codes, messages
+ *   copy.c        payload copies at distances x86-64's rep movsb is slow at
  *   sem.c         named semaphores: create, open (refusing squatted names), unlink
  *   lock.c        semaphore locks with a deadline, holder words, the handle lock, dead-holder recovery
  *   wait.c        doorbells, the writer's wait for a catching-up consumer, parked reads
@@ -296,6 +297,30 @@ static inline void place_at_lap(Placement *pl, uint64_t *placed, const uint64_t 
         p += needs[k];
     }
     pl->end = p;
+}
+
+/* ---- copying a payload into or out of the ring (copy.c) ----
+ * memcpy, except for a copy of ENG_COPY_APART_MIN bytes to under ENG_COPY_APART_MAX
+ * whose destination is 1 to 63 bytes past its source modulo 4096, which
+ * x86-64's rep movsb (glibc's memcpy for such sizes) runs 15 to 30 times
+ * slower on some CPUs: copy.c's loop does those. */
+#if defined(__x86_64__) && defined(__SSE2__)
+#define ENG_COPY_APART 1
+#define ENG_COPY_APART_MIN 2048u         /* below glibc's rep movsb threshold */
+#define ENG_COPY_APART_MAX (1u << 20)    /* from an L2's size (up to 1 MiB) glibc does not use rep movsb on AMD */
+void eng_copy_apart(void *dst, const void *src, size_t n);
+#else
+#define ENG_COPY_APART 0
+#endif
+static inline void eng_copy(void *dst, const void *src, size_t n) {
+#if ENG_COPY_APART
+    if (n - ENG_COPY_APART_MIN < ENG_COPY_APART_MAX - ENG_COPY_APART_MIN &&
+        ((((uintptr_t)dst - (uintptr_t)src) & 4095) - 1) < 63) {
+        eng_copy_apart(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }
 
 /* ---- small helpers ---- */

@@ -491,7 +491,7 @@ int64_t write_locked(eng_ring *r, eng_item *items, size_t count, uint64_t *needs
         memcpy(ring + off, &h, SHMQ_FRAME_BYTES);
         const eng_seg *sg = items[k].segs;
         for (int j = 0, ns = items[k].nsegs; j < ns; j++) {
-            memcpy(dst, sg[j].buf, sg[j].len);
+            eng_copy(dst, sg[j].buf, sg[j].len);
             dst += sg[j].len;
         }
         uint64_t pad = needs[k] - SHMQ_FRAME_BYTES - items[k].n;
