@@ -638,29 +638,29 @@ def test_publish_goes_straight_to_the_type_queue(make, rec):
 
 def test_close_keeps_the_pipes_of_a_supervisor_thread_still_running(tmp_path):
     # stop() closes after joining the supervisor thread for grace + 30 s; a thread still
-    # running then writes done_w on its way out, and a closed number may name another
-    # file by then (a pool's stray wake byte corrupted a ring file and a zygote's pipe).
+    # running then still waits on the wake pipe (and run() on the done pipe): closed
+    # under the wait, the poll would name a freed number.
     from shmq.dispatch.supervisor import Supervisor
+    from shmq.workers import WakePipe
 
     sup = Supervisor(str(tmp_path / "d"), {}, {}, start_method="fork", grace=1.0, initializer=None,
                      log_level=None, max_workers=1, reservoir=0, start_timeout=1.0, qopts={},
                      unknown_type_delay=0.0)
-    sup.wake_r, sup.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    sup.done_r, sup.done_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    fds = (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w)
+    sup.wake_pipe, sup.done_pipe = wake, done = WakePipe(), WakePipe()
+    fds = (wake.fileno(), wake._w, done.fileno(), done._w)
     go = threading.Event()
     sup.thread = threading.Thread(target=go.wait, args=(bound(30),))
     sup.thread.start()
     try:
         sup.close()
-        assert (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w) == fds
+        assert (sup.wake_pipe, sup.done_pipe) == (wake, done) and not wake.closed and not done.closed
         for fd in fds:
             os.fstat(fd)  # still open
     finally:
         go.set()
         sup.thread.join(bound(30))
     sup.close()  # the thread is gone: now they go
-    assert (sup.wake_r, sup.wake_w, sup.done_r, sup.done_w) == (None,) * 4
+    assert (sup.wake_pipe, sup.done_pipe) == (None, None) and wake.closed and done.closed
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)

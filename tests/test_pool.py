@@ -294,7 +294,7 @@ def test_a_finished_pool_never_writes_to_its_closed_wake_pipe(how):
 
     p = shmq.Pool(2, context="fork")
     assert p.map(T.square, range(4)) == [0, 1, 4, 9]
-    wake_w = p._engine._wake_w
+    wake_w = p._engine._wake._w
     p.close()
     p.join()
     with pytest.raises(OSError):

@@ -417,3 +417,66 @@ def test_one_module_starts_worker_processes():
                         starters.setdefault(rel, []).append(node.lineno)
     assert set(starters) - allowed == set(), starters
     assert "workers/processes.py" in starters
+
+
+# -- the wake pipe ----------------------------------------------------------------------
+
+
+def test_a_wake_pipe_wakes_a_crews_wait_and_drains():
+    from shmq.workers import WakePipe
+    import multiprocessing.connection as mpc
+    pipe = WakePipe()
+    try:
+        assert mpc.wait([pipe], 0) == []
+        pipe.wake()
+        pipe.wake()
+        assert mpc.wait([pipe], bound(5)) == [pipe]
+        pipe.drain()
+        assert mpc.wait([pipe], 0) == []
+    finally:
+        pipe.close()
+    assert pipe.closed and pipe.fileno() == -1
+    pipe.close()  # idempotent
+
+
+def test_a_closed_wake_pipe_writes_nothing_into_the_number_it_freed():
+    # The byte of a wake() after close() would corrupt whatever file took the
+    # write end's number (a ring's magic, a zygote's pipe).
+    from shmq.workers import WakePipe
+    pipe = WakePipe()
+    freed = pipe._w
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # made first: numbers other than freed
+    pipe.close()
+    try:
+        os.dup2(w, freed)  # the number is someone else's now
+        pipe.wake()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        for fd in (r, w, freed):
+            os.close(fd)
+
+
+def test_a_signal_handler_wakes_the_pipe_in_the_thread_that_holds_its_lock():
+    # wake() and close() hold one lock; a signal handler that wakes the pipe runs in the
+    # main thread, which may be inside either.  It must go through, not deadlock (in a
+    # child: a deadlock fails by the timeout instead of hanging the suite).
+    code = textwrap.dedent("""
+        import signal
+        import multiprocessing.connection as mpc
+        from shmq.workers import WakePipe
+        pipe = WakePipe()
+        signal.signal(signal.SIGUSR1, lambda *a: pipe.wake())
+        with pipe._lock:  # as wake() or close() holds it
+            signal.raise_signal(signal.SIGUSR1)
+        assert mpc.wait([pipe], 5) == [pipe]
+        with pipe._lock:  # inside close(), after it marked the pipe closed
+            pipe._r, pipe._w, r, w = -1, -1, pipe._r, pipe._w
+            signal.raise_signal(signal.SIGUSR1)
+        import os
+        os.close(r)
+        os.close(w)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=bound(60))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr

@@ -367,7 +367,7 @@ class Dispatcher:
                 if sig_r is None:
                     sup.finished.wait()
                     break
-                for fd in mpc.wait([sig_r, sup.done_r]):
+                for fd in mpc.wait([sig_r, sup.done_pipe]):
                     if fd == sig_r:
                         drain(sig_r)
         finally:

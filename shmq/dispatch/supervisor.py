@@ -21,7 +21,7 @@ import time
 import traceback
 
 from ..errors import LeaseLost, ShmqError
-from ..workers import Crew, exit_text
+from ..workers import Crew, WakePipe, exit_text
 from ..workers import holdings as _holdings
 from ..workers.board import R_HOLDER, STATE_RUNNING, STATE_STOPPED, STATE_STOPPING
 from . import control
@@ -40,7 +40,8 @@ _log = logging.getLogger("shmq.dispatch")
 
 
 def drain(fd):
-    """Read a non-blocking pipe empty (its bytes are wake-ups, not data)."""
+    """Read a non-blocking pipe empty (its bytes are wake-ups, not data): run()'s
+    signal wakeup fd (the supervisor's own pipes are WakePipes)."""
     try:
         while os.read(fd, 4096):
             pass
@@ -108,7 +109,7 @@ class Supervisor:
         self.retired = 0
         self.board = self.sock = self.crew = None
         self.by_key = {}  # the crew's key (a board row) -> _Worker
-        self.wake_r = self.wake_w = self.done_r = self.done_w = None
+        self.wake_pipe = self.done_pipe = None  # WakePipes: the thread's wait; its end, for run()
         self.tq = {}
         self.failures = {}
         self.backoff_until = {}
@@ -134,8 +135,7 @@ class Supervisor:
         for t, s in self.specs.items():  # our own handles: releases on behalf of dead workers
             self.tq[t] = open_or_create(f"{self.path}.{t}", max_attempts=s.max_attempts,
                                         **self.qopts)
-        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.done_r, self.done_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.wake_pipe, self.done_pipe = WakePipe(), WakePipe()
         self.write_targets()
         self.thread = threading.Thread(target=self.supervise, name="shmq-dispatch-supervisor",
                                        daemon=True)
@@ -161,10 +161,9 @@ class Supervisor:
         self.wake()
 
     def wake(self):
-        try:
-            os.write(self.wake_w, b"\0")
-        except (OSError, TypeError):
-            pass  # not started, or already finished
+        pipe = self.wake_pipe
+        if pipe is not None:  # else not started, or finished
+            pipe.wake()
 
     def stop(self, grace):
         """Request a stop, wait for the supervisor thread, release everything.  Idempotent."""
@@ -201,17 +200,15 @@ class Supervisor:
             self.board = None
         thread = self.thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            # Its last act writes done_w: closed now, the byte would go to whatever
-            # reused the number.  Left open for the process's life: two pipes.
+            # It still waits on the wake pipe, and run() on the done pipe: closed under
+            # a wait, a number would be polled after it was freed.  Left open for the
+            # process's life: two pipes.
             return
-        for name in ("wake_r", "wake_w", "done_r", "done_w"):
-            fd = getattr(self, name)
-            setattr(self, name, None)  # first: a signal handler's wake() then writes nothing
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for name in ("wake_pipe", "done_pipe"):
+            pipe = getattr(self, name)
+            setattr(self, name, None)
+            if pipe is not None:
+                pipe.close()  # a wake() that read the attribute just before writes nothing
 
     # -- scaling ----------------------------------------------------------------------
 
@@ -518,10 +515,9 @@ class Supervisor:
                 self.shutdown()
             finally:
                 self.finished.set()
-                try:
-                    os.write(self.done_w, b"\0")
-                except OSError:
-                    pass
+                done = self.done_pipe
+                if done is not None:
+                    done.wake()
 
     def loop(self):
         has_timeouts = any(s.timeout is not None for s in self.specs.values())
@@ -538,7 +534,7 @@ class Supervisor:
             self.reconcile()
 
     def wait_and_handle(self, timeout, accept):
-        objs = {self.wake_r: ("wake", None)}
+        objs = {self.wake_pipe: ("wake", None)}
         if accept and self.sock is not None:
             objs[self.sock] = ("control", None)
         for w in self.live:
@@ -548,7 +544,7 @@ class Supervisor:
         for o in ready:
             kind, w = objs[o]
             if kind == "wake":
-                drain(self.wake_r)
+                self.wake_pipe.drain()
             elif kind == "control":
                 control.serve_one(self.sock, self.command)
             elif w.conn is not None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -44,7 +43,7 @@ from ..errors import Empty, Full, ShmqError, TooLarge
 from ..queue import GROUP, Queue
 from ..rpc.requests import send, taken_up_to
 from ..spool import Spool
-from ..workers import Board, Crew, Lookout, exit_text, held_ranges, reclaim
+from ..workers import Board, Crew, Lookout, WakePipe, exit_text, held_ranges, reclaim
 from . import lifetime
 from .wire import DIED, INIT_FAILED, OK, STOP, UNDECODABLE, WAKE, remote, traceback_text, unpack_values
 from .worker import LAYOUT, ROW_WORDS, BoardFd, Config, worker_main
@@ -189,8 +188,7 @@ class Engine:
         self.broken: BaseException | None = None
         self._terminate = False
         self._next_look = 0.0
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._wake_lock = threading.Lock()  # the pipe's numbers are closed (-1) under it
+        self._wake = WakePipe()  # the supervisor's wait; never written once _cleanup closed it
         self._stop_workers = False
         self.finished = threading.Event()  # workers reaped, files removed
         self._supervisor = threading.Thread(target=self._supervise, name="shmq-pool-supervisor",
@@ -282,16 +280,9 @@ class Engine:
                 pass  # closed already
 
     def _wake_supervisor(self) -> None:
-        # Never once _cleanup closed the pipe: its number may name another file by then
-        # (a Pool collected long after its join terminates its engine again), and a
-        # byte written there would corrupt that file (a ring's magic, a zygote's pipe).
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass
+        # also after _cleanup (a Pool collected long after its join terminates its engine
+        # again): WakePipe writes nothing then
+        self._wake.wake()
 
     # -- the supervisor thread --------------------------------------------------------------
 
@@ -315,9 +306,9 @@ class Engine:
                     except (OSError, ShmqError) as exc:
                         log.error("could not start pool worker %d (again in %g s): %s", slot,
                                   RESTART_RETRY_S, exc)
-                dead, ready = crew.wait(RESTART_RETRY_S if due else None, [self._wake_r])
+                dead, ready = crew.wait(RESTART_RETRY_S if due else None, [self._wake])
                 if ready:
-                    _drain(self._wake_r)
+                    self._wake.drain()
                 for w in dead:
                     held = reclaim(self._board.row(w.key))  # its single writer is gone
                     self._results.put((DIED, w.key, w.pid, w.exitcode, None if held is None else tuple(held)))
@@ -340,10 +331,7 @@ class Engine:
             q.close()
         self._ring.close()
         self._board.close()
-        with self._wake_lock:
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
-            self._wake_r = self._wake_w = -1
+        self._wake.close()
         lifetime.forget(self)
         self.finished.set()
 
@@ -671,14 +659,6 @@ def _crashed(t: Task, why: str, max_attempts: int) -> BaseException:
     text = (f"the worker running this task died on each of its {len(codes)} attempts "
             f"({', '.join(sorted(how))}); not retried (max_attempts={max_attempts})")
     return WorkerCrashed(text, codes)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
 
 
 def context(ctx: Any) -> Any:

@@ -20,7 +20,7 @@ from .. import codec as _codec
 from .._mapping import resolve_path
 from ..errors import Empty, NotASpool, ShmqError
 from ..spool import Spool
-from ..workers import Crew, Hands
+from ..workers import Crew, Hands, WakePipe
 from .board import Board, board_path, service_status
 from .replies import Replies, caller_alive
 from .requests import GROUP, create_or_open, decode, take_views, taken_up_to
@@ -200,12 +200,7 @@ class Service:
         self._frame_calls = 1.0           # calls per frame taken, smoothed (bundles hold many)
         self._replies = Replies(self.path, trusted)
         self._stopping = False
-        self._wake_w: int | None = None
-        # stop() writes to the wake pipe and serve() closes it under this lock: a
-        # stop() from another thread that read the fd just before serve() closed it
-        # would write into whatever file took the number next.  Reentrant: serve()'s
-        # own SIGINT/SIGTERM handler calls stop() in the thread that may hold it.
-        self._wake_lock = threading.RLock()
+        self._wake: WakePipe | None = None  # serve()'s; stop() wakes it, also once closed
         self._board: Board | None = None
         self._board_tried = False
         self._ring()  # create it now: clients find the service at once
@@ -493,12 +488,9 @@ class Service:
         :meth:`serve` (which then returns soon, or has returned: nothing to do).
         """
         self._stopping = True
-        with self._wake_lock:
-            if self._wake_w is not None:
-                try:
-                    os.write(self._wake_w, b"s")
-                except OSError:
-                    pass
+        wake = self._wake
+        if wake is not None:
+            wake.wake()  # writes nothing once serve() has closed it
 
     def serve(self, handler: Callable[[Any], Any], workers: int = 1, *,
               mp_context: BaseContext | str | None = None, grace: float = 10.0) -> None:
@@ -522,9 +514,8 @@ class Service:
         # the workers' supervisor (fork: its zygote is forked here, before our handlers)
         crew = Crew(ctx, _worker_main, (self.name, self._opts, handler), daemon=True,
                     name=f"shmq-service-{os.path.basename(self.path)}", death_signal=signal.SIGTERM)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._wake_w, self._stopping = w, False
+        wake = WakePipe()
+        self._wake, self._stopping = wake, False
         restore = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -539,7 +530,7 @@ class Service:
                     except (OSError, ShmqError) as exc:
                         log.error("%s: could not start worker %d (retrying in %g s): %s",
                                   self.path, i, RESTART_RETRY_S, exc)
-                for dead in crew.wait(RESTART_RETRY_S if due else None, [r])[0]:
+                for dead in crew.wait(RESTART_RETRY_S if due else None, [wake])[0]:
                     log.warning("%s: worker %d (pid %d) exited with %s; restarting",
                                 self.path, dead.key, dead.pid, dead.exitcode)
                     due.append(dead.key)
@@ -549,10 +540,8 @@ class Service:
             crew.close()
             for sig, old in restore.items():
                 signal.signal(sig, old)
-            with self._wake_lock:
-                self._wake_w = None
-                os.close(r)
-                os.close(w)
+            self._wake = None
+            wake.close()
 
 
 def _worker_main(name, opts, handler, index):

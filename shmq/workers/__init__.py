@@ -2,7 +2,8 @@
 
 * :mod:`.processes`: the one supervisor of long-lived worker processes
   (:class:`~.processes.Crew`: start, restart, the parent-death signal, a
-  grace period, stop; a single-threaded zygote forks ``fork`` workers);
+  grace period, stop; a single-threaded zygote forks ``fork`` workers) and
+  the wake pipe its owner's thread waits on (:class:`~.processes.WakePipe`);
 * :mod:`.board`: the status board, a file (or ``memfd``) of u64 words with
   one row per worker process: hostile-file-safe opening, ``flock`` claims,
   holder rows, checked ``pread`` reads;
@@ -15,7 +16,8 @@ docs/workers.md describes the three together.  This module only re-exports.
 
 from .board import Board, BoardBusy, Layout, Row, live_rows, read_words
 from .holdings import Hands, Held, Lookout, held_ranges, reclaim
-from .processes import Crew, Worker, arm_parent_death, exit_text
+from .processes import Crew, WakePipe, Worker, arm_parent_death, exit_text
 
 __all__ = ["Board", "BoardBusy", "Layout", "Row", "live_rows", "read_words", "Hands", "Held",
-           "Lookout", "held_ranges", "reclaim", "Crew", "Worker", "arm_parent_death", "exit_text"]
+           "Lookout", "held_ranges", "reclaim", "Crew", "WakePipe", "Worker", "arm_parent_death",
+           "exit_text"]

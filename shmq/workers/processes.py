@@ -50,7 +50,7 @@ from typing import Any
 from .._lock import holder_alive, holder_word
 from ..errors import ShmqError
 
-__all__ = ["Crew", "Worker", "arm_parent_death", "exit_text"]
+__all__ = ["Crew", "WakePipe", "Worker", "arm_parent_death", "exit_text"]
 
 log = logging.getLogger("shmq.workers")
 
@@ -516,3 +516,57 @@ def _zygote_main(conn: Any, ctx: Any, run_args: tuple[Any, ...], name: str, owne
                 p.kill()
         for _k, p in procs.values():
             p.join()
+
+
+class WakePipe:
+    """A self-pipe that wakes a supervising thread's :meth:`Crew.wait` (pass it among
+    ``extra``: it has a ``fileno``).
+
+    :meth:`wake` is safe from any thread and from a signal handler, before, during
+    and after :meth:`close`: it never writes once :meth:`close` has begun, so its
+    byte cannot land in whatever file took a closed descriptor's number next (a
+    ring's magic, another pipe).  The write and the close hold one reentrant lock:
+    a signal handler that wakes the pipe in the thread holding it goes through, and
+    finds the pipe either open (its byte is read or discarded) or closed.  A fork
+    while another thread holds it (a microsecond) leaves the child's copy held:
+    fork before threads, as the crew's zygote does.
+    """
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._lock = threading.RLock()
+
+    def fileno(self) -> int:
+        """The read end (-1 once closed)."""
+        return self._r
+
+    @property
+    def closed(self) -> bool:
+        return self._w < 0
+
+    def wake(self, byte: bytes = b"\0") -> None:
+        """Make the read end readable (a full pipe is readable already)."""
+        with self._lock:
+            if self._w >= 0:
+                try:
+                    os.write(self._w, byte)
+                except OSError:
+                    pass
+
+    def drain(self) -> None:
+        """Read the pipe empty: its bytes are wake-ups, not data (the owner's thread)."""
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Close both ends; idempotent.  Marked closed before the descriptors go, so a
+        :meth:`wake` re-entering from a signal handler in this thread writes nothing."""
+        with self._lock:
+            r, w = self._r, self._w
+            self._r = self._w = -1
+            for fd in (r, w):
+                if fd >= 0:
+                    os.close(fd)
