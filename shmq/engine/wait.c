@@ -106,8 +106,8 @@ void ring_bell(eng_ring *r, sem_t *waiters) {
  * writer that is gone is met (at or below the cursors) or rung: a new one
  * replaces it; a smaller live want of another writer is kept (it rings
  * first, and the woken writers publish again).  Writers of an older shmq
- * publish nothing (0): consumers then ring at every commit, as before;
- * consumers of an older shmq ring at every commit whatever is published.
+ * publish nothing (0): consumers then ring at every commit; consumers of
+ * an older shmq ring at every commit whatever is published.
  * The want is the calling thread's (eng_room_of_thread): room_state is
  * called by the thread whose write found no room. */
 
