@@ -295,8 +295,9 @@ def _plain_buffers(pa: Any, batches: list[Any]) -> list[Any] | None:
 
 
 def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None] | None:
-    return next((e for e in _LAYOUTS if e[1] == rows and (e[0] is schema or e[0].equals(schema, check_metadata=True))),
-                None)
+    """The remembered layout of ``rows`` rows of ``schema`` (metadata included), or None."""
+    return next((e for e in _LAYOUTS
+                 if e[1] == rows and (e[0] is schema or e[0].equals(schema, check_metadata=True))), None)
 
 
 def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[Any]) -> None:
@@ -313,9 +314,10 @@ def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[
     else:
         pos, same = at, True
         for b in bufs:
+            end = pos + b.size
             pad = -b.size % 8
-            same = same and written.slice(pos, b.size).equals(b) and view[pos + b.size:pos + b.size + pad] == bytes(pad)
-            pos += b.size + pad
+            same = same and written.slice(pos, b.size).equals(b) and view[end:end + pad] == bytes(pad)
+            pos = end + pad
         if same and pos + 8 == len(view) and view[pos:] == _EOS:
             prefix = bytes(view[:at])
     if len(_LAYOUTS) >= _LAYOUTS_MAX:

@@ -9,8 +9,8 @@
  * memcpy at distances 1 to 31 runs at 2.9 GB/s against 25-50 GB/s at the
  * others (stress/copy_bench.py, docs/benchmarks.md).  A ring's frames sit
  * at every offset, so now and then a payload of a steady stream lands at
- * such a distance from its source and takes 10 to 30 times its
- * neighbours' time.  eng_copy (engine.h) sends distances 1 to 63 (a margin
+ * such a distance from its source and takes many times its neighbours'
+ * time.  eng_copy (engine.h) sends distances 1 to 63 (a margin
  * for other CPUs) here: a backward loop of 16-byte moves, whose loads run
  * ahead of its stores (at lower addresses), so no load follows a store it
  * could be taken to depend on.

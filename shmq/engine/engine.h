@@ -302,12 +302,12 @@ static inline void place_at_lap(Placement *pl, uint64_t *placed, const uint64_t 
 /* ---- copying a payload into or out of the ring (copy.c) ----
  * memcpy, except for a copy of ENG_COPY_APART_MIN bytes to under ENG_COPY_APART_MAX
  * whose destination is 1 to 63 bytes past its source modulo 4096, which
- * x86-64's rep movsb (glibc's memcpy for such sizes) runs 15 to 30 times
- * slower on some CPUs: copy.c's loop does those. */
+ * x86-64's rep movsb (glibc's memcpy for such sizes) runs 16 to 33 times
+ * slower on some CPUs (an AMD EPYC VM): copy.c's loop does those. */
 #if defined(__x86_64__) && defined(__SSE2__)
 #define ENG_COPY_APART 1
 #define ENG_COPY_APART_MIN 2048u         /* below glibc's rep movsb threshold */
-#define ENG_COPY_APART_MAX (1u << 20)    /* from an L2's size (up to 1 MiB) glibc does not use rep movsb on AMD */
+#define ENG_COPY_APART_MAX (1u << 20)    /* slow up to 256 KiB, not from 512 KiB (measured); a margin */
 void eng_copy_apart(void *dst, const void *src, size_t n);
 #else
 #define ENG_COPY_APART 0
