@@ -375,6 +375,17 @@ def test_an_unaligned_array_round_trips(make_spool):
     assert got.dtype == arr.dtype and got.tobytes() == arr.tobytes()
 
 
+def ipc_stream(data):
+    """pyarrow's own IPC stream of a RecordBatch or Table, as bytes."""
+    import pyarrow as pa
+    sink = pa.BufferOutputStream()
+    batches = data.to_batches() if isinstance(data, pa.Table) else [data]
+    with pa.ipc.new_stream(sink, data.schema) as w:
+        for b in batches:
+            w.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
 def test_arrow_frames_are_exactly_the_ipc_stream_whatever_the_schema(make_spool):
     # put_arrow sizes a frame by summing messages once a schema's first put has
     # checked that sum against a measured stream: dictionaries (their batches
@@ -382,14 +393,6 @@ def test_arrow_frames_are_exactly_the_ipc_stream_whatever_the_schema(make_spool)
     # more schemas than it remembers must each still be framed to the byte.
     pa = pytest.importorskip("pyarrow")
     sp = make_spool(capacity="4MiB")
-
-    def stream(data):
-        sink = pa.BufferOutputStream()
-        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
-        with pa.ipc.new_stream(sink, data.schema) as w:
-            for b in batches:
-                w.write_batch(b)
-        return sink.getvalue().to_pybytes()
 
     plain = pa.record_batch({"a": pa.array([1, 2, 3], pa.int64()), "s": ["x", None, "zz"]})
     tagged = plain.replace_schema_metadata({"k": "a value that makes the schema message longer"})
@@ -405,7 +408,7 @@ def test_arrow_frames_are_exactly_the_ipc_stream_whatever_the_schema(make_spool)
     r = sp.reader()
     for seq, data in zip(seqs, puts):
         frame = sp.read_at(seq)
-        assert bytes(frame.data) == stream(data), seq
+        assert bytes(frame.data) == ipc_stream(data), seq
         got = r.get_arrow(timeout=1)
         want = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
         assert got.equals(want) and got.schema.metadata == want.schema.metadata
@@ -419,15 +422,8 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     pa = pytest.importorskip("pyarrow")
     from shmq import columnar
     monkeypatch.setattr(columnar, "_LAYOUTS", [])
+    monkeypatch.setattr(columnar, "_NOT_PLAIN", [])
     sp = make_spool(capacity="8MiB")
-
-    def stream(data):
-        sink = pa.BufferOutputStream()
-        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
-        with pa.ipc.new_stream(sink, data.schema) as w:
-            for b in batches:
-                w.write_batch(b)
-        return sink.getvalue().to_pybytes()
 
     rng = np.random.default_rng(5)
     types = [pa.int8(), pa.uint16(), pa.int32(), pa.float32(), pa.float64(), pa.date32(),
@@ -460,7 +456,7 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
         seqs[-1] = (seqs[-1], len(calls) > before)
     r = sp.reader()
     for (seq, by_pyarrow), data in zip(seqs, puts):
-        assert bytes(sp.read_at(seq).data) == stream(data), seq
+        assert bytes(sp.read_at(seq).data) == ipc_stream(data), seq
         want = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
         assert r.get_arrow(timeout=1).equals(want), seq
     by_pyarrow = [b for _, b in seqs]
@@ -469,6 +465,11 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     assert all(by_pyarrow[9:9 + len(not_plain)])
     assert by_pyarrow[9 + len(not_plain):11 + len(not_plain)] == [False, False]
     assert all(by_pyarrow[11 + len(not_plain):])
+    # schemas whose types are never plain are remembered, and their batches not looked into
+    never = [wide[2].schema, not_plain[3].schema, not_plain[4].schema]
+    assert [s for s in never if any(s.equals(n) for n in columnar._NOT_PLAIN)] == never
+    assert not any(d.schema.equals(n) for d in [*odd, not_plain[2]] for n in columnar._NOT_PLAIN)
+    assert columnar._plain_buffers(pa, not_plain[4].schema, [object()]) is None
 
 
 def test_queue_carries_arrays_out_of_band():
