@@ -1,6 +1,7 @@
 """Shared fixtures: a private spool directory on /dev/shm, start methods, leak checks."""
 
 import faulthandler
+import fcntl
 import json
 import multiprocessing as mp
 import os
@@ -396,6 +397,25 @@ def join_all(procs, timeout=60):
 def sem_files(prefix):
     """The named semaphores of the spool with this semaphore prefix, as /dev/shm file names."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"sem.shmq.{prefix}.")}
+
+
+def assert_nothing_written_into(freed, action):
+    """Give the closed descriptor number ``freed`` to a new pipe's write end, run
+    ``action`` (code that must no longer write to that number) and assert that the
+    pipe stayed empty: a late write would have corrupted whatever file took the number."""
+    r0, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    r = fcntl.fcntl(r0, fcntl.F_DUPFD_CLOEXEC, freed + 1)  # the read end never on the number
+    os.close(r0)
+    try:
+        if w != freed:
+            os.dup2(w, freed, inheritable=False)
+            os.close(w)
+        action()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)
+    finally:
+        os.close(r)
+        os.close(freed)
 
 
 def run_gc(*args):

@@ -542,6 +542,7 @@ class WakePipe:
 
     @property
     def closed(self) -> bool:
+        """True once close() has begun: wake() writes nothing from then on."""
         return self._w < 0
 
     def wake(self, byte: bytes = b"\0") -> None:
