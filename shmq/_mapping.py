@@ -347,6 +347,32 @@ def unregister_spool(prefix: str) -> None:
         pass
 
 
+#: A spool is created under a temporary name this many bytes longer than its own
+#: (".NAME.<12 hex digits>.creating"), then linked to its name.
+CREATING_EXTRA_BYTES = 1 + 1 + 12 + len(".creating")
+
+
+def check_name_length(path: str, beside: str = "") -> None:
+    """Refuse a spool name too long to be created under its temporary name (or,
+    with ``beside``, too long for the spool ``path + beside`` that goes with it).
+
+    :raises OSError: ``ENAMETOOLONG``, naming ``path`` and the longest name allowed.
+    """
+    parent = os.path.dirname(path) or "."
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    extra = len(os.fsencode(beside))
+    longest = name_max - CREATING_EXTRA_BYTES - extra
+    n = len(os.fsencode(os.path.basename(path)))
+    if n > longest:
+        why = f"; its {beside!r} spool beside it adds {extra}" if beside else ""
+        raise OSError(errno.ENAMETOOLONG, f"spool file name too long: {n} bytes, at most {longest} "
+                      f"(the directory allows {name_max}; a spool is created under a temporary name "
+                      f"{CREATING_EXTRA_BYTES} bytes longer{why})", path)
+
+
 def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: int,
                 leases: int, checksum: bool, start_bytes: int | None = None) -> None:
     """Create a fully initialized, pre-allocated spool file at ``path``.
@@ -364,6 +390,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, "no such directory for the spool", parent)
+    check_name_length(path)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.urandom(6).hex()}.creating")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))

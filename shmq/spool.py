@@ -241,6 +241,8 @@ class Spool:
         naming it; nothing is written then.
 
         :raises FileExistsError: ``path`` exists and ``exist_ok`` is false.
+        :raises OSError: ``ENAMETOOLONG``: the file name leaves no room for the temporary
+            name a spool is created under (at most 232 bytes where names have 255).
         :raises ValueError: bad capacity, policy, or slot counts, or ``max_capacity``
             smaller than ``capacity``.
         """

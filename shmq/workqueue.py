@@ -31,7 +31,7 @@ from ._format import (
     LEASE_WORDS,
 )
 from ._lock import holder_pid
-from ._mapping import read_geometry, resolve_path
+from ._mapping import check_name_length, read_geometry, resolve_path
 from .deadletters import DeadLetter, DeadLetters
 from .errors import Empty, Full, ShmqError
 from .leases import KeyIndex, LeaseTable, WorkQueueStats, lease_stats
@@ -140,6 +140,7 @@ class WorkQueue:
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
                 raise ValueError(f"{name} must be an int in 1..1048576")
         self.path = resolve_path(path)
+        check_name_length(self.path, ".dead")  # before the queue's spool: it would be left behind
         self._opts = dict(capacity=capacity, max_attempts=max_attempts, leases=leases, keys=keys,
                           dead_capacity=dead_capacity, trusted=trusted,
                           liveness_interval=liveness_interval)

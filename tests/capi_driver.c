@@ -13,7 +13,7 @@
  *   driver group SPOOL NAME TOTAL         a member of group NAME: take until the group's
  *                                          position reaches TOTAL; print every seq taken
  *   driver errors DIR                     the failure codes: a missing spool, a foreign
- *                                          file, a frame too large, an empty read, a
+ *                                          file, a name too long, a frame too large, an empty read, a
  *                                          buffer too small, a policy "error" spool full,
  *                                          a second reservation, a put inside one
  *   driver threads SPOOL WRITERS READERS PER
@@ -233,6 +233,9 @@ static int errors(const char *dir) {
     int rc = shmq_create(path, &o, &sp);
     if (rc < 0) return fail("create", rc);
     printf("exists=%d ", shmq_create(path, &o, &(shmq_spool *){0}));
+    char longname[600]; /* 233 bytes: its temporary name would pass NAME_MAX (255) */
+    snprintf(longname, sizeof longname, "%s/%0233d", dir, 0);
+    printf("longname=%d ", shmq_create(longname, &o, &(shmq_spool *){0}));
     static char big[8192], buf[256];
     printf("toolarge=%d ", (int)shmq_put(sp, big, sizeof big, 0, 0));
     shmq_reader *r;

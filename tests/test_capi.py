@@ -385,7 +385,7 @@ def test_the_c_apis_failures_are_codes(programs, spool_dir):
     got = _fields(_run(programs["driver"], "errors", spool_dir))
     codes = {k: int(v) for k, v in got.items()}
     assert codes == {
-        "missing": -2, "foreign": -2009, "exists": -17, "toolarge": -2004, "busy": -2011, "kind": -2014,
+        "missing": -2, "foreign": -2009, "exists": -17, "longname": -36, "toolarge": -2004, "busy": -2011, "kind": -2014,
         "empty": -2007, "size": -2013, "need": 100, "after": 0, "full": -2002, "reservefull": -2002,
         "reserve": 0, "second": -2016, "inside": -2016, "commit": 0, "again": -2016, "nothing": 0, "read": 0,
         "destroy": 0, "gone": -2,

@@ -533,6 +533,24 @@ def test_create_bad_arguments(spool_path, kw, exc):
     assert not os.path.exists(spool_path)
 
 
+def test_a_name_too_long_for_its_temporary_name_is_a_clear_error(spool_dir):
+    # A spool is created as ".NAME.<12 hex>.creating" and linked to NAME: a NAME of
+    # 233..255 bytes is a valid file name but not a creatable spool.  The error names
+    # the path given (not the temporary one) and the longest that works; nothing stays.
+    import errno
+
+    fits = os.path.join(spool_dir, "f" * 232)
+    shmq.Spool.create(fits, capacity="64KiB").close()
+    shmq.Spool.destroy(fits)
+    for n in (233, 255):
+        path = os.path.join(spool_dir, "x" * n)
+        with pytest.raises(OSError) as info:
+            shmq.Spool.create(path, capacity="64KiB")
+        assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == path
+        assert f"{n} bytes, at most 232" in info.value.strerror
+    assert os.listdir(spool_dir) == []
+
+
 def test_parse_size():
     assert F.parse_size("64MiB") == 64 << 20
     assert F.parse_size("1 GiB") == 1 << 30

@@ -41,6 +41,22 @@ def test_put_get_ack(wq):
     assert (st.ready, st.in_flight, st.acked) == (0, 0, 1)
 
 
+def test_a_name_too_long_for_its_dead_letters_is_refused_before_anything_is_made(spool_dir):
+    # The queue's spool and its PATH.dead are created one after the other: a name that
+    # fits the first but not the second must fail before the first exists.
+    import errno
+
+    fits = os.path.join(spool_dir, "q" * 227)
+    shmq.WorkQueue(fits, capacity="64KiB", leases=4, keys=4, dead_capacity="64KiB").close()
+    shmq.WorkQueue.destroy(fits)
+    path = os.path.join(spool_dir, "q" * 228)
+    with pytest.raises(OSError) as info:
+        shmq.WorkQueue(path, capacity="64KiB", leases=4, keys=4, dead_capacity="64KiB")
+    assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == path
+    assert "228 bytes, at most 227" in info.value.strerror and "'.dead'" in info.value.strerror
+    assert os.listdir(spool_dir) == []
+
+
 def test_fifo_and_get_many(wq):
     wq.put_many(range(5))
     got = wq.get_many(10, timeout=1)

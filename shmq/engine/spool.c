@@ -288,6 +288,13 @@ int eng_create_file(const char *path, uint64_t ring_bytes, uint64_t start_bytes,
     snprintf(parent, sizeof parent, "%s", path);
     snprintf(base, sizeof base, "%s", path);
     const char *pdir = dirname(parent), *pbase = basename(base);
+    /* Created as ".NAME.<12 hex>.creating", then linked to NAME: NAME must leave room. */
+    long name_max = pathconf(pdir, _PC_NAME_MAX);
+    if (name_max <= 0) name_max = 255;
+    size_t extra = 1 + 1 + 12 + strlen(".creating");
+    if (strlen(pbase) + extra > (size_t)name_max)
+        return eng_fail(-ENAMETOOLONG, "%s: spool file name too long: %zu bytes, at most %ld (a spool is created "
+                        "under a temporary name %zu bytes longer)", path, strlen(pbase), name_max - (long)extra, extra);
     unsigned char rnd[6];
     int ufd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
     if (ufd < 0 || read(ufd, rnd, sizeof rnd) != (ssize_t)sizeof rnd) {
