@@ -290,12 +290,14 @@ def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> list[Any] | None
     if rows == 0 or bufs[0] is not None:
         return None
     if len(bufs) != 1 + 2 * batch.num_columns or 2 * batch.num_columns + 2 > _core.MAX_SEGMENTS:
-        return _not_plain(schema)  # messages, buffers and pads, end marker
+        _not_plain(schema)  # messages, buffers and pads, end marker
+        return None
     data = bufs[2::2]
     for field, validity, buf in zip(batch.schema, bufs[1::2], data):
         t = field.type
         if t.num_fields or pa.types.is_dictionary(t) or not pa.types.is_primitive(t) or t.bit_width % 8:
-            return _not_plain(schema)
+            _not_plain(schema)
+            return None
         if validity is not None or buf is None:
             return None
         if buf.size != rows * (t.bit_width // 8):  # larger: a slice, or spare room (offset 0 iff equal)
@@ -308,7 +310,6 @@ def _not_plain(schema: Any) -> None:
     if len(_NOT_PLAIN) >= _LAYOUTS_MAX:
         del _NOT_PLAIN[0]
     _NOT_PLAIN.append(schema)
-    return None
 
 
 def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None] | None:
