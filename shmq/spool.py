@@ -152,13 +152,15 @@ class Spool:
                                    f"SEGMENT = {m.ctl[F.W_SEGMENT]}); {RING_ADVICE}") from None
         # One-way: the core hands what its put leaves over to this class's
         # _put_slow (a subclass's override included), never looks it up by name.
-        self.core.bind(self, type(self)._put_slow, not self._sync)
+        self.core.bind(self, type(self)._put_slow, not self._sync, type(self)._reserve_slow)
         self.data_bell = Doorbell(m, read_waiters, self.core, space=False)
         self.space_bell = Doorbell(m, space_waiters, self.core, space=True)
         if type(self).put is Spool.put:
             # Spool.put's own code, bound per handle: the call goes straight
             # to C (no Python frame).  A subclass that overrides put keeps it.
             self.put = self.core.put_api
+        if type(self).reserve is Spool.reserve:
+            self.reserve = self.core.reserve_api
         if self.mapping.unlinked():
             self._destroyed_while_opening(sems)
         self.ring = Ring(m, self.core, self.writer_lock, recovery_timeout)
@@ -480,6 +482,12 @@ class Spool:
         :raises shmq.Full: no room in time (or policy "error").
         :raises shmq.Timeout: the lock's live holder did not release it in time.
         """
+        # The uncontended reservation in C (handles of this class bind it
+        # directly); the core hands anything else to type(self)._reserve_slow.
+        return self.core.reserve_api(nbytes, codec=codec, timeout=timeout)
+
+    def _reserve_slow(self, nbytes: int, codec: int, timeout: float | None) -> Reservation:
+        """Everything the core's reserve could not finish: validation, waits, recovery."""
         self.check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")

@@ -222,6 +222,80 @@ def test_named_reader_resumes_after_reopen(spool_path):
     sp.close()
 
 
+def test_reserve_commits_a_clean_block_and_abandons_a_raising_one(make_spool):
+    # Spool.reserve is the core's reserve_api bound per handle (the uncontended case in
+    # one C call); each outcome is checked by what a reader sees.
+    sp = make_spool(capacity="64KiB")
+    r = sp.reader("z")
+    assert sp.reserve.__name__ == "reserve_api"
+    with sp.reserve(5) as buf:
+        buf[:] = b"hello"
+    with pytest.raises(KeyError):
+        with sp.reserve(3) as buf:
+            buf[:] = b"bad"
+            raise KeyError("the block failed")
+    rv = sp.reserve(4, codec=F.CODEC_UTF8)
+    with rv as buf:
+        buf[:] = b"text"
+    assert rv.seq == 1 and not rv.open
+    with pytest.raises(ValueError):
+        buf[:1] = b"x"  # the view is released at the commit: nothing writes a published frame
+    dropped = sp.reserve(8)  # dropped open: abandoned at once, the writer lock released
+    del dropped
+    assert sp.put(b"after", timeout=bound(5)) == 2
+    got = r.get_many(10, timeout=1)
+    assert [(f.seq, bytes(f.data), f.codec) for f in got] == [
+        (0, b"hello", F.CODEC_RAW), (1, b"text", F.CODEC_UTF8), (2, b"after", F.CODEC_RAW)]
+
+
+def test_reserve_refuses_bad_arguments_as_the_slow_path_does(make_spool):
+    sp = make_spool(capacity="64KiB", on_full="error")
+    for bad, exc in ((True, TypeError), (1.5, TypeError), ("8", TypeError), (-1, ValueError)):
+        with pytest.raises(exc):
+            sp.reserve(bad)
+    with pytest.raises(TypeError):
+        sp.reserve(8, F.CODEC_UTF8)  # codec and timeout are keyword-only
+    with pytest.raises(TypeError):
+        sp.reserve(nbytes=8, size=9)
+    with pytest.raises(TypeError):
+        sp.reserve()
+    with pytest.raises(ValueError):
+        sp.reserve(8, timeout=-1)
+    with pytest.raises(shmq.TooLarge):
+        sp.reserve(1 << 20)
+    while True:  # fill the "error" ring: the core's no-room status goes to the slow path
+        try:
+            sp.put(b"x" * 1000)
+        except shmq.Full:
+            break
+    with pytest.raises(shmq.Full):
+        sp.reserve(1000)
+    with pytest.raises(shmq.Full):
+        sp.reserve(1000, timeout=0.01)
+    assert sp.stats().puts == sp.next_seq  # nothing was published by the refusals
+    sp.close()
+    with pytest.raises(ValueError, match="closed"):
+        sp.reserve(8)
+
+
+def test_a_subclass_that_overrides_reserve_keeps_its_override(spool_path):
+    class Counting(shmq.Spool):
+        calls = 0
+
+        def reserve(self, nbytes, **kw):
+            Counting.calls += 1
+            return super().reserve(nbytes, **kw)
+
+    sp = Counting.create(spool_path, capacity="64KiB")
+    try:
+        with sp.reserve(2) as buf:
+            buf[:] = b"ok"
+        assert Counting.calls == 1 and sp.read_at(0).data == b"ok"
+    finally:
+        sp.close()
+        shmq.Spool.destroy(spool_path)
+
+
 def test_manual_commit(make_spool):
     sp = make_spool()
     for p in payloads(5):

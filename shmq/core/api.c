@@ -158,15 +158,57 @@ PyObject *Ring_put_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObjec
     return res;
 }
 
-/* bind(owner, put_slow, fast): put_slow(owner, data, block, timeout, codec)
- * completes put_api; fast 0 sends every put there (sync=True). */
+/* bind(owner, put_slow, fast[, reserve_slow]): put_slow(owner, data, block,
+ * timeout, codec) completes put_api, reserve_slow(owner, nbytes, codec,
+ * timeout) reserve_api; fast 0 sends every put there (sync=True). */
 PyObject *Ring_bind(Ring *r, PyObject *args) {
-    PyObject *owner, *slow;
+    PyObject *owner, *slow, *rslow = NULL;
     int fast;
-    if (!PyArg_ParseTuple(args, "OOp", &owner, &slow, &fast)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOp|O", &owner, &slow, &fast, &rslow)) return NULL;
     if (bind_slow(&r->owner, &r->put_slow, owner, slow) < 0) return NULL;
+    if (rslow && bind_slow(&r->owner, &r->reserve_slow, owner, rslow) < 0) return NULL;
     r->fast_put = fast;
     Py_RETURN_NONE;
+}
+
+/* ---- shmq.Spool.reserve ---- */
+
+PyObject *Ring_reserve_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    /* Spool.reserve(nbytes, *, codec=0, timeout=None): the uncontended
+     * reservation in one C call (an exact int nbytes, timeout None or
+     * positive: fast_put_wait's rule); anything else, and every wait for
+     * room or for a stuck lock, goes to the slow path bound with it, which
+     * starts over: reserve_slow(owner, nbytes, codec, timeout). */
+    static const char *const names[] = {"nbytes", "codec", "timeout"};
+    PyObject *a[3];
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "reserve() takes 1 positional argument (nbytes); codec and timeout "
+                                         "are keyword-only");
+        return NULL;
+    }
+    if (parse_api(args, nargs, kwnames, names, 3, a) < 0) return NULL;
+    if (!a[0]) {
+        PyErr_SetString(PyExc_TypeError, "reserve() missing required argument: 'nbytes'");
+        return NULL;
+    }
+    double lock_wait;
+    if (r->reserve_slow && r->eng.base && PyLong_CheckExact(a[0]) && (!a[1] || PyLong_CheckExact(a[1])) &&
+        fast_put_wait(r, Py_True, a[2], &lock_wait)) {
+        int overflow = 0, status;
+        long long n = PyLong_AsLongLongAndOverflow(a[0], &overflow);
+        long codec = a[1] ? PyLong_AsLong(a[1]) : 0;
+        if (PyErr_Occurred()) return NULL;
+        if (!overflow && n >= 0 && codec >= INT_MIN && codec <= INT_MAX) {
+            PyObject *rv = reservation_new(r, (uint64_t)n, (int)codec, lock_wait, &status);
+            if (rv || !status) return rv;
+        }
+    }
+    PyObject *cd = a[1] ? Py_NewRef(a[1]) : PyLong_FromLong(0);
+    if (!cd) return NULL;
+    PyObject *cargs[3] = {a[0], cd, a[2] ? a[2] : Py_None};
+    PyObject *res = call_slow(r->owner, r->reserve_slow, cargs, 3);
+    Py_DECREF(cd);
+    return res;
 }
 
 /* ---- shmq.Reader.get ---- */

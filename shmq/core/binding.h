@@ -56,6 +56,7 @@ typedef struct {
     unsigned long buffers_seen; /* bumped by core_inband */
     eng_hooks hooks;            /* the GIL around the engine's waits; the crash hook */
     PyObject *EMPTY, *STUCK, *UNDECODED; /* get_obj's sentinels */
+    PyObject *str_release;      /* "release": a reservation's memoryview is released by name */
     PyTypeObject *FrameType, *RingType, *CursorType, *ReservationType, *LockType, *WaitingType, *QueuePortType;
     PyTypeObject *DeferredType; /* shmq.Deferred: a payload written by fill() under the writer lock */
     PyTypeObject *SemaphoreType;
@@ -74,6 +75,7 @@ typedef struct {
     PyObject *owner;    /* weak reference to the Python handle whose slow path completes put_api */
     PyObject *put_slow; /* owner's slow path, a plain function: put_slow(owner, data, block, timeout, codec) */
     int fast_put;       /* 0: put_api always takes the slow path (sync=True) */
+    PyObject *reserve_slow; /* owner's reserve_slow(owner, nbytes, codec, timeout), completing reserve_api */
 } Ring;
 
 typedef struct {
@@ -180,6 +182,8 @@ void free_write_opts(WriteOpts *o);
 
 /* ---- reserve.c ---- */
 PyObject *Ring_reserve(Ring *r, PyObject *args);
+PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int *status);
+PyObject *Ring_reserve_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 extern PyType_Spec reservation_spec;
 
 /* ---- lock.c ---- */

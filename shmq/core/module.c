@@ -168,6 +168,7 @@ static int core_exec(PyObject *m) {
     if (!(st->FrameType = frame_type_new())) return -1;
     if (PyModule_AddObjectRef(m, "Frame", (PyObject *)st->FrameType) < 0) return -1;
     if (!(st->dumps_kwnames = Py_BuildValue("(s)", "buffer_callback"))) return -1;
+    if (!(st->str_release = PyUnicode_InternFromString("release"))) return -1;
     if (!(st->inband_callback = PyObject_GetAttrString(m, "_inband"))) return -1;
     if (!(st->EMPTY = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) ||
         !(st->STUCK = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) ||
@@ -189,7 +190,7 @@ static int core_exec(PyObject *m) {
 
 #define STATE_OBJECTS(X)                                                                                         \
     X(SpoolFormatError) X(ShmqError) X(crash_hook) X(pickle_loads) X(EmptyError) X(pickle_dumps) X(dumps_protocol)           \
-    X(dumps_kwnames) X(inband_callback) X(EMPTY) X(STUCK) X(UNDECODED) X(FrameType) X(RingType) X(CursorType)   \
+    X(dumps_kwnames) X(str_release) X(inband_callback) X(EMPTY) X(STUCK) X(UNDECODED) X(FrameType) X(RingType) X(CursorType)   \
     X(ReservationType) X(LockType) X(WaitingType) X(QueuePortType) X(DeferredType) X(SemaphoreType) X(LargeCopyType)
 
 static int core_traverse(PyObject *m, visitproc visit, void *arg) {

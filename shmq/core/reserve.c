@@ -9,7 +9,7 @@
 
 static void reservation_drop_view(Reservation *rv) {
     if (rv->view) {
-        PyObject *res = PyObject_CallMethod(rv->view, "release", NULL);
+        PyObject *res = PyObject_CallMethodObjArgs(rv->view, rv->ring->st->str_release, NULL);
         if (!res) PyErr_Clear(); /* a derived view still exports it: documented as invalid now */
         Py_XDECREF(res);
         Py_CLEAR(rv->view);
@@ -116,23 +116,35 @@ PyType_Spec reservation_spec = {"shmq.Reservation", sizeof(Reservation), 0,
                                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
                                 reservation_slots};
 
-PyObject *Ring_reserve(Ring *r, PyObject *args) {
-    /* reserve(nbytes, codec, lock_wait) -> Reservation, or a negative status */
-    unsigned long long nbytes;
-    int codec;
-    double wait;
-    if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
+/* A Reservation of `nbytes` (the writer lock taken, waited for up to
+ * lock_wait): the object, or NULL with *status the engine's status
+ * (SHMQ_ELOCKED, SHMQ_EFULL, ...: nothing held), or NULL with an exception
+ * set (*status 0). */
+PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int *status) {
+    *status = 0;
     if (ring_check_open(r) < 0) return NULL;
     Reservation *rv = PyObject_New(Reservation, r->st->ReservationType);
     if (!rv) return NULL;
     rv->ring = NULL;
     rv->view = NULL;
     memset(&rv->eng, 0, sizeof rv->eng);
-    int st = eng_reserve(&r->eng, nbytes, codec, wait, &rv->eng);
+    int st = eng_reserve(&r->eng, nbytes, codec, lock_wait, &rv->eng);
     if (st != 0) {
         Py_DECREF(rv);
-        return is_status(st) ? PyLong_FromLong(st) : ring_error(r, st);
+        if (is_status(st)) *status = st;
+        else ring_error(r, st);
+        return NULL;
     }
     rv->ring = (Ring *)Py_NewRef((PyObject *)r);
     return (PyObject *)rv;
+}
+
+PyObject *Ring_reserve(Ring *r, PyObject *args) {
+    /* reserve(nbytes, codec, lock_wait) -> Reservation, or a negative status */
+    unsigned long long nbytes;
+    int codec, st;
+    double wait;
+    if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
+    PyObject *rv = reservation_new(r, nbytes, codec, wait, &st);
+    return rv || !st ? rv : PyLong_FromLong(st);
 }

@@ -470,6 +470,7 @@ static void Ring_dealloc(Ring *r) {
     Py_XDECREF(r->path);
     Py_XDECREF(r->owner);
     Py_XDECREF(r->put_slow);
+    Py_XDECREF(r->reserve_slow);
     PyTypeObject *tp = Py_TYPE((PyObject *)r);
     SHMQ_TP_FREE(tp)((PyObject *)r);
     Py_DECREF(tp);
@@ -490,7 +491,10 @@ static PyMethodDef Ring_methods[] = {
     {"put_api", (PyCFunction)(void (*)(void))Ring_put_api, METH_FASTCALL | METH_KEYWORDS,
      "put(data, block=True, timeout=None, codec=0) -> seq (see shmq.Spool.put)"},
     {"bind", (PyCFunction)Ring_bind, METH_VARARGS,
-     "bind(owner, put_slow, fast): put_slow(owner, data, block, timeout, codec) completes put_api"},
+     "bind(owner, put_slow, fast[, reserve_slow]): put_slow(owner, data, block, timeout, codec) completes "
+     "put_api, reserve_slow(owner, nbytes, codec, timeout) reserve_api"},
+    {"reserve_api", (PyCFunction)(void (*)(void))Ring_reserve_api, METH_FASTCALL | METH_KEYWORDS,
+     "reserve(nbytes, *, codec=0, timeout=None) -> Reservation (see shmq.Spool.reserve)"},
     {"first_cursor", (PyCFunction)Ring_first_cursor, METH_NOARGS, "(seq, pos) of the oldest frame"},
     {"reserve", (PyCFunction)Ring_reserve, METH_VARARGS, "reserve(nbytes, codec, lock_wait) -> Reservation or status"},
     {"locate", (PyCFunction)Ring_locate, METH_VARARGS, "locate(seq, hint_seq, hint_pos) -> position, -1 lost, -2 busy"},
