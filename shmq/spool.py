@@ -477,10 +477,14 @@ class Spool:
         valid only inside the block.
 
         Blocks like :meth:`put` for room (``on_full="block"``) or a stuck lock.
+        On a handle opened with ``sync=True`` the commit msyncs the frame before
+        publishing it and the header page after, as a put does.
 
         :raises shmq.TooLarge: ``nbytes`` can never fit.
         :raises shmq.Full: no room in time (or policy "error").
         :raises shmq.Timeout: the lock's live holder did not release it in time.
+        :raises OSError: at the commit, ``sync=True`` and an msync failed (of the
+            frame: nothing published; of the header page: published, not known durable).
         """
         # The uncontended reservation in C (handles of this class bind it
         # directly); the core hands anything else to type(self)._reserve_slow.

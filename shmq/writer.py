@@ -166,13 +166,13 @@ class Writer:
                            f"frame is {self.max_payload} bytes (capacity {self._ring.size})")
         timeout = check_block_timeout(True, timeout)
         deadline, lock_deadline = self._deadlines(timeout)
-        reserve = self._core.reserve
-        got = reserve(nbytes, codec, first_look(self._lock))  # the uncontended case: one core call
+        reserve, sync = self._core.reserve, self.sync
+        got = reserve(nbytes, codec, first_look(self._lock), sync)  # the uncontended case: one core call
         if type(got) is not int:
             return got
         first = got  # retry_stuck's first look, taken
         while True:
-            got = retry_stuck(lambda wait: reserve(nbytes, codec, wait), self._lock, lock_deadline,
+            got = retry_stuck(lambda wait: reserve(nbytes, codec, wait, sync), self._lock, lock_deadline,
                               _is_lock_stuck, lambda: self._lock_timeout(timeout, holder=False), first)
             first = _NOT_YET
             if type(got) is not int:

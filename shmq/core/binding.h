@@ -75,6 +75,7 @@ typedef struct {
     PyObject *owner;    /* weak reference to the Python handle whose slow path completes put_api */
     PyObject *put_slow; /* owner's slow path, a plain function: put_slow(owner, data, block, timeout, codec) */
     int fast_put;       /* 0: put_api always takes the slow path (sync=True) */
+    int sync;           /* the handle's sync=True: reserve_api's reservations msync at their commit */
     PyObject *reserve_slow; /* owner's reserve_slow(owner, nbytes, codec, timeout), completing reserve_api */
 } Ring;
 
@@ -182,7 +183,7 @@ void free_write_opts(WriteOpts *o);
 
 /* ---- reserve.c ---- */
 PyObject *Ring_reserve(Ring *r, PyObject *args);
-PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int *status);
+PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int sync, int *status);
 PyObject *Ring_reserve_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 extern PyType_Spec reservation_spec;
 

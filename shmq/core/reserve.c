@@ -24,8 +24,11 @@ static PyObject *Reservation_commit(Reservation *rv, PyObject *unused) {
     reservation_drop_view(rv);
     int64_t seq = eng_resv_commit(&rv->eng);
     if (seq < 0) {
-        PyErr_SetString(PyExc_ValueError, seq == SHMQ_ECLOSED ? "spool handle is closed" : shmq_errmsg());
-        return NULL;
+        if (seq == SHMQ_ECLOSED || seq == SHMQ_ESTATE) {
+            PyErr_SetString(PyExc_ValueError, seq == SHMQ_ECLOSED ? "spool handle is closed" : shmq_errmsg());
+            return NULL;
+        }
+        return ring_error(rv->ring, (int)seq); /* a sync reservation's msync: OSError */
     }
     return PyLong_FromLongLong(seq);
 }
@@ -117,10 +120,10 @@ PyType_Spec reservation_spec = {"shmq.Reservation", sizeof(Reservation), 0,
                                 reservation_slots};
 
 /* A Reservation of `nbytes` (the writer lock taken, waited for up to
- * lock_wait): the object, or NULL with *status the engine's status
- * (SHMQ_ELOCKED, SHMQ_EFULL, ...: nothing held), or NULL with an exception
- * set (*status 0). */
-PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int *status) {
+ * lock_wait; `sync`: its commit msyncs, see eng_resv): the object, or NULL
+ * with *status the engine's status (SHMQ_ELOCKED, SHMQ_EFULL, ...: nothing
+ * held), or NULL with an exception set (*status 0). */
+PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait, int sync, int *status) {
     *status = 0;
     if (ring_check_open(r) < 0) return NULL;
     Reservation *rv = PyObject_New(Reservation, r->st->ReservationType);
@@ -128,6 +131,7 @@ PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait,
     rv->ring = NULL;
     rv->view = NULL;
     memset(&rv->eng, 0, sizeof rv->eng);
+    rv->eng.sync = (uint8_t)(sync != 0);
     int st = eng_reserve(&r->eng, nbytes, codec, lock_wait, &rv->eng);
     if (st != 0) {
         Py_DECREF(rv);
@@ -140,11 +144,11 @@ PyObject *reservation_new(Ring *r, uint64_t nbytes, int codec, double lock_wait,
 }
 
 PyObject *Ring_reserve(Ring *r, PyObject *args) {
-    /* reserve(nbytes, codec, lock_wait) -> Reservation, or a negative status */
+    /* reserve(nbytes, codec, lock_wait, sync=False) -> Reservation, or a negative status */
     unsigned long long nbytes;
-    int codec, st;
+    int codec, st, sync = 0;
     double wait;
-    if (!PyArg_ParseTuple(args, "Kid", &nbytes, &codec, &wait)) return NULL;
-    PyObject *rv = reservation_new(r, nbytes, codec, wait, &st);
+    if (!PyArg_ParseTuple(args, "Kid|p", &nbytes, &codec, &wait, &sync)) return NULL;
+    PyObject *rv = reservation_new(r, nbytes, codec, wait, sync, &st);
     return rv || !st ? rv : PyLong_FromLong(st);
 }

@@ -208,7 +208,9 @@ typedef struct {
 typedef struct eng_resv {
     eng_ring *ring;
     uint64_t seq, off, nbytes, stored, end, start; /* start: NEXT_POS when placed (see unplace) */
-    int codec, open;
+    int codec;
+    uint8_t open;
+    uint8_t sync; /* set before eng_reserve: the commit msyncs the frame first and the header page after */
 } eng_resv;
 
 /* ---- a cursor: a reader's position ---- */
@@ -487,7 +489,7 @@ int trim_locked(eng_ring *r);
 
 /* ---- reserve.c (write.c) ---- */
 int reserve_locked(eng_ring *r, uint64_t nbytes, eng_resv *rv);
-void commit_reserved(eng_ring *r, const eng_resv *rv);
+int commit_reserved(eng_ring *r, const eng_resv *rv);
 int writer_reentry_slow(eng_ring *r, const char *what);
 /* 0, or SHMQ_ESTATE if this thread holds the writer lock already, through an
  * open reservation or a callout of this handle: `what` (a put, a reserve)

@@ -33,8 +33,9 @@ int reserve_locked(eng_ring *r, uint64_t nbytes, eng_resv *rv) {
 }
 
 /* Publish a reserved frame whose payload is written (writer lock held;
- * the caller releases it). */
-void commit_reserved(eng_ring *r, const eng_resv *rv) {
+ * the caller releases it): 0, or (rv->sync) the msync's error, nothing
+ * published. */
+int commit_reserved(eng_ring *r, const eng_resv *rv) {
     char *payload = r->ring + rv->off + SHMQ_FRAME_BYTES;
     uint64_t pad = rv->stored - SHMQ_FRAME_BYTES - rv->nbytes;
     if (pad) memset(payload + rv->nbytes, 0, (size_t)pad);
@@ -45,7 +46,12 @@ void commit_reserved(eng_ring *r, const eng_resv *rv) {
         h.flags = SHMQ_FLAG_CRC;
     }
     memcpy(r->ring + rv->off, &h, SHMQ_FRAME_BYTES);
+    if (rv->sync) { /* durable before published, as a sync put */
+        int st = eng_sync_ring(r, rv->start, rv->end);
+        if (st < 0) return st;
+    }
     commit_batch(r, rv->seq + 1, rv->end, 1, rv->nbytes, ts);
+    return 0;
 }
 
 /* Take the writer lock (up to lock_wait) and place one frame of `nbytes`
@@ -85,7 +91,10 @@ static void resv_unlock(eng_resv *rv) {
 }
 
 /* Publish the reserved frame and release the lock: its seq, or SHMQ_ESTATE
- * (not open) / SHMQ_ECLOSED (the handle is closed: nothing published). */
+ * (not open) / SHMQ_ECLOSED (the handle is closed: nothing published), or
+ * (rv->sync) an msync's error: of the frame, before the commit (abandoned:
+ * nothing published), or of the header page after it (published, not known
+ * durable). */
 int64_t eng_resv_commit(eng_resv *rv) {
     if (!rv->open) return eng_fail(SHMQ_ESTATE, "the reservation is closed (committed or abandoned)");
     eng_ring *r = rv->ring;
@@ -93,9 +102,16 @@ int64_t eng_resv_commit(eng_resv *rv) {
         rv->open = 0;
         return eng_fail(SHMQ_ECLOSED, "spool handle is closed");
     }
-    commit_reserved(r, rv);
+    int st = commit_reserved(r, rv);
+    if (st < 0) {
+        eng_resv_abandon(rv);
+        return st;
+    }
     resv_unlock(rv);
     ring_bell(r, r->rsem);
+    /* ... and the commit itself.  Failing, the frame is published but not
+     * known durable: the error says so, as a sync put's does. */
+    if (rv->sync && (st = eng_sync_header(r)) < 0) return st;
     return (int64_t)rv->seq;
 }
 
