@@ -280,6 +280,35 @@ def test_reserve_refuses_bad_arguments_as_the_slow_path_does(make_spool):
         sp.reserve(8)
 
 
+def test_threads_reserving_on_one_handle_each_commit_every_frame_once(make_spool):
+    # The fast path takes the writer lock in C for up to the first look; a thread that
+    # finds another's reservation open waits there or in the slow path's retries.
+    import threading
+
+    sp = make_spool(capacity="1MiB")
+    r = sp.reader("all")
+    per, errors = 500, []
+
+    def produce(t):
+        try:
+            for k in range(per):
+                with sp.reserve(8, timeout=bound(10)) as buf:
+                    buf[:] = bytes([t]) + k.to_bytes(7, "little")
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(bound(60))
+    assert not errors and not any(t.is_alive() for t in threads)
+    seen = {t: [] for t in range(4)}
+    for f in r.get_many(4 * per + 1, timeout=1):
+        seen[f.data[0]].append(int.from_bytes(f.data[1:], "little"))
+    assert all(ks == list(range(per)) for ks in seen.values())
+
+
 def test_a_subclass_that_overrides_reserve_keeps_its_override(spool_path):
     class Counting(shmq.Spool):
         calls = 0

@@ -4,7 +4,7 @@
   WorkQueue handle per process and move every item exactly once;
 * many threads block on one handle at once and all wake;
 * a SIGINT storm (a handler raising KeyboardInterrupt every ~0.3 ms) against
-  put/get/put_many/get_many never leaves a shared lock held;
+  put/reserve/get/put_many/get_many never leaves a shared lock held;
 * SIGALRM every 5 ms keeps blocking timeouts;
 * a SIGSTOPped writer-lock holder makes other processes time out, not hang.
 
@@ -224,12 +224,15 @@ BIG_RECOVERY_S = 60.0  # a wedged lock shows as a timeout, never as a silent rec
 
 
 def _storm_step(i, end, sp, named, group, queue):
-    """One put/get/put_many/get_many (True: time is up)."""
+    """One put/reserve/get/put_many/get_many (True: time is up)."""
     if time.monotonic() >= end:
         return True
     k = i % 8
     try:
-        if k == 0:
+        if k == 0 and i % 16:
+            with sp.reserve(12) as buf:  # interrupted inside: abandoned; before the block: dropped
+                buf[:] = b"r%011d" % i
+        elif k == 0:
             sp.put(b"p%d" % i)
         elif k == 1:
             sp.put_many([b"m%d" % i, b"n%d" % i, b"o%d" % i])
