@@ -270,46 +270,53 @@ _ZEROS = memoryview(bytes(8))
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker: continuation, length 0
 
 
-#: Recent schemas whose types shmq never writes itself (nested, dictionary, variable-width,
-#: bit-packed, or more columns than a put has segments): put_arrow skips the buffer check
-#: (about 3 us for 10 columns) for their batches.
-_NOT_PLAIN: list[Any] = []
+#: Recent schemas and the byte width of each of their columns, or None when shmq never
+#: writes their batches itself (nested, dictionary, variable-width or bit-packed columns,
+#: or more than a put has segments for): looking at a schema's types costs about 1.3 us
+#: a column, so it is done once.
+_SCHEMA_WIDTHS: list[tuple[Any, tuple[int, ...] | None]] = []
+
+
+def _widths(pa: Any, schema: Any) -> tuple[int, ...] | None:
+    """The byte width of each column of ``schema`` if all are plain, else None (remembered)."""
+    for s, widths in _SCHEMA_WIDTHS:
+        if s is schema or s.equals(schema):
+            return widths
+    types = [field.type for field in schema]
+    plain = 2 * len(types) + 2 <= _core.MAX_SEGMENTS and all(  # messages, buffers and pads, end marker
+        not t.num_fields and not pa.types.is_dictionary(t) and pa.types.is_primitive(t) and not t.bit_width % 8
+        for t in types)
+    found = tuple(t.bit_width // 8 for t in types) if plain else None
+    if len(_SCHEMA_WIDTHS) >= _LAYOUTS_MAX:
+        del _SCHEMA_WIDTHS[0]
+    _SCHEMA_WIDTHS.append((schema, found))
+    return found
 
 
 def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> list[Any] | None:
     """The data buffers of a single batch of plain columns, in stream order; None when the
     data is not that (pyarrow's writer writes the stream)."""
-    if len(batches) != 1 or any(s is schema or s.equals(schema) for s in _NOT_PLAIN):
+    if len(batches) != 1:
+        return None
+    widths = _widths(pa, schema)
+    if widths is None:
         return None
     batch = batches[0]
     rows = batch.num_rows
+    if rows == 0:
+        return None
     try:
         bufs = batch.to_struct_array().buffers()  # [struct validity, (validity, data) per column]
     except (AttributeError, pa.ArrowException):  # an older pyarrow, a type without one
         return None
-    if rows == 0 or bufs[0] is not None:
-        return None
-    if len(bufs) != 1 + 2 * batch.num_columns or 2 * batch.num_columns + 2 > _core.MAX_SEGMENTS:
-        _not_plain(schema)  # messages, buffers and pads, end marker
+    if bufs[0] is not None or len(bufs) != 1 + 2 * len(widths):
         return None
     data = bufs[2::2]
-    for field, validity, buf in zip(batch.schema, bufs[1::2], data):
-        t = field.type
-        if t.num_fields or pa.types.is_dictionary(t) or not pa.types.is_primitive(t) or t.bit_width % 8:
-            _not_plain(schema)
-            return None
-        if validity is not None or buf is None:
-            return None
-        if buf.size != rows * (t.bit_width // 8):  # larger: a slice, or spare room (offset 0 iff equal)
+    for width, validity, buf in zip(widths, bufs[1::2], data):
+        # no nulls; a larger buffer is a slice or has spare room (offset 0 iff equal)
+        if validity is not None or buf is None or buf.size != rows * width:
             return None
     return data
-
-
-def _not_plain(schema: Any) -> None:
-    """Remember that ``schema``'s types are never plain (the oldest of a few forgotten)."""
-    if len(_NOT_PLAIN) >= _LAYOUTS_MAX:
-        del _NOT_PLAIN[0]
-    _NOT_PLAIN.append(schema)
 
 
 def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None] | None:

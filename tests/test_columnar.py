@@ -422,7 +422,7 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     pa = pytest.importorskip("pyarrow")
     from shmq import columnar
     monkeypatch.setattr(columnar, "_LAYOUTS", [])
-    monkeypatch.setattr(columnar, "_NOT_PLAIN", [])
+    monkeypatch.setattr(columnar, "_SCHEMA_WIDTHS", [])
     sp = make_spool(capacity="8MiB")
 
     rng = np.random.default_rng(5)
@@ -465,10 +465,13 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     assert all(by_pyarrow[9:9 + len(not_plain)])
     assert by_pyarrow[9 + len(not_plain):11 + len(not_plain)] == [False, False]
     assert all(by_pyarrow[11 + len(not_plain):])
-    # schemas whose types are never plain are remembered, and their batches not looked into
-    never = [wide[2].schema, not_plain[3].schema, not_plain[4].schema]
-    assert [s for s in never if any(s.equals(n) for n in columnar._NOT_PLAIN)] == never
-    assert not any(d.schema.equals(n) for d in [*odd, not_plain[2]] for n in columnar._NOT_PLAIN)
+    # each schema's verdict is remembered: the widths of its columns, or None (never
+    # plain), and a batch of a never-plain schema is not looked into
+    def remembered(schema):
+        return next(w for s, w in columnar._SCHEMA_WIDTHS if s.equals(schema))
+    assert [remembered(d.schema) for d in (wide[2], not_plain[3], not_plain[4])] == [None] * 3
+    assert remembered(odd[0].schema) == (1, 2, 4, 4, 8, 4, 8, 8, 2)
+    assert remembered(not_plain[2].schema) == (8,)  # int64 with nulls: plain types, this batch not
     assert columnar._plain_buffers(pa, not_plain[4].schema, [object()]) is None
 
 
