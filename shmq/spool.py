@@ -476,9 +476,8 @@ class Spool:
         the same thread inside it (that raises RuntimeError).  The buffer is
         valid only inside the block.
 
-        Blocks like :meth:`put` for room (``on_full="block"``) or a stuck lock.
-        On a handle opened with ``sync=True`` the commit msyncs the frame before
-        publishing it and the header page after, as a put does.
+        Blocks like :meth:`put` for room (``on_full="block"``) or a stuck lock; with
+        ``sync=True`` the commit msyncs the frame, then the header page, as a put does.
 
         :raises shmq.TooLarge: ``nbytes`` can never fit.
         :raises shmq.Full: no room in time (or policy "error").
@@ -486,17 +485,12 @@ class Spool:
         :raises OSError: at the commit, ``sync=True`` and an msync failed (of the
             frame: nothing published; of the header page: published, not known durable).
         """
-        # The uncontended reservation in C (handles of this class bind it
-        # directly); the core hands anything else to type(self)._reserve_slow.
+        # Bound per handle to the core (as put is), which hands waits to _reserve_slow.
         return self.core.reserve_api(nbytes, codec=codec, timeout=timeout)
 
     def _reserve_slow(self, nbytes: int, codec: int, timeout: float | None) -> Reservation:
         """Everything the core's reserve could not finish: validation, waits, recovery."""
         self.check_open()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-            raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be non-negative, not {nbytes}")
         return self.writer.reserve(nbytes, codec, timeout)
 
     def put_array(self, arr: NDArray[Any], *, block: bool = True, timeout: float | None = None) -> int:

@@ -157,10 +157,16 @@ class Writer:
     def reserve(self, nbytes, codec, timeout):
         """An open :class:`shmq._core.Reservation` of ``nbytes`` (see :meth:`shmq.Spool.reserve`).
 
+        :raises TypeError: ``nbytes`` is not an int.
+        :raises ValueError: ``nbytes`` is negative.
         :raises shmq.TooLarge: ``nbytes`` can never fit.
         :raises shmq.Full: no room in time (or policy "error").
         :raises shmq.Timeout: the lock's live holder did not release it in time.
         """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, not {nbytes}")
         if nbytes > self.max_payload:
             raise TooLarge(f"frame of {nbytes} bytes can never fit: this spool's largest "
                            f"frame is {self.max_payload} bytes (capacity {self._ring.size})")
