@@ -347,9 +347,14 @@ def unregister_spool(prefix: str) -> None:
         pass
 
 
-#: A spool is created under a temporary name this many bytes longer than its own
-#: (".NAME.<12 hex digits>.creating"), then linked to its name.
-CREATING_EXTRA_BYTES = 1 + 1 + 12 + len(".creating")
+def creating_name(name: str, tag: str) -> str:
+    """The temporary name a spool ``name`` is created under before it is linked to
+    its name; ``tag`` is 12 random hex digits."""
+    return f".{name}.{tag}.creating"
+
+
+#: How many bytes longer than its own name the temporary name is.
+CREATING_EXTRA_BYTES = len(creating_name("", "0" * 12))
 
 
 def check_name_length(path: str, beside: str = "") -> None:
@@ -391,7 +396,7 @@ def create_file(path: str, *, ring_bytes: int, policy: str, mode: int, slots: in
     if not os.path.isdir(parent):
         raise FileNotFoundError(errno.ENOENT, "no such directory for the spool", parent)
     check_name_length(path)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.urandom(6).hex()}.creating")
+    tmp = os.path.join(parent, creating_name(os.path.basename(path), os.urandom(6).hex()))
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     prefix = sem_prefix_of(os.fstat(fd))
     # Our semaphores with this prefix can only be debris of a spool removed

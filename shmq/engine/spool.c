@@ -265,6 +265,10 @@ static void unregister_spool(const char *prefix) {
 
 /* ---- create ---- */
 
+/* The temporary name a spool NAME is created under, then linked to NAME: TAG
+ * is 12 random hex digits (string literals or printf conversions). */
+#define CREATING_NAME(name, tag) "." name "." tag ".creating"
+
 /* Create a spool file at `path` (resolved), fully initialized, appearing only
  * once complete (link), its semaphores created exclusively with its mode.
  * 0, -EEXIST (something is there), or a code. */
@@ -291,7 +295,7 @@ int eng_create_file(const char *path, uint64_t ring_bytes, uint64_t start_bytes,
     /* Created as ".NAME.<12 hex>.creating", then linked to NAME: NAME must leave room. */
     long name_max = pathconf(pdir, _PC_NAME_MAX);
     if (name_max <= 0) name_max = 255;
-    size_t extra = 1 + 1 + 12 + strlen(".creating");
+    size_t extra = strlen(CREATING_NAME("", "")) + 12; /* the tag's 12 hex digits */
     if (strlen(pbase) + extra > (size_t)name_max)
         return eng_fail(-ENAMETOOLONG, "%s: spool file name too long: %zu bytes, at most %ld (a spool is created "
                         "under a temporary name %zu bytes longer)", path, strlen(pbase), name_max - (long)extra, extra);
@@ -302,8 +306,9 @@ int eng_create_file(const char *path, uint64_t ring_bytes, uint64_t start_bytes,
         return eng_fail(-EIO, "/dev/urandom: cannot read");
     }
     close(ufd);
-    snprintf(tmp, sizeof tmp, "%s/.%s.%02x%02x%02x%02x%02x%02x.creating", pdir, pbase, rnd[0], rnd[1], rnd[2], rnd[3],
-             rnd[4], rnd[5]);
+    char tag[13];
+    snprintf(tag, sizeof tag, "%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5]);
+    snprintf(tmp, sizeof tmp, "%s/" CREATING_NAME("%s", "%s"), pdir, pbase, tag);
     int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return eng_fail(-errno, "%s: %s", tmp, strerror(errno));
     struct stat st;
