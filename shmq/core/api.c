@@ -168,7 +168,6 @@ PyObject *Ring_bind(Ring *r, PyObject *args) {
     if (bind_slow(&r->owner, &r->put_slow, owner, slow) < 0) return NULL;
     if (rslow && bind_slow(&r->owner, &r->reserve_slow, owner, rslow) < 0) return NULL;
     r->fast_put = fast;
-    r->sync = !fast;
     Py_RETURN_NONE;
 }
 
@@ -200,7 +199,7 @@ PyObject *Ring_reserve_api(Ring *r, PyObject *const *args, Py_ssize_t nargs, PyO
         long codec = a[1] ? PyLong_AsLong(a[1]) : 0;
         if (PyErr_Occurred()) return NULL;
         if (!overflow && n >= 0 && codec >= INT_MIN && codec <= INT_MAX) {
-            PyObject *rv = reservation_new(r, (uint64_t)n, (int)codec, lock_wait, r->sync, &status);
+            PyObject *rv = reservation_new(r, (uint64_t)n, (int)codec, lock_wait, !r->fast_put, &status);
             if (rv || !status) return rv;
         }
     }

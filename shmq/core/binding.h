@@ -74,8 +74,8 @@ typedef struct {
     PyObject *path;
     PyObject *owner;    /* weak reference to the Python handle whose slow path completes put_api */
     PyObject *put_slow; /* owner's slow path, a plain function: put_slow(owner, data, block, timeout, codec) */
-    int fast_put;       /* 0: put_api always takes the slow path (sync=True) */
-    int sync;           /* the handle's sync=True: reserve_api's reservations msync at their commit */
+    int fast_put;       /* 0: the handle's sync=True: put_api always takes the slow path, reserve_api's
+                         * reservations msync at their commit */
     PyObject *reserve_slow; /* owner's reserve_slow(owner, nbytes, codec, timeout), completing reserve_api */
 } Ring;
 
