@@ -16,6 +16,8 @@
  *                                          file, a name too long, a frame too large, an empty read, a
  *                                          buffer too small, a policy "error" spool full,
  *                                          a second reservation, a put inside one
+ *   driver sync SPOOL ON                  shmq_set_sync(ON), then a put, a put_many of two
+ *                                          and a committed reservation ("s0" .. "s3")
  *   driver threads SPOOL WRITERS READERS PER
  *                                          WRITERS threads put PER frames each, READERS
  *                                          threads share one named reader: no loss, no
@@ -110,6 +112,23 @@ static int put(const char *path, long long count, double timeout) {
         if (first < 0) first = seq;
     }
     printf("first=%lld last=%lld\n", (long long)first, (long long)seq);
+    shmq_close(sp);
+    return 0;
+}
+
+static int sync_writes(const char *path, int on) {
+    shmq_spool *sp = open_or_die(path);
+    int rc = shmq_set_sync(sp, on);
+    if (rc < 0) return fail("set_sync", rc);
+    int64_t seq = shmq_put(sp, "s0", 2, SHMQ_CODEC_RAW, SHMQ_FOREVER);
+    if (seq < 0) return fail("put", (int)seq);
+    shmq_iovec two[2] = {{"s1", 2}, {"s2", 2}};
+    if ((seq = shmq_put_many(sp, two, 2, SHMQ_CODEC_RAW, SHMQ_FOREVER)) < 0) return fail("put_many", (int)seq);
+    shmq_reservation rv;
+    if ((rc = shmq_reserve(sp, 2, SHMQ_CODEC_RAW, SHMQ_FOREVER, &rv)) < 0) return fail("reserve", rc);
+    memcpy(rv.data, "s3", 2);
+    if ((seq = shmq_commit(&rv)) < 0) return fail("commit", (int)seq);
+    printf("last=%lld\n", (long long)seq);
     shmq_close(sp);
     return 0;
 }
@@ -289,6 +308,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "put") && argc == 5) return put(path, atoll(argv[3]), atof(argv[4]));
     if (!strcmp(cmd, "group") && argc == 5) return group(path, argv[3], strtoull(argv[4], NULL, 10));
     if (!strcmp(cmd, "errors") && argc == 3) return errors(path);
+    if (!strcmp(cmd, "sync") && argc == 4) return sync_writes(path, atoi(argv[3]));
     if (!strcmp(cmd, "threads") && argc == 6) return threads(path, atoi(argv[3]), atoi(argv[4]), atoll(argv[5]));
     fprintf(stderr, "usage: see tests/capi_driver.c\n");
     return 2;

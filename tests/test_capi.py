@@ -11,8 +11,8 @@ and Python members of one group sharing a stream; many threads of one C
 process putting and getting on one handle with no loss or duplicate; a C
 handle holding the handle lock (shmq.anonymous's orphan check) until its
 process dies, and a C open waiting out a removal in progress; the examples
-in examples/c (a spool shmq_create made carries the handle-lock flag); the
-failure codes.
+in examples/c (a spool shmq_create made carries the handle-lock flag);
+shmq_set_sync's msyncs; the failure codes.
 
 The C side is tests/capi_driver.c and examples/c/*.c, compiled here with
 the engine's sources.  Skipped where there is no C compiler.
@@ -379,6 +379,28 @@ def test_many_threads_of_one_c_process_put_and_get_on_one_handle(programs, spool
     assert got == {"frames": "80000", "taken": "80000", "missing": "0", "dup": "0", "disorder": "0",
                    "lost": "0"}
     assert verify(path).ok
+
+
+@pytest.mark.parametrize("on", [1, 0])
+def test_a_c_handle_set_to_sync_msyncs_each_write_as_pythons_does(programs, spool_dir, on):
+    """shmq_set_sync(sp, 1) is Spool.open(sync=True): a put, a put_many and a
+    committed reservation each msync their frames before the commit and the header
+    page after (counted from outside, with strace); off, none does."""
+    strace = shutil.which("strace")
+    if not strace:
+        pytest.skip("no strace")
+    path = os.path.join(spool_dir, "durable")
+    shmq.Spool.create(path, capacity=8192).close()
+    log = os.path.join(spool_dir, "strace.log")
+    out = _run(strace, "-f", "-e", "trace=msync", "-o", log, programs["driver"], "sync", path, on)
+    with open(log) as f:
+        calls = [ln for ln in f if "msync(" in ln]
+    os.unlink(log)
+    assert _fields(out) == {"last": "3"}
+    assert len(calls) == (6 if on else 0), calls
+    with shmq.Spool.open(path) as sp:
+        assert [bytes(f.data) for f in sp.reader().get_many(10)] == [b"s0", b"s1", b"s2", b"s3"]
+    shmq.Spool.destroy(path)
 
 
 def test_the_c_apis_failures_are_codes(programs, spool_dir):

@@ -21,6 +21,7 @@ struct shmq_spool {
     size_t map_len;
     int fd;
     char prefix[16];
+    atomic_int sync;         /* shmq_set_sync: writes msync their frames before the commit, the header after */
     pthread_mutex_t mu;      /* the readers list and the slots' attachment counts */
     uint32_t *slot_refs;     /* this handle's attachments of each slot (OFD locks are per handle) */
     struct shmq_reader *readers;
@@ -28,6 +29,8 @@ struct shmq_spool {
 
 _Static_assert(sizeof(eng_resv) <= sizeof(((shmq_reservation *)0)->priv_), "a reservation holds an eng_resv");
 static eng_resv *resv_of(shmq_reservation *rv) { return (eng_resv *)(void *)rv->priv_; }
+
+static int sync_of(shmq_spool *sp) { return atomic_load_explicit(&sp->sync, memory_order_relaxed); }
 
 static double mono_s(void) { return (double)mono_ns() / 1e9; }
 
@@ -289,7 +292,8 @@ static int64_t write_items(shmq_spool *sp, eng_item *items, size_t count, int co
             double left = lock_deadline - mono_s();
             if (left < wait) wait = left > 0 ? left : 0;
         }
-        int64_t st = eng_write(r, items, count, codec, -1, wait, timeout != 0, NULL);
+        eng_wopts o = {.sync = 1};
+        int64_t st = eng_write(r, items, count, codec, -1, wait, timeout != 0, sync_of(sp) ? &o : NULL);
         if (st >= 0) return st;
         int rc = after_status(sp, (int)st, deadline, lock_deadline, &period);
         if (rc < 0) return rc;
@@ -326,6 +330,7 @@ int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, shmq_
     memset(rv, 0, sizeof *rv);
     if (!r->base) return eng_fail(SHMQ_ECLOSED, "spool handle is closed");
     eng_resv *e = resv_of(rv);
+    e->sync = (uint8_t)sync_of(sp);
     double deadline, lock_deadline, period = first_wait(r);
     deadlines(r, timeout, &deadline, &lock_deadline);
     for (;;) {
@@ -349,6 +354,13 @@ int64_t shmq_commit(shmq_reservation *rv) {
 int shmq_abandon(shmq_reservation *rv) {
     eng_clear_error();
     eng_resv_abandon(resv_of(rv));
+    return 0;
+}
+
+int shmq_set_sync(shmq_spool *sp, int on) {
+    eng_clear_error();
+    if (!sp->ring.base) return eng_fail(SHMQ_ECLOSED, "spool handle is closed");
+    atomic_store_explicit(&sp->sync, on != 0, memory_order_relaxed); /* a setting, read at each write */
     return 0;
 }
 

@@ -128,6 +128,14 @@ typedef struct {
 SHMQ_API int shmq_reserve(shmq_spool *sp, size_t nbytes, int codec, double timeout, shmq_reservation *rv);
 SHMQ_API int64_t shmq_commit(shmq_reservation *rv);
 SHMQ_API int shmq_abandon(shmq_reservation *rv);
+/* Durable writes (Python's Spool.open(sync=True)), on (1) or off (0, the
+ * default) for this handle's later puts, put_manys and reservations: each
+ * msyncs its frames before the commit (a failure publishes nothing and
+ * returns the -errno) and the header page after it (a failure returns the
+ * -errno of a frame that is published but not known durable).  For spools on
+ * a disk's file system; on /dev/shm an msync only costs time.  0, or
+ * SHMQ_ECLOSED. */
+SHMQ_API int shmq_set_sync(shmq_spool *sp, int on);
 /* Give back a drained growable spool's memory now (Spool.trim): 0, or
  * SHMQ_ELOCKED if the writer lock stayed busy for `timeout` seconds.  A fixed
  * spool releases nothing. */
