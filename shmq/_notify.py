@@ -300,7 +300,7 @@ class Doorbell:
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin = max(self.spin, spin)
-        spin_until = now + spin
+        spin_until = now + spin if deadline is None else min(now + spin, deadline)
         while spin > 0:  # a look after every yield, the last one too (the writer may have run)
             _core.yield_cpu()
             if ready():

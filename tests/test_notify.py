@@ -191,6 +191,19 @@ def test_the_spin_before_parking_yields_the_cpu_between_looks(make_spool, monkey
     assert sp.data_bell.sem.value == 0  # never registered: it did not park
 
 
+def test_the_spin_never_outlasts_the_timeout(make_spool, monkeypatch):
+    """A waiter whose spin is longer than its timeout (a zero-copy reader's spin grows
+    with its last frame) gives up when the timeout is spent, not when the spin is."""
+    import time
+
+    sp = make_spool(capacity="256KiB")
+    looks = []
+    t0 = time.monotonic()
+    assert not sp.data_bell.wait(lambda: looks.append(1), 0.05, spin=60.0)
+    assert time.monotonic() - t0 < 30  # the whole spin would take 60 s
+    assert len(looks) >= 2  # it did spin, and looked once more at the end
+
+
 def test_the_spin_looks_after_its_last_yield(make_spool, monkeypatch):
     """A spin that runs out during a yield looks once more before it parks: the process
     it yielded to may have written the frame (a pipelining caller's reply is there after

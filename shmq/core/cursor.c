@@ -239,7 +239,7 @@ static int park_take(void *ctx) {
  * another thread ends it with ValueError. */
 PyObject *wait_take(Cursor *c, PyObject *(*take)(Cursor *), PyObject *nothing, uint64_t deadline, PyObject *timeout) {
     eng_cursor *e = &c->eng;
-    if (eng_spin_for_frame(e)) {
+    if (eng_spin_for_frame(e, deadline)) {
         PyObject *got = take(c);
         if (got != nothing) return got;
         Py_DECREF(got);

@@ -598,9 +598,10 @@ int shmq_take(shmq_reader *rd, void *buf, size_t cap, shmq_frame *frames, size_t
     if (got != 0) return take_result(&k, got);
     if (timeout == 0) return eng_fail(SHMQ_EEMPTY, "no frame available");
     /* Nothing now: spin a moment, publish what a waiting reader shows the world, park. */
-    if (eng_spin_for_frame(c) && (got = take_recovering(rd, &k, lock_deadline)) != 0) return take_result(&k, got);
-    if (c->slot >= 0 && (c->n || c->lost_pending)) eng_cursor_flush(c, first_wait(c->ring));
     uint64_t deadline = timeout < 0 ? 0 : mono_ns() + (uint64_t)(timeout * 1e9) + 1;
+    if (eng_spin_for_frame(c, deadline) && (got = take_recovering(rd, &k, lock_deadline)) != 0)
+        return take_result(&k, got);
+    if (c->slot >= 0 && (c->n || c->lost_pending)) eng_cursor_flush(c, first_wait(c->ring));
     ParkCtx p = {rd, &k, lock_deadline};
     rc = eng_park(c, park_take, &p, deadline);
     if (rc == 1) return (int)k.n;

@@ -272,7 +272,8 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
  * that parks between them pays a wake-up per frame (and, at a fixed ring's
  * early wrap, per lap).  So a reader spins at most about as long as its own
  * copy of the frame took; a spin longer than CAUGHT_UP_SPIN_NS drops the
- * caller's lock (the GIL: the process's other threads run meanwhile).  1 if
+ * caller's lock (the GIL: the process's other threads run meanwhile), and
+ * none outlasts `deadline` (a mono_ns() value; 0: none).  1 if
  * a frame is there now. */
 #define CAUGHT_UP_SPIN_NS 2000ull
 #define SPIN_COPY_BYTES_PER_NS 16ull
@@ -282,9 +283,14 @@ uint64_t eng_spin_ns(uint64_t last_len) {
     return limit > SPIN_MAX_NS ? SPIN_MAX_NS : limit;
 }
 
-int eng_spin_for_frame(eng_cursor *c) {
+int eng_spin_for_frame(eng_cursor *c, uint64_t deadline) {
     eng_ring *r = c->ring;
     uint64_t limit = eng_spin_ns(ld_rlx(&c->last_len)), t0 = 0;
+    if (deadline) { /* a timeout bounds the spin too */
+        uint64_t now = mono_ns();
+        uint64_t left = deadline > now ? deadline - now : 0;
+        if (left < limit) limit = left;
+    }
     if (eng_cursor_check(c) < 0) return 0;
     int unlocked = limit > CAUGHT_UP_SPIN_NS, got = 0, group = c->kind == K_GROUP;
     uint64_t seq = 0;
