@@ -376,8 +376,9 @@ def test_a_caught_up_readers_spin_grows_with_its_last_frame_up_to_a_cap():
     # One rule for the engine's takes and Python's zero-copy reads (reader.py).
     spin = _core.spin_for_frame
     assert spin(0) == pytest.approx(2e-6)
-    assert spin(0) < spin(64 << 10) < spin(1 << 20) < spin(4 << 20) == pytest.approx(200e-6)
-    assert spin(1 << 62) == pytest.approx(200e-6)
+    assert spin(0) < spin(64 << 10) < spin(1 << 20) < spin(5 << 20) < spin(16 << 20) == pytest.approx(1e-3)
+    assert spin(5 << 20) == pytest.approx(2e-6 + (5 << 20) / 16e9)  # a 5 MiB frame's: not capped
+    assert spin(1 << 62) == pytest.approx(1e-3)
     with pytest.raises(OverflowError):
         spin(-1)
 
