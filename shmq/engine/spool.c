@@ -292,7 +292,7 @@ int eng_create_file(const char *path, uint64_t ring_bytes, uint64_t start_bytes,
     snprintf(parent, sizeof parent, "%s", path);
     snprintf(base, sizeof base, "%s", path);
     const char *pdir = dirname(parent), *pbase = basename(base);
-    /* Created as ".NAME.<12 hex>.creating", then linked to NAME: NAME must leave room. */
+    /* Created under CREATING_NAME, then linked to NAME: NAME must leave room. */
     long name_max = pathconf(pdir, _PC_NAME_MAX);
     if (name_max <= 0) name_max = 255;
     size_t extra = strlen(CREATING_NAME("", "")) + 12; /* the tag's 12 hex digits */
