@@ -126,17 +126,23 @@ class Writer:
         deadline, lock_deadline = self._deadlines(timeout)
         put_many = self._core.put_many
         if before_commit is None and timestamps is None and not self.sync:
+            first = put_many(views, codec, backlog, first_look(self._lock))  # uncontended: one core call
+            if first >= 0:
+                return first
+
             def put(wait):
                 return put_many(views, codec, backlog, wait)
         else:  # the core parses its options only when given
             sync = self.sync
+            first = _NOT_YET
 
             def put(wait):
                 return put_many(views, codec, backlog, wait, before_commit=before_commit,
                                 timestamps=timestamps, sync=sync)
         while True:
             st = retry_stuck(put, self._lock, lock_deadline, _is_lock_stuck,
-                             lambda: self._lock_timeout(timeout))
+                             lambda: self._lock_timeout(timeout), first)
+            first = _NOT_YET
             if st >= 0:
                 return st
             if st == _TOO_LARGE:
