@@ -282,8 +282,8 @@ class Doorbell:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
-        ``spin`` seconds (the argument, if longer than the attribute),
-        yielding the CPU to other runnable processes between looks, with a
+        ``spin`` seconds (the argument, if longer than the attribute; never
+        past the timeout), yielding the CPU to other runnable processes between looks, with a
         look after the last yield too (the GIL stays held; a
         frame caught here never registers a waiter), then sleeps on the
         futex word with the GIL released.  A waiter still waiting

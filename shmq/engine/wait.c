@@ -274,12 +274,10 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget, uint64_t stall) {
  * copy of the frame took; a spin longer than CAUGHT_UP_SPIN_NS drops the
  * caller's lock (the GIL: the process's other threads run meanwhile), and
  * none outlasts `deadline` (a mono_ns() value; 0: none).  The cap covers
- * frames up to 16 MiB: the early wrap waits for the consumers to have taken
- * the frame just written (hot_place), so with a cap of 200 us a stream of
- * 5 MiB frames parked its reader and kept the writer waiting for its wake-up
- * at every wrap (a put_arrow of 5 MiB with a zero-copy reader: 0.93x the
- * time a frame, the median of 12 interleaved pairs).  1 if a frame is there
- * now. */
+ * frames up to 16 MiB: a fixed ring's early wrap waits for the consumers to
+ * have taken the frame just written (hot_place), and a 5 MiB frame's rule is
+ * 329 us; a reader that parked before the writer's next frame would keep the
+ * writer waiting for its wake-up at every wrap.  1 if a frame is there now. */
 #define CAUGHT_UP_SPIN_NS 2000ull
 #define SPIN_COPY_BYTES_PER_NS 16ull
 #define SPIN_MAX_NS 1000000ull
