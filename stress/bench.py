@@ -4,7 +4,8 @@
 Each scenario runs every contender in fresh producer/consumer processes
 (fork); repeats are interleaved (A, B, C, A, B, C, ...) so the drift of this
 shared machine hits every contender alike.  Reported: medians of the
-repeats and ratios against each peer measured in the same run, the
+repeats and ratios against each peer measured in the same run (each the
+median of the rounds' ratios: bench_targets.speed_ratio), the
 wake-up latency, syscalls, memory and ``import shmq`` time, then the
 targets (the speed targets first) with where each stands.
 
@@ -54,7 +55,7 @@ from bench_contenders import (
 )
 from bench_extras import run_idle_and_memory, run_import, run_latency, run_syscalls
 from bench_peers import Iceoryx2, PosixMQ, PyZmq, versions
-from bench_targets import measured, print_targets, targets
+from bench_targets import measured, print_targets, speed_ratio, targets
 
 #: Items per scenario are its full-mode count divided by this; the floor keeps
 #: every process busy for more than its start-up.
@@ -286,7 +287,7 @@ def print_row(name, row, out):
         if not measured(r):
             print(f"  {c:<22} {r['status']}", file=out, flush=True)
             continue
-        ratios = "  ".join(f"{r['items_per_s'] / o['items_per_s']:6.2f}x {oc}"
+        ratios = "  ".join(f"{speed_ratio(r, o):6.2f}x {oc}"
                            for oc, o in row.items() if oc != c and measured(o))
         v = r["items_per_s"]
         speed = f"{v / 1e6:8.3f} M/s" if v >= 1e5 else f"{v / 1e3:8.2f} k/s"

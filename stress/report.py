@@ -17,13 +17,11 @@ import os
 import re
 import sys
 
+from bench_targets import measured, speed_ratio
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Ratio columns of the throughput table, each shown only if the run has that peer.
 PEERS = ("mp.Queue", "faster-fifo", "ring", "pyzmq", "posix-mq", "iceoryx2")
-
-
-def measured(r):
-    return bool(r) and "items_per_s" in r
 
 
 def fmt_rate(r):
@@ -61,7 +59,7 @@ def throughput_table(results, scenarios=None, contenders=None):
                 if not measured(r) or other is None or other == c or c.startswith(peer):
                     cells.append("")
                 else:
-                    cells.append(f"{r['items_per_s'] / row[other]['items_per_s']:.2f}x")
+                    cells.append(f"{speed_ratio(r, row[other]):.2f}x")
             lines.append(f"| {scen} | {c} | {fmt_rate(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,7 +111,7 @@ def readme_line(data):
     for peer in ("mp.Queue", "faster-fifo", "ring", "pyzmq", "posix-mq"):
         if measured(row.get(peer)):
             v = row[peer]["items_per_s"]
-            parts.append(f"{peer}: {v / 1e6:.2f} M/s (shmq {sp / v:.2f}x)")
+            parts.append(f"{peer}: {v / 1e6:.2f} M/s (shmq {speed_ratio(row['spool'], row[peer]):.2f}x)")
     return "; ".join(parts) + f". Machine: {machine_line(data)}."
 
 

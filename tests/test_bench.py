@@ -83,6 +83,25 @@ def test_shmq_and_the_stdlib_always_run(smoke_run):
         assert reserve["status"] == "n/a (no reserve API)"
 
 
+def test_ratios_pair_each_round_of_the_interleaved_runs(bench_module):
+    """A ratio is the median of the rounds' ratios: the phases of a shared machine
+    that slow every contender of some rounds do not enter it, as they would enter
+    the ratio of the medians (here 6x, where each round says 2x but one)."""
+    from bench_targets import ratio, speed_ratio
+
+    def entry(runs):
+        return {"items_per_s": 100 / sorted(runs)[len(runs) // 2], "runs_s": runs, "items": 100}
+
+    fast, slow = entry([1.0, 1.0, 1.0, 3.0, 3.0]), entry([2.0, 2.0, 6.0, 6.0, 6.0])
+    assert speed_ratio(fast, slow) == 2.0
+    assert fast["items_per_s"] / slow["items_per_s"] == 6.0
+    assert ratio({"row": {"a": fast, "b": slow}}, "row", "a", "b") == 2.0
+    assert ratio({"row": {"a": fast, "b": {"status": "not installed"}}}, "row", "a", "b") is None
+    # no run per round (an older results.json, or a contender short of runs): the rates' ratio
+    assert speed_ratio({"items_per_s": 6.0}, {"items_per_s": 2.0}) == 3.0
+    assert speed_ratio(fast, entry([2.0, 2.0, 6.0, 6.0])) == 6.0
+
+
 def test_targets_table_lists_every_issue_14_target(smoke_run):
     stdout, data, _out = smoke_run
     table = stdout[stdout.index("targets of issue 14"):]
