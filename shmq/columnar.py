@@ -263,8 +263,9 @@ def _stream_size(pa: Any, schema: Any, batches: list[Any], write: Callable[[Any]
 # skips pyarrow's writer's own work per batch (docs/columnar.md has the figures).
 
 #: Recent layouts: [(schema, rows, the stream's bytes before the first buffer, or None:
-#: its streams are not that; pyarrow's writer writes them)].
-_LAYOUTS: list[tuple[Any, int, bytes | None]] = []
+#: its streams are not that (pyarrow's writer writes them), the zero bytes that follow
+#: each buffer (None where it needs none), or None if no buffer needs any)].
+_LAYOUTS: list[tuple[Any, int, bytes | None, tuple[memoryview | None, ...] | None]] = []
 _LAYOUTS_MAX = 8
 _ZEROS = memoryview(bytes(8))
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker: continuation, length 0
@@ -319,7 +320,7 @@ def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> list[Any] | None
     return data
 
 
-def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None] | None:
+def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None, tuple[memoryview | None, ...] | None] | None:
     """The remembered layout of ``rows`` rows of ``schema`` (metadata included), or None."""
     return next((e for e in _LAYOUTS
                  if e[1] == rows and (e[0] is schema or e[0].equals(schema, check_metadata=True))), None)
@@ -330,7 +331,7 @@ def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[
     exactly them, then ``bufs`` each padded to 8 zero bytes, then the end marker; else
     remember that this layout's streams are not that."""
     written = pa.py_buffer(view)
-    prefix = None
+    prefix = pads = None
     at = 0
     for _ in range(2):  # the schema message, then the batch's: continuation, length, metadata
         if view[at:at + 4] != b"\xff\xff\xff\xff":
@@ -345,9 +346,12 @@ def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[
             pos = end + pad
         if same and pos + 8 == len(view) and view[pos:] == _EOS:
             prefix = bytes(view[:at])
+            # each buffer's size is the layout's (_plain_buffers checks rows * width)
+            each = tuple(_ZEROS[:-b.size % 8] if b.size % 8 else None for b in bufs)
+            pads = each if any(p is not None for p in each) else None
     if len(_LAYOUTS) >= _LAYOUTS_MAX:
         del _LAYOUTS[0]
-    _LAYOUTS.append((schema, rows, prefix))
+    _LAYOUTS.append((schema, rows, prefix, pads))
 
 
 def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
@@ -366,13 +370,18 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     if plain is not None:
         known = _layout(schema, batches[0].num_rows)
         if known is not None and known[2] is not None:
-            segments: list[Any] = [known[2]]
-            for b in plain:
-                segments.append(b)
-                if b.size % 8:
-                    segments.append(_ZEROS[:-b.size % 8])
-            segments.append(_EOS)
-            return writer.append((tuple(segments),), timeout, F.CODEC_ARROW)
+            pads = known[3]
+            if pads is None:
+                segments = (known[2], *plain, _EOS)
+            else:
+                parts: list[Any] = [known[2]]
+                for b, pad in zip(plain, pads):
+                    parts.append(b)
+                    if pad is not None:
+                        parts.append(pad)
+                parts.append(_EOS)
+                segments = tuple(parts)
+            return writer.append((segments,), timeout, F.CODEC_ARROW)
 
     def write(sink: Any) -> None:
         with pa.ipc.new_stream(sink, schema) as writer:
