@@ -69,6 +69,10 @@ def why_not(results, scen, *names):
     return "n/a"
 
 
+def _rate_of(r):
+    return r["items_per_s"]
+
+
 def worst_against(results, peer_prefix):
     """Across every row where a contender named ``peer_prefix*`` ran: the lowest
     ratio of the row's best shmq contender to the row's best such peer."""
@@ -79,9 +83,7 @@ def worst_against(results, peer_prefix):
                 and ("wrapped" in c or "wrapped" not in scen)  # a wrapped row races the wrapped spool
                 and c != "spool-grown"]  # it had an untimed pass: not a peer's equal
         if peers and ours:
-            def fastest(rs):
-                return max(rs, key=lambda r: r["items_per_s"])
-            v = speed_ratio(fastest(ours), fastest(peers))
+            v = speed_ratio(max(ours, key=_rate_of), max(peers, key=_rate_of))
             if worst is None or v < worst[0]:
                 worst = (v, scen)
     return worst
