@@ -255,20 +255,26 @@ def _stream_size(pa: Any, schema: Any, batches: list[Any], write: Callable[[Any]
     return size
 
 
-# A stream of one batch of plain columns (fixed-width, byte-aligned, no nulls, no offsets)
-# is its messages, then each column's data buffer padded to 8 bytes, then the end marker.
-# Its messages depend only on the schema and the row count, so once pyarrow's writer has
-# written a stream of that layout, and the stream checked to be exactly that, shmq writes
-# the next ones itself: the messages, then the buffers as segments of one core put, which
-# skips pyarrow's writer's own work per batch (docs/columnar.md has the figures).
+# A stream of one batch of plain columns (fixed-width, byte-aligned, no slice offsets) is
+# its messages, then each column's buffers padded to 8 bytes (its validity bitmap if it
+# has nulls, then its data), then the end marker.  Its messages depend only on the schema,
+# the row count and the bitmaps' sizes, but for each column's null count, so once
+# pyarrow's writer has written a stream of that layout, and the stream checked to be
+# exactly that, shmq writes the next ones itself: the messages (the null counts written
+# in), then the buffers as segments of one core put, which skips pyarrow's writer's own
+# work per batch (docs/columnar.md has the figures).
 
-#: Recent layouts: [(schema, rows, the stream's bytes before the first buffer, or None:
-#: its streams are not that (pyarrow's writer writes them), the zero bytes that follow
-#: each buffer (None where it needs none), or None if no buffer needs any)].
-_LAYOUTS: list[tuple[Any, int, bytes | None, tuple[memoryview | None, ...] | None]] = []
+#: Recent layouts: [(schema, rows, the size of each column's validity bitmap (0: it has no
+#: nulls, so the stream has none) or None if no column has nulls, the stream's bytes
+#: before the first buffer or None: its streams are not that (pyarrow's writer writes
+#: them), the zero bytes that follow each buffer (None where it needs none) or None if no
+#: buffer needs any, where the messages hold the first column's null count (None: no nulls))].
+Layout = tuple[Any, int, tuple[int, ...] | None, bytes | None, tuple[memoryview | None, ...] | None, int | None]
+_LAYOUTS: list[Layout] = []
 _LAYOUTS_MAX = 8
 _ZEROS = memoryview(bytes(8))
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker: continuation, length 0
+_NULL_COUNT = struct.Struct("<q")  # a FieldNode is (length, null_count), little-endian int64s
 
 
 #: Recent schemas and the byte width of each of their columns, or None when shmq never
@@ -294,9 +300,12 @@ def _widths(pa: Any, schema: Any) -> tuple[int, ...] | None:
     return found
 
 
-def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> list[Any] | None:
-    """The data buffers of a single batch of plain columns, in stream order; None when the
-    data is not that (pyarrow's writer writes the stream)."""
+def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> tuple[list[Any], tuple[int, ...] | None,
+                                                                     tuple[int, ...] | None] | None:
+    """A single batch of plain columns: its buffers in stream order (each column's validity
+    bitmap if it has nulls, then its data), each column's bitmap size (0: no nulls) and
+    each column's null count, both None when no column has nulls; None when the data is
+    not that (pyarrow's writer writes the stream)."""
     if len(batches) != 1:
         return None
     widths = _widths(pa, schema)
@@ -313,30 +322,49 @@ def _plain_buffers(pa: Any, schema: Any, batches: list[Any]) -> list[Any] | None
     if bufs[0] is not None or len(bufs) != 1 + 2 * len(widths):
         return None
     data = bufs[2::2]
-    for width, validity, buf in zip(widths, bufs[1::2], data):
-        # no nulls; a larger buffer is a slice or has spare room (offset 0 iff equal)
-        if validity is not None or buf is None or buf.size != rows * width:
+    for width, buf in zip(widths, data):
+        if buf is None or buf.size != rows * width:  # a larger buffer is a slice or has spare room (offset 0 iff equal)
             return None
-    return data
+    bitmaps = bufs[1::2]
+    if not any(bitmaps):
+        return data, None, None
+    if any(v is not None and v.size * 8 < rows for v in bitmaps):
+        return None
+    # A bitmap of a column without nulls is not in the stream (pyarrow's writer leaves it out).
+    counts = tuple(0 if v is None else _core.count_zero_bits(v, rows) for v in bitmaps)
+    if not any(counts):
+        return data, None, None
+    stream: list[Any] = []
+    for v, n, buf in zip(bitmaps, counts, data):
+        if n:
+            stream.append(v)
+        stream.append(buf)
+    if 2 * len(stream) + 2 > _core.MAX_SEGMENTS:  # messages, buffers and pads, end marker
+        return None
+    return stream, tuple(v.size if n else 0 for v, n in zip(bitmaps, counts)), counts
 
 
-def _layout(schema: Any, rows: int) -> tuple[Any, int, bytes | None, tuple[memoryview | None, ...] | None] | None:
-    """The remembered layout of ``rows`` rows of ``schema`` (metadata included), or None."""
+def _layout(schema: Any, rows: int, bitmaps: tuple[int, ...] | None) -> Layout | None:
+    """The remembered layout of ``rows`` rows of ``schema`` (metadata included) with these
+    bitmaps, or None."""
     return next((e for e in _LAYOUTS
-                 if e[1] == rows and (e[0] is schema or e[0].equals(schema, check_metadata=True))), None)
+                 if e[1] == rows and e[2] == bitmaps and (e[0] is schema or e[0].equals(schema, check_metadata=True))),
+                None)
 
 
-def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[Any]) -> None:
+def _learn_layout(pa: Any, schema: Any, rows: int, bitmaps: tuple[int, ...] | None, counts: tuple[int, ...] | None,
+                  view: memoryview, bufs: list[Any]) -> None:
     """Remember the messages of the stream pyarrow wrote into ``view`` if the stream is
-    exactly them, then ``bufs`` each padded to 8 zero bytes, then the end marker; else
+    exactly them, then ``bufs`` each padded to 8 zero bytes, then the end marker, and (if
+    a column has nulls) the messages hold the columns' FieldNodes exactly once; else
     remember that this layout's streams are not that."""
     written = pa.py_buffer(view)
-    prefix = pads = None
+    prefix = pads = counts_at = None
     at = 0
     for _ in range(2):  # the schema message, then the batch's: continuation, length, metadata
         if view[at:at + 4] != b"\xff\xff\xff\xff":
             break
-        at += 8 + int.from_bytes(view[at + 4:at + 8], "little")
+        schema_end, at = at, at + 8 + int.from_bytes(view[at + 4:at + 8], "little")
     else:
         pos, same = at, True
         for b in bufs:
@@ -344,14 +372,23 @@ def _learn_layout(pa: Any, schema: Any, rows: int, view: memoryview, bufs: list[
             pad = -b.size % 8
             same = same and written.slice(pos, b.size).equals(b) and view[end:end + pad] == bytes(pad)
             pos = end + pad
+        if counts is not None and same:
+            # The batch message's vector of FieldNodes (length, null count), one a column.
+            nodes = b"".join(struct.pack("<qq", rows, n) for n in counts)
+            message = bytes(view[schema_end:at])
+            found = message.find(nodes)
+            same = found >= 0 and message.find(nodes, found + 1) < 0
+            counts_at = schema_end + found + 8
         if same and pos + 8 == len(view) and view[pos:] == _EOS:
             prefix = bytes(view[:at])
-            # each buffer's size is the layout's (_plain_buffers checks rows * width)
+            # each buffer's size is the layout's (_plain_buffers checks rows * width; bitmaps' are in the key)
             each = tuple(_ZEROS[:-b.size % 8] if b.size % 8 else None for b in bufs)
             pads = each if any(p is not None for p in each) else None
+        else:
+            counts_at = None
     if len(_LAYOUTS) >= _LAYOUTS_MAX:
         del _LAYOUTS[0]
-    _LAYOUTS.append((schema, rows, prefix, pads))
+    _LAYOUTS.append((schema, rows, bitmaps, prefix, pads, counts_at))
 
 
 def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
@@ -368,14 +405,22 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     plain = _plain_buffers(pa, schema, batches)
     known = None
     if plain is not None:
-        known = _layout(schema, batches[0].num_rows)
-        if known is not None and known[2] is not None:
-            pads = known[3]
+        bufs, bitmaps, counts = plain
+        known = _layout(schema, batches[0].num_rows, bitmaps)
+        if known is not None and known[3] is not None:
+            prefix: bytes | bytearray = known[3]
+            at = known[5]
+            if counts is not None and at is not None:  # the learnt stream's null counts, this batch's written in
+                prefix = bytearray(prefix)
+                for i, n in enumerate(counts):
+                    if n:
+                        _NULL_COUNT.pack_into(prefix, at + 16 * i, n)
+            pads = known[4]
             if pads is None:
-                segments = (known[2], *plain, _EOS)
+                segments = (prefix, *bufs, _EOS)
             else:
-                parts: list[Any] = [known[2]]
-                for b, pad in zip(plain, pads):
+                parts: list[Any] = [prefix]
+                for b, pad in zip(bufs, pads):
                     parts.append(b)
                     if pad is not None:
                         parts.append(pad)
@@ -396,7 +441,7 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
         if sink.tell() != size:
             raise ShmqError(f"Arrow IPC size changed while writing ({sink.tell()} != {size})")
         if plain is not None and known is None:
-            _learn_layout(pa, schema, batches[0].num_rows, view, plain)
+            _learn_layout(pa, schema, batches[0].num_rows, plain[1], plain[2], view, plain[0])
 
     return writer.append((Deferred(size, fill),), timeout, F.CODEC_ARROW)
 

@@ -439,7 +439,6 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     spare = pa.Array.from_buffers(pa.int32(), 3, [None, pa.py_buffer(np.arange(8, dtype=np.int32))])
     not_plain = [
         odd[0].slice(1, 5), odd[0].slice(1, 5),                    # offsets
-        pa.record_batch({"a": pa.array([1, None, 3])}),            # nulls
         pa.record_batch({"b": pa.array([True, False, True])}),     # bits, not bytes
         pa.record_batch({"s": pa.array(["x", "yy", "zzz"])}),      # variable width
         pa.record_batch([spare], names=["spare"]),                 # a buffer with room to spare
@@ -469,10 +468,82 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
     # plain), and a batch of a never-plain schema is not looked into
     def remembered(schema):
         return next(w for s, w in columnar._SCHEMA_WIDTHS if s.equals(schema))
-    assert [remembered(d.schema) for d in (wide[2], not_plain[3], not_plain[4])] == [None] * 3
+    assert [remembered(d.schema) for d in (wide[2], not_plain[2], not_plain[3])] == [None] * 3
     assert remembered(odd[0].schema) == (1, 2, 4, 4, 8, 4, 8, 8, 2)
-    assert remembered(not_plain[2].schema) == (8,)  # int64 with nulls: plain types, this batch not
-    assert columnar._plain_buffers(pa, not_plain[4].schema, [object()]) is None
+    assert remembered(not_plain[4].schema) == (4,)  # plain types, this batch's buffer not
+    assert columnar._plain_buffers(pa, not_plain[3].schema, [object()]) is None
+
+
+@pytest.mark.parametrize("nbits", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 8 * 4096 + 3])
+def test_count_zero_bits_counts_a_validity_bitmaps_nulls(nbits):
+    from shmq import _core
+    rng = np.random.default_rng(nbits)
+    bits = rng.random(nbits + 13) < 0.7  # bits past nbits (set or not) are not counted
+    bitmap = np.packbits(bits, bitorder="little").tobytes()
+    assert _core.count_zero_bits(bitmap, nbits) == int(nbits - bits[:nbits].sum())
+    assert _core.count_zero_bits(memoryview(bitmap), nbits) == int(nbits - bits[:nbits].sum())
+    with pytest.raises(ValueError, match="past the buffer"):
+        _core.count_zero_bits(bitmap, len(bitmap) * 8 + 1)
+    with pytest.raises(TypeError):
+        _core.count_zero_bits("not a buffer", 1)
+
+
+def test_plain_batches_with_nulls_are_written_by_shmq_with_their_null_counts(make_spool, monkeypatch):
+    # Columns with nulls add their validity bitmaps to the stream and their null counts to
+    # the batch message: a layout (schema, rows, bitmap sizes) learnt from one batch is
+    # written by shmq for the next ones whatever their null counts, to the byte.
+    pa = pytest.importorskip("pyarrow")
+    pc = pytest.importorskip("pyarrow.compute")
+    from shmq import columnar
+    monkeypatch.setattr(columnar, "_LAYOUTS", [])
+    monkeypatch.setattr(columnar, "_SCHEMA_WIDTHS", [])
+    sp = make_spool(capacity="8MiB")
+    rng = np.random.default_rng(7)
+    types = [pa.int8(), pa.uint16(), pa.int32(), pa.float64()]
+
+    def batch(rows, null_in, p=0.3, all_null=()):  # columns whose index is in null_in get nulls
+        cols = []
+        for i, t in enumerate(types):
+            values = rng.integers(0, 100, rows).astype(t.to_pandas_dtype())
+            mask = (rng.random(rows) < p) if i in null_in else None
+            if i in all_null:
+                mask = np.ones(rows, bool)
+            cols.append(pa.array(values, type=t, mask=mask))
+        return pa.record_batch(cols, names=[f"c{i}" for i in range(len(types))])
+
+    def spare_bitmap(rows):  # a validity bitmap with room to spare: a layout of its own
+        valid = np.packbits(rng.random(rows) > 0.5, bitorder="little").tobytes() + b"\xff" * 56
+        data = pa.py_buffer(rng.random(rows).tobytes())
+        col = pa.Array.from_buffers(pa.float64(), rows, [pa.py_buffer(valid), data])
+        return pa.record_batch([col], names=["x"])
+
+    plain = batch(1000, ())
+    filled = pa.record_batch([pc.fill_null(c, 0) for c in batch(1000, (0, 3)).columns], names=plain.schema.names)
+    assert filled.column(0).buffers()[0] is not None and filled.column(0).null_count == 0
+    puts = [
+        batch(1000, (1, 3)), batch(1000, (1, 3)), batch(1000, (1, 3), p=0.9),  # one layout, other null counts
+        batch(7, (0,)), batch(7, (0,)),                                      # a bitmap of one byte, padded
+        batch(1000, (2,)), batch(1000, (2,), all_null=(2,)),                 # every row null
+        plain, filled,                                                       # a bitmap but no nulls: no bitmap
+        spare_bitmap(33), spare_bitmap(33),
+    ]
+    wide = pa.record_batch({f"c{i}": pa.array([i, None, 2], pa.int64()) for i in range(31)})
+    puts += [wide, wide]  # a bitmap and its pad more a column: more segments than a frame has
+    new_stream = pa.ipc.new_stream
+    calls = []
+    monkeypatch.setattr(pa.ipc, "new_stream", lambda *a, **k: calls.append(1) or new_stream(*a, **k))
+    by_pyarrow = []
+    for d in puts:
+        before = len(calls)
+        by_pyarrow.append((sp.put_arrow(d), len(calls) > before))
+    assert [b for _, b in by_pyarrow] == [True, False, False, True, False, True, False, True, False,
+                                          True, False, True, True]
+    r = sp.reader()
+    for (seq, _), data in zip(by_pyarrow, puts):
+        assert bytes(sp.read_at(seq).data) == ipc_stream(data), seq
+        got = r.get_arrow(timeout=1)
+        assert got.equals(pa.Table.from_batches([data])), seq
+        assert [c.null_count for c in got.columns] == [c.null_count for c in data.columns]
 
 
 def test_queue_carries_arrays_out_of_band():

@@ -105,6 +105,32 @@ static PyObject *core_crc32(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLong(v);
 }
 
+/* The zero bits among a bitmap's first nbits, least significant bit first: the
+ * nulls of an Arrow column from its validity bitmap, without pyarrow's per-column
+ * wrapper objects (put_arrow looks at every column of every batch). */
+static PyObject *core_count_zero_bits(PyObject *m, PyObject *args) {
+    Py_buffer b;
+    unsigned long long nbits;
+    if (!PyArg_ParseTuple(args, "y*K", &b, &nbits)) return NULL;
+    if (nbits > (unsigned long long)b.len * 8) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "%llu bits is past the buffer's %zd bytes", nbits, b.len);
+        return NULL;
+    }
+    const unsigned char *p = b.buf;
+    size_t whole = (size_t)(nbits / 8), i = 0;
+    unsigned long long ones = 0;
+    for (; i + 8 <= whole; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        ones += (unsigned long long)__builtin_popcountll(w);
+    }
+    for (; i < whole; i++) ones += (unsigned long long)__builtin_popcount(p[i]);
+    if (nbits % 8) ones += (unsigned long long)__builtin_popcount(p[whole] & ((1u << (nbits % 8)) - 1));
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(nbits - ones);
+}
+
 /* A spinning waiter's pause between two looks: other processes runnable on this
  * CPU (the writer it waits for) run, and it returns at once when there are none.
  * The GIL is kept: threads of this process go on waiting for it as they did
@@ -142,6 +168,9 @@ static PyMethodDef core_methods[] = {
     {"spin_for_frame", core_spin_for_frame, METH_O,
      "spin_for_frame(nbytes) -> seconds a caught-up reader whose last frame was nbytes long spins before it "
      "parks (the engine's rule for its own reads)"},
+    {"count_zero_bits", core_count_zero_bits, METH_VARARGS,
+     "count_zero_bits(bitmap, nbits) -> the zero bits among the first nbits, least significant bit first "
+     "(an Arrow validity bitmap's nulls)"},
     {"yield_cpu", core_yield_cpu, METH_NOARGS,
      "yield_cpu(): sched_yield() with the GIL held (a spinning waiter's pause between looks)"},
     {NULL}};
