@@ -251,6 +251,11 @@ class Queue:
             f = self._reader.get(block, timeout)
         return _decode(f[2], f.codec)  # type: ignore[index,union-attr]  # last: set by UNDECODED
 
+    def _park_at_once(self) -> None:
+        """This handle's blocking gets park without spinning first (for a consumer thread
+        beside threads that need the GIL: a spin holds it).  This handle only."""
+        self._spool.data_bell.spin = 0.0
+
     def put_nowait(self, obj: Any) -> None:
         return self.put(obj, False)
 

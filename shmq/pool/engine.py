@@ -158,7 +158,7 @@ class Engine:
         self._ring.core.wrap_lag = wrap_lag
         # The collector waits for replies beside the callers' threads: a spin would hold
         # the GIL they need to submit (sched_yield on a busy machine: for a time slice).
-        self._results._spool.data_bell.spin = 0.0  # (the queue is ours: its spool too)
+        self._results._park_at_once()
         self._board = Board.anonymous(LAYOUT, workers, ROW_WORDS)
         assert self._board.fd is not None  # an anonymous board keeps its memfd
         cfg = Config(self._requests.path, self._results.path, BoardFd(self._board.fd), face, initializer,
