@@ -273,7 +273,8 @@ Layout = tuple[Any, int, tuple[int, ...] | None, bytes | None, tuple[memoryview 
 _LAYOUTS: list[Layout] = []
 _LAYOUTS_MAX = 8
 _ZEROS = memoryview(bytes(8))
-_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker: continuation, length 0
+_CONTINUATION = b"\xff\xff\xff\xff"  # what every message of a stream starts with
+_EOS = _CONTINUATION + bytes(4)  # the end-of-stream marker: continuation, length 0
 _NULL_COUNT = struct.Struct("<q")  # a FieldNode is (length, null_count), little-endian int64s
 
 
@@ -446,12 +447,64 @@ def put_arrow(writer: Writer, data: Any, timeout: float | None) -> int:
     return writer.append((Deferred(size, fill),), timeout, F.CODEC_ARROW)
 
 
+#: Recent schema messages read, as [(the message's bytes, the schema)]: a stream whose
+#: schema message is one of them is not parsed for its schema again (about 6 us).
+_SCHEMAS_READ: list[tuple[bytes, Any]] = []
+
+
 def decode_arrow(buf: ReadableBuffer) -> Any:
+    """The pyarrow Table of an Arrow IPC stream, over ``buf``'s memory (no copy).
+
+    A stream of one record batch whose schema message was read before (the same bytes)
+    reads only its batch's message; any other stream (several batches, dictionaries, a
+    schema not seen, bytes that do not parse that way) is read by pyarrow's stream
+    reader, whose verdict on a corrupt frame stands.
+
+    :raises shmq.ShmqError: not an Arrow IPC stream pyarrow can read.
+    """
     pa = _arrow()
+    data = pa.py_buffer(buf)
+    table = _one_batch(pa, data)
+    if table is not None:
+        return table
     try:
-        return pa.ipc.open_stream(pa.py_buffer(buf)).read_all()
-    except pa.ArrowInvalid as exc:
+        return pa.ipc.open_stream(data).read_all()
+    except (pa.ArrowException, ValueError, OSError) as exc:  # pyarrow's IO errors are OSErrors
         raise ShmqError(f"corrupt Arrow frame: {exc}") from None
+
+
+def _one_batch(pa: Any, data: Any) -> Any:
+    """The Table of ``data`` if it is a remembered schema's message, one record batch's
+    message and the end marker, exactly; else None."""
+    view = memoryview(data).cast("B")  # pyarrow's buffers are signed chars
+    size = len(view)
+    if size < 16 or view[:4] != _CONTINUATION:
+        return None
+    at = 8 + int.from_bytes(view[4:8], "little")  # past the schema message
+    if at + 16 > size:
+        return None
+    head = view[:at].tobytes()
+    for known, schema in _SCHEMAS_READ:
+        if known == head:
+            break
+    else:
+        try:
+            schema = pa.ipc.read_schema(data)
+        except (pa.ArrowException, ValueError, OSError):
+            return None
+        if len(_SCHEMAS_READ) >= _LAYOUTS_MAX:
+            del _SCHEMAS_READ[0]
+        _SCHEMAS_READ.append((head, schema))
+    try:
+        msg = pa.ipc.read_message(data.slice(at))
+        if msg.type != "record batch":
+            return None
+        end = at + 8 + int.from_bytes(view[at + 4:at + 8], "little") + msg.body.size
+        if end + 8 != size or view[end:] != _EOS:
+            return None
+        return pa.Table.from_batches([pa.ipc.read_record_batch(msg, schema)], schema)
+    except (pa.ArrowException, ValueError, OSError):
+        return None
 
 
 # --- reading: what a reader took (the reader waits, moves its cursor, holds its locks) ---
