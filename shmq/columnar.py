@@ -363,7 +363,7 @@ def _learn_layout(pa: Any, schema: Any, rows: int, bitmaps: tuple[int, ...] | No
     prefix = pads = counts_at = None
     at = 0
     for _ in range(2):  # the schema message, then the batch's: continuation, length, metadata
-        if view[at:at + 4] != b"\xff\xff\xff\xff":
+        if view[at:at + 4] != _CONTINUATION:
             break
         schema_end, at = at, at + 8 + int.from_bytes(view[at + 4:at + 8], "little")
     else:
