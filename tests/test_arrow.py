@@ -28,6 +28,18 @@ def test_arrow_roundtrip_nulls_and_nested(make_spool):
         sp.put_arrow({"not": "arrow"})
 
 
+def put_each(pa, monkeypatch, sp, puts):
+    """put_arrow each of ``puts``: [(its seq, whether pyarrow's writer wrote it)]."""
+    new_stream = pa.ipc.new_stream
+    calls = []
+    monkeypatch.setattr(pa.ipc, "new_stream", lambda *a, **k: calls.append(1) or new_stream(*a, **k))
+    done = []
+    for d in puts:
+        before = len(calls)
+        done.append((sp.put_arrow(d), len(calls) > before))
+    return done
+
+
 def ipc_stream(data):
     """pyarrow's own IPC stream of a RecordBatch or Table, as bytes."""
     import pyarrow as pa
@@ -98,14 +110,7 @@ def test_plain_batches_are_written_without_pyarrows_writer_and_are_still_the_ipc
         pa.Table.from_batches([odd[0], odd[1]]),                   # more than one batch
     ]
     puts = [*odd, *big, *wide, *not_plain, pa.Table.from_batches([odd[2]]), odd[0], *not_plain]
-    new_stream = pa.ipc.new_stream
-    calls = []
-    monkeypatch.setattr(pa.ipc, "new_stream", lambda *a, **k: calls.append(1) or new_stream(*a, **k))
-    seqs = []
-    for d in puts:
-        before = len(calls)
-        seqs.append(sp.put_arrow(d))
-        seqs[-1] = (seqs[-1], len(calls) > before)
+    seqs = put_each(pa, monkeypatch, sp, puts)
     r = sp.reader()
     for (seq, by_pyarrow), data in zip(seqs, puts):
         assert bytes(sp.read_at(seq).data) == ipc_stream(data), seq
@@ -241,13 +246,7 @@ def test_plain_batches_with_nulls_are_written_by_shmq_with_their_null_counts(mak
     ]
     wide = pa.record_batch({f"c{i}": pa.array([i, None, 2], pa.int64()) for i in range(31)})
     puts += [wide, wide]  # a bitmap and its pad more a column: more segments than a frame has
-    new_stream = pa.ipc.new_stream
-    calls = []
-    monkeypatch.setattr(pa.ipc, "new_stream", lambda *a, **k: calls.append(1) or new_stream(*a, **k))
-    by_pyarrow = []
-    for d in puts:
-        before = len(calls)
-        by_pyarrow.append((sp.put_arrow(d), len(calls) > before))
+    by_pyarrow = put_each(pa, monkeypatch, sp, puts)
     assert [b for _, b in by_pyarrow] == [True, False, False, True, False, True, False, True, False,
                                           True, False, True, True]
     r = sp.reader()
