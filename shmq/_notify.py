@@ -278,14 +278,14 @@ class Doorbell:
                     self._key = watcher().watch(self.file.fd)
                     self._watched = True
 
-    def wait(self, ready, timeout: float | None, before_park=None, spin: float = 0.0) -> bool:
+    def wait(self, ready, timeout: float | None, before_park=None) -> bool:
         """Block until ``ready()`` is true or ``timeout`` elapses; return ready().
 
         ``timeout=None`` waits forever; 0 checks once.  First spins for
-        ``spin`` seconds (the argument, if longer than the attribute; never
-        past the timeout), yielding the CPU to other runnable processes
-        between looks, with a look after the last yield too (the GIL stays
-        held; a frame caught here never registers a waiter), then sleeps on
+        :attr:`spin` seconds (never past the timeout), yielding the CPU to
+        other runnable processes between looks, with a look after the last
+        yield too (the GIL stays held; a frame caught here never registers a
+        waiter), then sleeps on
         the futex word with the GIL released.  A waiter still waiting
         :data:`PUBLISH_AFTER_S` after its spin calls ``before_park()`` if
         given (once: what an idle waiter publishes, e.g. a reader's
@@ -299,7 +299,7 @@ class Doorbell:
             return False
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
-        spin = max(self.spin, spin)
+        spin = self.spin
         spin_until = now + spin if deadline is None else min(now + spin, deadline)
         while spin > 0:  # a look after every yield, the last one too (the writer may have run)
             _core.yield_cpu()

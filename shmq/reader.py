@@ -178,7 +178,8 @@ class Reader:
         ``timeout`` is the caller's whole budget (0: do not wait, None:
         forever); ``deadline`` is None on the first call and what the
         previous call returned afterwards, so loops keep one budget.
-        ``spin``: seconds to spin before parking, if longer than the doorbell's.
+        ``spin``: seconds to spin first (the engine's spin, the GIL released),
+        before the doorbell's own short spin and park.
 
         :returns: the deadline to pass next time.
         :raises shmq.Empty: the budget is spent.
@@ -203,7 +204,17 @@ class Reader:
                 return deadline
             self._spool.trim_idle()
             left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0 or not bell.wait(ready, left, flush, spin):
+        if left is not None and left <= 0:
+            raise Empty(f"no frame within {timeout} s")
+        if spin > 0:
+            # The engine's spin (no syscall), with the GIL released as a copying
+            # read's is: the process's other threads run meanwhile.
+            if self._cur.spin(spin if left is None else min(spin, left)):
+                return deadline
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Empty(f"no frame within {timeout} s")
+        if not bell.wait(ready, left, flush):
             raise Empty(f"no frame within {timeout} s")
         return deadline
 
@@ -308,8 +319,8 @@ class Reader:
                 self._last_len = len(payload)
                 return columnar().view_of(self._spool.pins, seq, payload, frame_codec, pos, copy, codec, decode)
             # Zero-copy reads do not go through the engine's take: the engine's
-            # spin rule all the same (a reader of 5 MiB Arrow frames that parks
-            # between them wakes late, and a writer wrapping its hot region
+            # spin rule and spin all the same (a reader of 5 MiB Arrow frames that
+            # parks between them wakes late, and a writer wrapping its hot region
             # early waits for it; docs/format.md).
             deadline = self.wait(timeout, deadline, _core.spin_for_frame(self._last_len))
 

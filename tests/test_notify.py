@@ -198,10 +198,49 @@ def test_the_spin_never_outlasts_the_timeout(make_spool, monkeypatch):
 
     sp = make_spool(capacity="256KiB")
     looks = []
+    monkeypatch.setattr(sp.data_bell, "spin", 60.0)
     t0 = time.monotonic()
-    assert not sp.data_bell.wait(lambda: looks.append(1), 0.05, spin=60.0)
+    assert not sp.data_bell.wait(lambda: looks.append(1), 0.05)
     assert time.monotonic() - t0 < 30  # the whole spin would take 60 s
     assert len(looks) >= 2  # it did spin, and looked once more at the end
+    r = sp.reader()
+    t0 = time.monotonic()
+    with pytest.raises(shmq.Empty):
+        r.wait(0.05, None, spin=60.0)  # a zero-copy read's spin: the engine's
+    assert time.monotonic() - t0 < 30
+    r.close()
+
+
+def test_a_zero_copy_readers_spin_lets_the_processes_other_threads_run(make_spool):
+    """A zero-copy read (its frames do not pass the engine's take) spins as the engine
+    does for a copying one, with the GIL released: a thread of the same process can put
+    the awaited frame during the spin, which catches it without registering as a
+    waiter.  No forced GIL switch here (a 100 s switch interval): only a released GIL
+    lets the writer thread run before the reader parks."""
+    import sys
+
+    sp = make_spool(capacity="256KiB")
+    r = sp.reader()
+    go, registered = threading.Event(), []
+
+    def writer():
+        go.wait(30)
+        registered.append(sp.data_bell.has_waiters())
+        sp.put(b"x")
+
+    t = threading.Thread(target=writer)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    try:
+        t.start()
+        go.set()
+        r.wait(60, None, spin=20.0)
+    finally:
+        sys.setswitchinterval(interval)
+        t.join(30)
+    assert registered == [False]  # the writer ran during the spin, not once the reader had parked
+    assert r.get(timeout=0).data == b"x"
+    r.close()
 
 
 def test_the_spin_looks_after_its_last_yield(make_spool, monkeypatch):

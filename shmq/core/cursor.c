@@ -380,6 +380,17 @@ static PyObject *Cursor_available(Cursor *c, PyObject *unused) {
     return PyBool_FromLong(eng_cursor_available(&c->eng));
 }
 
+/* A zero-copy read's spin (its frames do not pass through the engine's take):
+ * the engine's, so the GIL is released for it as for a copying read's. */
+static PyObject *Cursor_spin(Cursor *c, PyObject *arg) {
+    double s = PyFloat_AsDouble(arg);
+    if (s == -1 && PyErr_Occurred()) return NULL;
+    if (c->closed_msg || !c->ring->eng.base) Py_RETURN_TRUE; /* let the caller raise */
+    if (!(s > 0)) return PyBool_FromLong(eng_cursor_available(&c->eng));
+    uint64_t limit = s < 3600 ? (uint64_t)(s * 1e9) : (uint64_t)3600e9;
+    return PyBool_FromLong(eng_spin(&c->eng, limit, 0));
+}
+
 static PyObject *Cursor_close(Cursor *c, PyObject *args) {
     PyObject *msg = NULL;
     if (!PyArg_ParseTuple(args, "|U", &msg)) return NULL;
@@ -508,6 +519,9 @@ static PyMethodDef Cursor_methods[] = {
     {"commit", (PyCFunction)Cursor_commit, METH_NOARGS, "store the position in the slot (named readers)"},
     {"flush", (PyCFunction)Cursor_flush, METH_VARARGS, "publish counters to the slot"},
     {"available", (PyCFunction)Cursor_available, METH_NOARGS, "True if a frame is committed past the cursor"},
+    {"spin", (PyCFunction)Cursor_spin, METH_O,
+     "spin(seconds) -> True once a frame is committed past the cursor, False if none is after `seconds` of "
+     "spinning (no syscall; the GIL released for spins over 2 us)"},
     {"close", (PyCFunction)Cursor_close, METH_VARARGS, "close(message): later calls raise ValueError(message)"},
     {"reset_stats", (PyCFunction)Cursor_reset_stats, METH_NOARGS, "drop unflushed counters (fork child)"},
     {"add_lost", (PyCFunction)Cursor_add_lost, METH_O, "count frames skipped outside the core"},

@@ -438,6 +438,10 @@ int wait_floor(eng_ring *r, uint64_t start, uint64_t budget_ns, uint64_t stall_n
 #define HOT_LAG_BATCHES 8
 int hot_wait(eng_ring *r, uint64_t start, uint64_t floor, uint64_t total, uint64_t cap);
 int eng_spin_for_frame(eng_cursor *c, uint64_t deadline);
+/* The same spin for `limit` ns (the caller's rule, e.g. a zero-copy reader's,
+ * whose reads do not set last_len), the caller's lock dropped past
+ * CAUGHT_UP_SPIN_NS.  1 if a frame is there now. */
+int eng_spin(eng_cursor *c, uint64_t limit, uint64_t deadline);
 /* How long a caught-up reader whose last frame was `last_len` bytes spins
  * before it parks, in ns (the rule above eng_spin_for_frame). */
 uint64_t eng_spin_ns(uint64_t last_len);

@@ -287,8 +287,12 @@ uint64_t eng_spin_ns(uint64_t last_len) {
 }
 
 int eng_spin_for_frame(eng_cursor *c, uint64_t deadline) {
+    return eng_spin(c, eng_spin_ns(ld_rlx(&c->last_len)), deadline);
+}
+
+int eng_spin(eng_cursor *c, uint64_t limit, uint64_t deadline) {
     eng_ring *r = c->ring;
-    uint64_t limit = eng_spin_ns(ld_rlx(&c->last_len)), t0 = 0;
+    uint64_t t0 = 0;
     if (deadline) { /* a timeout bounds the spin too */
         uint64_t now = mono_ns();
         uint64_t left = deadline > now ? deadline - now : 0;
