@@ -285,11 +285,11 @@ class Doorbell:
         :attr:`spin` seconds (never past the timeout), yielding the CPU to
         other runnable processes between looks, with a look after the last
         yield too (the GIL stays held; a frame caught here never registers a
-        waiter), then sleeps on
-        the futex word with the GIL released.  A waiter still waiting
-        :data:`PUBLISH_AFTER_S` after its spin calls ``before_park()`` if
-        given (once: what an idle waiter publishes, e.g. a reader's
-        counters; a wait that ends sooner never calls it), then sleeps on.
+        waiter), then sleeps on the futex word with the GIL released.  A
+        waiter still waiting :data:`PUBLISH_AFTER_S` after its spin calls
+        ``before_park()`` if given (once: what an idle waiter publishes, e.g.
+        a reader's counters; a wait that ends sooner never calls it), then
+        sleeps on.
         A signal handler's exception (Ctrl-C) propagates with the
         registration undone.
         """

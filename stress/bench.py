@@ -123,7 +123,8 @@ SCENARIOS = {
     "1->1 4 KiB": S("bytes", 4096, 100_000, 1, 1, 1, False, contenders(*ALL)),
     "1->1 64 KiB": S("bytes", 65536, 20_000, 1, 1, 1, False, contenders(*ALL)),
     "1->1 1 MiB": S("bytes", 1 << 20, 2_000, 1, 1, 1, False,
-                    contenders(*ALL, *PEERS) + [SpoolGrowable(), SpoolGrown(), SpoolCProducer()]),
+                    contenders("spool") + [SpoolGrowable(), SpoolGrown()] + contenders(*ALL[1:], *PEERS)
+                    + [SpoolCProducer()]),
     "1->1 1 MiB reserve": S("bytes", 1 << 20, 2_000, 1, 1, 1, False, [SpoolReserve(), Iceoryx2(), Spool()]),
     "1->1 1 MiB numpy": S("numpy", 1 << 20, 2_000, 1, 1, 1, False, contenders("shmq.Queue", "mp.Queue", "faster-fifo")),
     "1->4 fan-out 100 B": S("bytes", 100, 100_000, 1, 4, 1, True, contenders("spool")),
