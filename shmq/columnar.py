@@ -58,7 +58,8 @@ __all__ = ["PinnedView", "encode_array", "decode_array", "decode_numpy", "decode
 
 _HEAD = struct.Struct("<II")
 _HEADS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}  # (dtype, shape) -> encoded header: JSON costs ~10 us, batches repeat
-_DESCS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...]]] = {}  # descriptor bytes -> (dtype, shape)
+# descriptor bytes -> (dtype, shape, data offset, item count, payload size)
+_DESCS: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int, int, int]] = {}
 
 
 def encode_array(arr: npt.NDArray[Any]) -> tuple[bytes, Any]:
@@ -130,13 +131,15 @@ def decode_array(buf: ReadableBuffer, writable: bool = False) -> npt.NDArray[Any
             raise ShmqError("numpy frame with an object dtype: refused (frames carry no pointers)")
         if len(_DESCS) > 256:
             _DESCS.clear()
-        parsed = _DESCS[raw] = (dtype, shape)
-    dtype, shape = parsed
-    off = F.align(_HEAD.size + n)
-    count = math.prod(shape)  # Python ints (np.prod takes 4 us of a 12 us view)
-    if off + count * dtype.itemsize != len(mv):
+        off = F.align(_HEAD.size + n)
+        count = math.prod(shape)  # Python ints (np.prod takes 4 us of a 12 us view)
+        parsed = _DESCS[raw] = (dtype, shape, off, count, off + count * dtype.itemsize)
+    dtype, shape, off, count, size = parsed
+    if size != len(mv):
         raise ShmqError("numpy frame: descriptor and payload sizes disagree")
-    arr = np.frombuffer(mv[off:], dtype=dtype, count=count).reshape(shape)
+    arr = np.frombuffer(mv, dtype=dtype, count=count, offset=off)
+    if len(shape) != 1:
+        arr = arr.reshape(shape)
     if not writable:
         arr.flags.writeable = False
     return arr

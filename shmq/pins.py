@@ -121,8 +121,9 @@ class Pins:
         header pos, next pos)``, or None if it is gone, a pad, or another frame.
         ``held``: the caller's published cursor holds the frame (see :meth:`pin`).
 
-        The header is re-read under the pin, when it can no longer change;
-        the caller unpins the header position when done with the view.
+        Unless ``held``, the header is re-read under the pin, when it can no
+        longer change; the caller unpins the header position when done with
+        the view.
         """
         ring = self._ring
         hit = ring.frame_at(seq, pos)
@@ -131,7 +132,9 @@ class Pins:
         fpos = hit.pos
         if not self.pin(fpos, held):
             return None
-        if ring.header_at(fpos) != hit:
+        # Re-read under the pin, unless the cursor held the frame before it was
+        # read: then nothing could overwrite it in between.
+        if not held and ring.header_at(fpos) != hit:
             self.unpin(fpos)
             return None
         return ring.payload(hit), hit.codec, fpos, fpos + hit.stored

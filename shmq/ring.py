@@ -29,6 +29,7 @@ from .errors import FrameLost, SpoolFormatError
 __all__ = ["Ring", "HeaderHit", "header_at", "raw_header_at"]
 
 _decode = _core.header_at
+_frame_at = _core.frame_at
 
 
 if TYPE_CHECKING:
@@ -151,16 +152,12 @@ class Ring:
         return pos
 
     def frame_at(self, seq, pos) -> HeaderHit | None:
-        """The header hit of data frame ``seq`` at cursor ``pos`` (past any pad); None if
-        the header there is invalid, a pad, or another frame's."""
-        # frame_pos's walk, keeping the hit: one decode per header on the
-        # per-frame paths (export, columnar runs, pinned reads).
-        for _ in range(4):
-            hit = self.header_at(pos)
-            if hit is None or not hit.flags & FLAG_PAD:
-                return hit if hit is not None and hit.seq == seq else None
-            pos = hit.pos + hit.stored
-        return None  # four pads in a row: not a sane ring
+        """The header hit of data frame ``seq`` at cursor ``pos`` (past up to three pads);
+        None if the header there is invalid, a fourth pad, or another frame's."""
+        # One engine call for the walk (_core.frame_at): the per-frame paths
+        # (pinned reads, export, columnar runs) decode each header once, in C.
+        t = _frame_at(self.mm, self.base, self.size, seq, pos)
+        return None if t is None else _hit(HeaderHit, t)
 
     def payload(self, hit):
         """A memoryview of the payload of header hit ``hit`` (no copy: valid while the frame is)."""

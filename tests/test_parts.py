@@ -71,6 +71,19 @@ def test_frame_pos_skips_the_padding_before_a_wrapped_frame(make_spool):
     assert hit is not None and bytes(sp.ring.payload(hit)) == b"b" * 100
 
 
+def test_frame_at_walks_at_most_three_pads(make_spool):
+    sp = make_spool(capacity=8192)
+    o, stored = sp.ring.base, F.frame_stored_bytes(8)
+    for k in range(4):  # four pads in a row, then data frame 7
+        F.FRAME.pack_into(sp.mapping.mm, o + 64 * k, 7, 64, 0, 1, 0, F.FLAG_PAD, 0, 0)
+    F.FRAME.pack_into(sp.mapping.mm, o + 256, 7, stored, 8, 1, 0, 0, F.CODEC_RAW, 0)
+    hit = sp.ring.frame_at(7, 64)  # three pads, then the frame
+    assert hit is not None and (hit.seq, hit.pos, hit.length) == (7, 256, 8)
+    assert hit == sp.ring.header_at(256)
+    assert sp.ring.frame_at(7, 0) is None  # a fourth pad: not a sane ring
+    assert sp.ring.frame_at(8, 64) is None  # past the pads, another frame's header
+
+
 def test_set_flags_touches_only_the_flags(make_spool):
     sp = make_spool(capacity=8192)
     sp.put(b"payload")

@@ -45,6 +45,36 @@ static PyObject *core_header_at(PyObject *m, PyObject *args) {
     return hit_tuple(&h);
 }
 
+static PyObject *core_frame_at(PyObject *m, PyObject *args) {
+    /* frame_at(buf, base, size, seq, pos) -> the header tuple of data frame seq at
+     * cursor pos (past up to three pads), or None: a header whose lengths leave the
+     * ring, a fourth pad, or another frame's.  Ring.frame_at's walk in one call: a
+     * zero-copy read decodes its frame's header here, not in a Python loop. */
+    PyObject *o;
+    unsigned long long base, size, seq, pos;
+    if (!PyArg_ParseTuple(args, "OKKKK", &o, &base, &size, &seq, &pos)) return NULL;
+    if (size < SHMQ_FRAME_BYTES || size % SHMQ_ALIGN) {
+        PyErr_SetString(PyExc_ValueError, "not a ring size");
+        return NULL;
+    }
+    Py_buffer b;
+    if (get_view(o, &b, base + size, 0) < 0) return NULL;
+    eng_hit h;
+    int found = 0;
+    for (int k = 0; k < 4; k++) {
+        eng_header_at((const char *)b.buf + base, size, pos, &h);
+        if (!h.sane) break;
+        if (!(h.flags & SHMQ_FLAG_PAD)) {
+            found = h.seq == seq;
+            break;
+        }
+        pos = h.pos + h.stored;
+    }
+    PyBuffer_Release(&b);
+    if (!found) Py_RETURN_NONE;
+    return hit_tuple(&h);
+}
+
 static PyObject *core_first_cursor(PyObject *m, PyObject *args) {
     /* first_cursor(buf, ring_offset, ring_bytes) -> (seq, pos) of the oldest frame, or
      * None (no consistent pair: corrupt) */
@@ -193,6 +223,8 @@ static PyObject *core_hold_handle_lock(PyObject *m, PyObject *args) {
 PyMethodDef inspect_methods[] = {
     {"header_at", core_header_at, METH_VARARGS,
      "header_at(buf, base, size, pos, checked=True) -> the frame header at/after ring position pos, or None"},
+    {"frame_at", core_frame_at, METH_VARARGS,
+     "frame_at(buf, base, size, seq, pos) -> the header of data frame seq at cursor pos (past pads), or None"},
     {"first_cursor", core_first_cursor, METH_VARARGS,
      "first_cursor(buf, ring_offset, ring_bytes) -> (seq, pos) of the oldest frame, or None"},
     {"control_problems", core_control_problems, METH_VARARGS,
