@@ -8,6 +8,7 @@ import time
 import pytest
 
 import shmq
+from shmq import _core
 from shmq import _format as F
 from shmq import waiting
 from shmq.ring import HeaderHit, header_at, raw_header_at
@@ -45,6 +46,18 @@ def test_header_at_refuses_out_of_bounds_lengths(make_spool):
     # the unchecked decoder (fsck's, to report the bad lengths) still decodes it
     raw = raw_header_at(sp.mapping.mm, o, sp.ring.size, 0)
     assert type(raw) is HeaderHit and (raw.seq, raw.pos, raw.stored, raw.length) == (0, 0, 1 << 20, 10)
+
+
+def test_header_decoders_refuse_a_ring_outside_the_buffer(make_spool):
+    sp = make_spool(capacity=8192)
+    size = sp.ring.size
+    for base in (2**64 - size, 2**64 - 8):  # base + size wraps: would pass the buffer bound
+        with pytest.raises(ValueError, match="overflow"):
+            header_at(sp.mapping.mm, base, size, 0)
+        with pytest.raises(ValueError, match="overflow"):
+            _core.frame_at(sp.mapping.mm, base, size, 0, 0)
+    with pytest.raises(ValueError, match="does not hold"):
+        header_at(sp.mapping.mm, len(sp.mapping.mm), size, 0)
 
 
 def test_header_decoders_follow_the_short_tail_skip(make_spool):

@@ -25,6 +25,20 @@ static PyObject *hit_tuple(const eng_hit *h) {
     return Py_BuildValue("(KKKKKKKK)", h->seq, h->pos, h->stored, h->length, h->ts, h->crc, h->flags, h->codec);
 }
 
+/* The ring of `size` bytes at offset `base` of buffer `o` (a header decoder's
+ * arguments, checked: a ring size, inside the buffer).  0, or -1 with an exception. */
+static int ring_view(PyObject *o, unsigned long long base, unsigned long long size, Py_buffer *b) {
+    if (size < SHMQ_FRAME_BYTES || size % SHMQ_ALIGN) {
+        PyErr_SetString(PyExc_ValueError, "not a ring size");
+        return -1;
+    }
+    if (base > UINT64_MAX - size) { /* base + size would wrap past get_view's bound */
+        PyErr_SetString(PyExc_ValueError, "the ring's offset and size overflow");
+        return -1;
+    }
+    return get_view(o, b, base + size, 0);
+}
+
 static PyObject *core_header_at(PyObject *m, PyObject *args) {
     /* header_at(buf, base, size, pos, checked=True) -> (seq, pos, stored, length, ts,
      * crc, flags, codec), or None if checked and its lengths leave the ring */
@@ -32,12 +46,8 @@ static PyObject *core_header_at(PyObject *m, PyObject *args) {
     unsigned long long base, size, pos;
     int checked = 1;
     if (!PyArg_ParseTuple(args, "OKKK|p", &o, &base, &size, &pos, &checked)) return NULL;
-    if (size < SHMQ_FRAME_BYTES || size % SHMQ_ALIGN) {
-        PyErr_SetString(PyExc_ValueError, "not a ring size");
-        return NULL;
-    }
     Py_buffer b;
-    if (get_view(o, &b, base + size, 0) < 0) return NULL;
+    if (ring_view(o, base, size, &b) < 0) return NULL;
     eng_hit h;
     eng_header_at((const char *)b.buf + base, size, pos, &h);
     PyBuffer_Release(&b);
@@ -53,12 +63,8 @@ static PyObject *core_frame_at(PyObject *m, PyObject *args) {
     PyObject *o;
     unsigned long long base, size, seq, pos;
     if (!PyArg_ParseTuple(args, "OKKKK", &o, &base, &size, &seq, &pos)) return NULL;
-    if (size < SHMQ_FRAME_BYTES || size % SHMQ_ALIGN) {
-        PyErr_SetString(PyExc_ValueError, "not a ring size");
-        return NULL;
-    }
     Py_buffer b;
-    if (get_view(o, &b, base + size, 0) < 0) return NULL;
+    if (ring_view(o, base, size, &b) < 0) return NULL;
     eng_hit h;
     int found = 0;
     for (int k = 0; k < 4; k++) {
