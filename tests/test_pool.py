@@ -311,6 +311,45 @@ def test_a_finished_pool_never_writes_to_its_closed_wake_pipe(how):
     assert_nothing_written_into(wake_w, finish)
 
 
+def _wait_idle(engine):
+    deadline = time.monotonic() + bound(30)
+    while not engine._idle and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert engine._idle, "the pool's result thread never went idle"
+
+
+def test_a_wake_up_that_cannot_be_sent_delays_the_pool_never_hangs_it():
+    # The result thread, idle, waits on the result queue for a reply or a WAKE.  A WAKE
+    # whose put fails (the host out of descriptors or memory) is neither the submitting
+    # caller's error nor a lost call, and the idle wait is bounded: the call still
+    # runs and the shutdown still ends (it used to wait forever, as one CI run did).
+    import errno
+
+    from shmq.pool.wire import WAKE
+
+    ex = executor()
+    eng = ex._engine
+    try:
+        assert ex.submit(T.square, 3).result(timeout=bound(30)) == 9
+        refused = []
+        real_put = eng._results.put
+
+        def put(item, *args, **kwargs):
+            if item == (WAKE,):
+                refused.append(item)
+                raise OSError(errno.EMFILE, "Too many open files")
+            return real_put(item, *args, **kwargs)
+
+        eng._results.put = put
+        _wait_idle(eng)
+        assert ex.submit(T.square, 4).result(timeout=bound(30)) == 16
+        _wait_idle(eng)
+    finally:
+        ex.shutdown(wait=False)
+    assert eng.join(timeout=bound(30)), "the pool did not finish"
+    assert refused  # the path under test ran: a wake-up was refused
+
+
 @pytest.mark.skipif(EMULATED, reason="qemu-user keeps a guest's signal masks virtual: "
                                      "/proc shows the host thread's")
 @pytest.mark.parametrize("method", ["fork", "spawn"])

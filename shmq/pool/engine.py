@@ -54,6 +54,10 @@ log = logging.getLogger("shmq.pool")
 
 #: How often the collector looks for frames lost between a take and a row update.
 RECHECK_S = 0.25
+#: How long an idle collector waits for a reply or a wake-up before it looks at the
+#: pool's state again: a wake-up whose put failed (out of memory or descriptors) costs
+#: at most this, never a shutdown that waits forever.
+IDLE_RECHECK_S = 1.0
 #: Tasks in flight per worker: as many as it runs in about this long (at least 2).
 WINDOW_S = 0.005
 #: Tasks per frame: as many as a worker runs in about this long, 1 to BUNDLE_MAX.
@@ -208,8 +212,7 @@ class Engine:
         # after the append: the collector sets _idle, then looks at the inbox (one of
         # the two sees the other's write, under the GIL)
         if self._idle and not self._woken:
-            self._woken = True
-            self._results.put((WAKE,))
+            self._ring_bell()
 
     @property
     def lock(self) -> threading.Lock:
@@ -273,11 +276,18 @@ class Engine:
     def _poke(self) -> None:
         # lock held
         if not self._woken:
-            self._woken = True
-            try:
-                self._results.put((WAKE,))
-            except (ValueError, ShmqError, OSError):
-                pass  # closed already
+            self._ring_bell()
+
+    def _ring_bell(self) -> None:
+        """Wake the collector: a WAKE through the result queue.  A put that fails is
+        nobody's error to raise (the queue closed at the end, or the host out of memory
+        or descriptors): the collector, which waits at most :data:`IDLE_RECHECK_S`,
+        finds the submitted tasks or the shutdown by itself."""
+        self._woken = True
+        try:
+            self._results.put((WAKE,))
+        except (ValueError, ShmqError, OSError) as exc:
+            log.debug("could not wake the pool's result thread: %s", exc)
 
     def _wake_supervisor(self) -> None:
         # also after _cleanup (a Pool collected long after its join terminates its engine
@@ -356,7 +366,7 @@ class Engine:
                     self._idle = idle
                     if self._inbox:  # submitted meanwhile (see submit)
                         self._idle = False
-                timeout = RECHECK_S if self._frames else None
+                timeout = RECHECK_S if self._frames else IDLE_RECHECK_S
                 try:
                     items = self._results.get_many(256, timeout=timeout if self._idle else 0)
                 except Empty:
