@@ -195,14 +195,15 @@ def _checked_fork():
         return _real_fork()
 
 
-def _dump_later(*args, **kwargs):
+def _dump_later(timeout, *args, **kwargs):
     """faulthandler.dump_traceback_later, noting the watchdog thread it starts, and
     ending the process after the dump: a test still running at pyproject's
-    faulthandler_timeout is hung, and a hung test must fail its run (under xdist, a
-    crashed worker, replaced) rather than keep it going until the CI job's limit."""
+    faulthandler_timeout (times TIMEOUT_SCALE, as every bound) is hung, and a hung
+    test must fail its run (under xdist, a crashed worker, replaced) rather than
+    keep it going until the CI job's limit."""
     kwargs["exit"] = True
     before = _tids()
-    _real_dump_later(*args, **kwargs)
+    _real_dump_later(timeout * TIMEOUT_SCALE, *args, **kwargs)
     _WATCHDOG.clear()
     _WATCHDOG.update(_tids() - before)
 

@@ -322,7 +322,7 @@ def test_a_wake_up_that_cannot_be_sent_delays_the_pool_never_hangs_it():
     # The result thread, idle, waits on the result queue for a reply or a WAKE.  A WAKE
     # whose put fails (the host out of descriptors or memory) is neither the submitting
     # caller's error nor a lost call, and the idle wait is bounded: the call still
-    # runs and the shutdown still ends (it used to wait forever, as one CI run did).
+    # runs and the shutdown still ends (the idle wait had no timeout: it waited forever).
     import errno
 
     from shmq.pool.wire import WAKE
