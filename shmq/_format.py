@@ -36,11 +36,14 @@ from ._layout import (
 )
 
 MAGIC = MAGIC_STRING.encode("ascii") + b"\x00"
-#: The versions an older shmq wrote (FORMAT_VERSION is this one's).  Version 3 moved the
-#: oldest-frame words (FIRST_SEQ, FIRST_POS) off the cache line the writer stores to on
-#: every put; versions 1 (fixed) and 2 (growable) keep them at 18/19: refused, with the
-#: way out (migrate them with ``shmq export`` / ``import``).
-OLD_FORMAT_VERSIONS = (1, 2)
+#: The versions an older shmq wrote (FORMAT_VERSION is this one's), refused with the way
+#: out (migrate them with ``shmq export`` / ``import``).  Version 4 stamps lock and lease
+#: holders with their start time since boot (version 3 and older: since the epoch, which
+#: moves when the wall clock is stepped), so a process of either would take the other's
+#: live holders for dead.  Version 3 moved the oldest-frame words (FIRST_SEQ, FIRST_POS)
+#: off the cache line the writer stores to on every put; versions 1 (fixed) and 2
+#: (growable) keep them at 18/19.
+OLD_FORMAT_VERSIONS = (1, 2, 3)
 
 #: Immutable geometry at the start of the header page (bytes 0..128).
 GEOMETRY = struct.Struct(GEOMETRY_FORMAT)
@@ -174,7 +177,7 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     if version in OLD_FORMAT_VERSIONS:
         raise SpoolFormatError(
             f"{where}: spool format version {version} was written by an older shmq; this one reads "
-            f"version {FORMAT_VERSION} only (the control words moved): drain it with the older shmq, or "
+            f"version {FORMAT_VERSION} only (its lock holders and control words differ): drain it with the older shmq, or "
             "'shmq export' it there and 'shmq import' the dump into a spool created by this one")
     if version != FORMAT_VERSION:
         raise SpoolFormatError(f"{where}: invalid spool format version {version}")

@@ -44,8 +44,8 @@ FIRST_LOOK_S = 0.05
 #
 # A lock holder is recorded as ONE aligned word, so taking and releasing the
 # lock costs one store each: pid in the low 32 bits, the low 32 bits of the
-# process start time (centiseconds since the epoch, from /proc) in the high
-# 32 bits, so a recycled pid is not mistaken for the holder.
+# process's start stamp (:func:`process_start`) in the high 32 bits, so a
+# recycled pid is not mistaken for the holder.
 
 _holder: int | None = None
 
@@ -59,9 +59,12 @@ def holder_word() -> int:
 
 
 def process_start(pid: int) -> int:
-    """Process ``pid``'s start time in centiseconds since the epoch (the engine reads
-    ``/proc/PID/stat``), or 0 if there is no such process or its stat file cannot be
-    read.  A holder word keeps the low 32 bits."""
+    """Process ``pid``'s start stamp, or 0 if there is no such process or its stat file
+    cannot be read: its start time in centiseconds since boot (the engine reads
+    ``/proc/PID/stat``) plus a salt from this boot's ``boot_id``.  Every process of the
+    host computes the same stamp for ``pid`` whatever the wall clock does (it never
+    enters), and a process of the next boot with the same pid and start tick gets
+    another.  A holder word keeps the low 32 bits."""
     return _core.process_start(pid)
 
 
@@ -80,7 +83,7 @@ os.register_at_fork(after_in_child=_reset_identity)
 def process_alive(pid: int, start: int | None = None) -> bool:
     """True if process ``pid`` exists, is not a zombie, and (if given) started at ``start``.
 
-    ``start`` is the low 32 bits of the start time in centiseconds.  The
+    ``start`` is the low 32 bits of its start stamp (:func:`process_start`).  The
     engine probes with ``kill(pid, 0)`` and reads ``/proc/PID/stat``; a
     process whose state cannot be read is assumed alive (a live lock is
     never broken).

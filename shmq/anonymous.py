@@ -136,7 +136,7 @@ def anonymous_paths() -> list[str]:
 
 def queue_creator(path: str) -> tuple[int, int] | None:
     """``(pid, start)`` of the creator of the anonymous queue at ``path``, from its name
-    (``start``: low 32 bits of its start time, as :func:`shmq._lock.process_alive` takes);
+    (``start``: low 32 bits of its start stamp, as :func:`shmq._lock.process_alive` takes);
     None for another name (a named queue, or one named by an older shmq)."""
     name = os.path.basename(path)
     if os.path.dirname(path) != ANONYMOUS_DIR or not name.startswith(ANONYMOUS_PREFIX):

@@ -129,7 +129,7 @@ def test_geometry_round_trip(capacity, slots, leases, policy, checksum, prefix, 
     assert g["lease_count"] == leases and g["policy"] == policy
     assert g["checksum"] is checksum and g["sem_prefix"] == prefix
     assert g["created_ns"] == created_ns
-    assert g["version"] == F.FORMAT_VERSION == 3
+    assert g["version"] == F.FORMAT_VERSION == 4
     assert g["ring_bytes"] >= max(capacity, F.MIN_RING_BYTES) and g["ring_bytes"] % F.PAGE == 0
     assert g["ring_offset"] % F.PAGE == 0
     assert g["ring_offset"] >= g["lease_offset"] + leases * F.LEASE_BYTES

@@ -468,7 +468,7 @@ def test_a_growable_spool_on_a_disk_path_spills_and_survives_reopening(tmp_path)
 def test_fixed_and_growable_spools_are_both_version_3(make_spool):
     fixed = make_spool(capacity="64KiB")
     grows = make_spool(capacity="64KiB", max_capacity="1MiB")
-    assert fixed.geometry["version"] == grows.geometry["version"] == F.FORMAT_VERSION == 3
+    assert fixed.geometry["version"] == grows.geometry["version"] == F.FORMAT_VERSION == 4
     assert not fixed.ring.ctl[F.W_SEGMENT] and grows.ring.ctl[F.W_SEGMENT]
 
 

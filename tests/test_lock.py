@@ -141,6 +141,34 @@ def test_holder_word_names_this_process():
     assert _lock.holder_alive(holder_word())
 
 
+def _stamp(pid):
+    """Process ``pid``'s start stamp from /proc, as docs/format.md defines it."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        salt = int(f.read()[:8], 16)
+    return salt + ticks * 100 // os.sysconf("SC_CLK_TCK")
+
+
+def test_a_process_stamp_is_its_start_since_boot_never_the_wall_clock():
+    # /proc/stat's btime is the wall clock minus the time since boot, and a VM restored
+    # from a snapshot steps the wall clock: a spawned worker that read btime after the
+    # step computed another start time for its live parent and took it for dead.  The
+    # stamp is made of what no clock step moves; a fresh interpreter (which caches
+    # nothing of ours) computes the same one for itself as we do for it.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, shmq._lock as L; print(L.holder_word(), flush=True); "
+         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        word = int(child.stdout.readline())
+        stamp = _stamp(child.pid)
+        assert word == child.pid | (stamp & 0xFFFFFFFF) << 32
+        assert _lock.process_start(child.pid) == stamp
+        assert _lock.holder_alive(word)
+    finally:
+        child.communicate("", timeout=bound(30))
+
+
 def test_sigkilled_holder_is_broken_once_with_a_token_bump(ctx, shared):
     p, _rel = _start_holder(ctx, shared)
     assert holder_pid(shared.words[HOLDER]) == p.pid

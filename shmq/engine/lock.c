@@ -8,8 +8,8 @@
  * Python and the other way round.
  *
  * A holder is one aligned word: pid in the low 32 bits, the low 32 bits of
- * the process's start time (centiseconds since the epoch, from /proc) in
- * the high 32, so a recycled pid is not mistaken for the holder.
+ * the process's start stamp (eng_process_start) in the high 32, so a
+ * recycled pid is not mistaken for the holder.
  */
 #include "engine.h"
 
@@ -122,31 +122,40 @@ static int proc_stat(int pid, char *state, unsigned long long *start) {
     return 0;
 }
 
-static unsigned long long boot_time(void) {
-    static _Atomic unsigned long long cached;
-    unsigned long long bt = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (bt) return bt;
-    FILE *f = fopen("/proc/stat", "re");
-    if (!f) return 0;
-    char line[256];
-    while (fgets(line, sizeof line, f))
-        if (strncmp(line, "btime ", 6) == 0) {
-            bt = strtoull(line + 6, NULL, 10);
-            break;
-        }
-    fclose(f);
-    atomic_store_explicit(&cached, bt, memory_order_relaxed);
-    return bt;
+/* This boot's salt: the first 32 bits of the kernel's boot_id (0 if it
+ * cannot be read), the same for every process of the host until it reboots. */
+static uint64_t boot_salt(void) {
+    static _Atomic uint64_t cached; /* the salt | 1 << 32 once read */
+    uint64_t c = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (c) return c & 0xFFFFFFFFull;
+    char buf[9] = {0}, *end = buf;
+    uint64_t salt = 0;
+    int fd = open("//proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (read(fd, buf, 8) == 8) salt = strtoull(buf, &end, 16); /* "8 hex digits-..." */
+        close(fd);
+        if (end != buf + 8) salt = 0;
+    }
+    atomic_store_explicit(&cached, salt | 1ull << 32, memory_order_relaxed);
+    return salt;
 }
 
-/* Process `pid`'s start time in centiseconds since the epoch (0: unknown). */
+/* Process `pid`'s start stamp (0: unknown): its start time in centiseconds
+ * since boot (field 22 of /proc/PID/stat) plus this boot's salt.  Never the
+ * wall clock: "btime" in /proc/stat is the wall clock minus the time since
+ * boot, and it moves whenever the wall clock is stepped (a VM restored from
+ * a snapshot, an NTP step), so two processes that read it on either side of
+ * a step would disagree about when a third one started, and a live holder
+ * would look dead.  The salt makes a holder recorded in a file that outlives
+ * a reboot (a spool on disk) differ from the process that gets its pid and
+ * start tick in the next boot. */
 uint64_t eng_process_start(int pid) {
     char state;
     unsigned long long ticks;
     if (pid <= 0 || proc_stat(pid, &state, &ticks) < 0) return 0;
     long hz = sysconf(_SC_CLK_TCK);
     if (hz <= 0) hz = 100;
-    return (uint64_t)boot_time() * 100 + (uint64_t)ticks * 100 / (uint64_t)hz;
+    return boot_salt() + (uint64_t)ticks * 100 / (uint64_t)hz;
 }
 
 /* This process's holder word (computed at each call: a fork child has its own). */
@@ -156,7 +165,7 @@ uint64_t eng_holder_word(void) {
 }
 
 /* 1 if process `pid` exists, is not a zombie and (check_start) started at
- * `start` (low 32 bits of its start time); 0 if not.  A process whose state
+ * `start` (low 32 bits of its start stamp, eng_process_start); 0 if not.  A process whose state
  * cannot be read (another user's, say, in a hardened /proc) is alive: a live
  * lock is never broken. */
 int eng_process_alive(int pid, uint64_t start, int check_start) {

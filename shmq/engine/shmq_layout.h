@@ -1,5 +1,5 @@
 /*
- * shmq_layout.h: the on-disk layout of a shmq spool file (format version 3),
+ * shmq_layout.h: the on-disk layout of a shmq spool file (format version 4),
  * written once, by hand, here.  docs/format.md describes it in prose.
  *
  * Every other form is generated from this file: the Python constants of
@@ -24,7 +24,7 @@
 
 /* ---- the file ---- */
 #define SHMQ_MAGIC_STRING "SHMQSPL" /* the geometry's 8 magic bytes, with its NUL */
-#define SHMQ_FORMAT_VERSION 3
+#define SHMQ_FORMAT_VERSION 4
 #define SHMQ_HEADER_BYTES 4096    /* the header page: geometry, control words, lock bytes */
 #define SHMQ_PAGE 4096
 #define SHMQ_MIN_RING_BYTES 4096
@@ -55,7 +55,7 @@
 /* 18, 19: FIRST_SEQ / FIRST_POS of versions 1 and 2 (refused) */
 #define SHMQ_W_ALLOC_MIN 20     /* growable rings: the writer wraps early only past this offset */
 #define SHMQ_W_ALLOC 21         /* growable rings: offsets at or above it have no pages */
-#define SHMQ_W_LOCK_HOLDER 22   /* writer lock holder: pid | start time low 32 bits << 32 */
+#define SHMQ_W_LOCK_HOLDER 22   /* writer lock holder: pid | start stamp low 32 bits << 32 */
 #define SHMQ_W_DATA_ARMED 23    /* 1: a reader armed the data doorbell since its last ring (wait.c's ring_bell) */
 #define SHMQ_W_LOCK_TOKEN 24    /* fencing token, bumped whenever a dead holder's lock is broken */
 #define SHMQ_W_PUT_BYTES 26     /* payload bytes ever committed (puts: NEXT_SEQ itself) */
@@ -72,7 +72,7 @@
 #define SHMQ_W_HOLE_HI 37
 #define SHMQ_W_DATA_BELL 38     /* doorbell futex words (low 32 bits): blocked readers ... */
 #define SHMQ_W_SPACE_BELL 39    /* ... and writers sleep on them */
-/* 40..47: a cache line the writer stores to only when it evicts (format version 3) */
+/* 40..47: a cache line the writer stores to only when it evicts (since format version 3) */
 #define SHMQ_W_FIRST_SEQ 40     /* oldest frame still in the ring */
 #define SHMQ_W_FIRST_POS 41     /* its byte position (stored before FIRST_SEQ) */
 /* A writer blocked on a full block spool: ring me once the slowest cursor's
