@@ -90,6 +90,18 @@ def _unpickle_fails():
     raise pickle.UnpicklingError("this object refuses to be loaded")
 
 
+class ExitsWhenUnpickled:
+    """Pickles fine; the process that unpickles it exits at once (code 3), as a
+    spawned worker does whose main module exits or fails when it is imported."""
+
+    def __reduce__(self):
+        return (os._exit, (3,))
+
+
+def takes(_arg):
+    pass
+
+
 class FailsToPickle:
     def __reduce__(self):
         raise pickle.PicklingError("this object refuses to be pickled")

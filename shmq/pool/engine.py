@@ -46,7 +46,7 @@ from ..spool import Spool
 from ..workers import Board, Crew, Lookout, WakePipe, exit_text, held_ranges, reclaim
 from . import lifetime
 from .wire import DIED, INIT_FAILED, OK, STOP, UNDECODABLE, WAKE, remote, traceback_text, unpack_values
-from .worker import LAYOUT, ROW_WORDS, BoardFd, Config, worker_main
+from .worker import LAYOUT, R_STARTS, ROW_WORDS, BoardFd, Config, worker_main
 
 __all__ = ["Engine", "Task"]
 
@@ -91,6 +91,11 @@ ROUTED_SIGNALS = frozenset(getattr(signal, n) for n in
                            if hasattr(signal, n))
 #: A worker that could not be started is tried again after this.
 RESTART_RETRY_S = 1.0
+#: A pool whose workers of one slot die this many times in a row before they start
+#: (their start method's bootstrap, the rings' opening: a main module that exits or
+#: fails when a spawned child imports it) is broken, as a failing initializer breaks
+#: it, rather than restarted forever with every call waiting.
+UNSTARTED_MAX = 3
 _LOOKOUT = Lookout(strikes=2, again=2)
 
 
@@ -300,10 +305,13 @@ class Engine:
         """Start the workers, restart the dead (after telling the collector what they held),
         stop them at the end, then remove the files."""
         crew, due = self._crew, list(range(self.workers))
+        launched: dict[int, int] = {}  # slot -> its row's R_STARTS when its worker was made
+        unstarted = dict.fromkeys(due, 0)  # slot -> its workers that died unstarted, in a row
         signal.pthread_sigmask(signal.SIG_BLOCK, ROUTED_SIGNALS)
         try:
             while not (self._stop_workers or self._terminate):
                 for slot in list(due):
+                    launched[slot] = self._board.row(slot).get(R_STARTS)
                     try:
                         # a process made now inherits this thread's mask (spawn and the
                         # fork server through exec too): made with the signals open
@@ -320,8 +328,19 @@ class Engine:
                 if ready:
                     self._wake.drain()
                 for w in dead:
-                    held = reclaim(self._board.row(w.key))  # its single writer is gone
+                    row = self._board.row(w.key)
+                    started = row.get(R_STARTS) != launched.get(w.key)
+                    unstarted[w.key] = 0 if started else unstarted[w.key] + 1
+                    held = reclaim(row)  # its single writer is gone
                     self._results.put((DIED, w.key, w.pid, w.exitcode, None if held is None else tuple(held)))
+                    if unstarted[w.key] >= UNSTARTED_MAX and not (self._stop_workers or self._terminate):
+                        with self._lock:
+                            self._break(broken_pool(
+                                f"pool worker {w.key}'s processes died before they started "
+                                f"{unstarted[w.key]} times in a row (the last: {exit_text(w.exitcode)}, "
+                                f"pid {w.pid}); under spawn and forkserver a worker imports the "
+                                "main module: make the pool under `if __name__ == '__main__':`, "
+                                "and check that what the calls need imports in a fresh interpreter"))
                     if not (self.broken or self._stop_workers or self._terminate):
                         due.append(w.key)
         except BaseException:  # noqa: BLE001

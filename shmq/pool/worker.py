@@ -26,12 +26,14 @@ from ..workers.board import ROW_COMMON
 from ..workers.holdings import R_RUNNING, working_on
 from .wire import ERR, EXECUTOR, INIT_FAILED, STOP, UNDECODABLE, pack_values, traceback_text
 
-__all__ = ["Config", "BoardFd", "worker_main", "LAYOUT"]
+__all__ = ["Config", "BoardFd", "worker_main", "LAYOUT", "R_STARTS"]
 
 #: A pool's board: a memfd, one row per worker slot (rows are assigned, never claimed).
 LAYOUT = Layout("pool", 16, what="pool board")
-#: Row words after the platform's: tasks run, frames taken.
-R_TASKS, R_FRAMES = ROW_COMMON, ROW_COMMON + 1
+#: Row words after the platform's: tasks run, frames taken, workers of the slot that
+#: started (opened the rings and ran the initializer: the parent tells from it a worker
+#: that died before it started).
+R_TASKS, R_FRAMES, R_STARTS = ROW_COMMON, ROW_COMMON + 1, ROW_COMMON + 2
 ROW_WORDS = ROW_COMMON + 8
 #: A worker takes as many frames at once as it runs in about this long ...
 BATCH_S = 0.001
@@ -100,6 +102,7 @@ def worker_main(cfg: Config, slot: int) -> None:
                 "Exception in initializer:", exc_info=True)
             send(results, [(INIT_FAILED, slot, os.getpid(), traceback.format_exc())], None)
             return
+    row.add(R_STARTS)
     try:
         _serve(cfg, row, reader, results, parent)
     finally:
