@@ -177,8 +177,9 @@ def unpack_geometry(raw: bytes, file_size: int, where: str) -> dict:
     if version in OLD_FORMAT_VERSIONS:
         raise SpoolFormatError(
             f"{where}: spool format version {version} was written by an older shmq; this one reads "
-            f"version {FORMAT_VERSION} only (its lock holders and control words differ): drain it with the older shmq, or "
-            "'shmq export' it there and 'shmq import' the dump into a spool created by this one")
+            f"version {FORMAT_VERSION} only (its lock holders and control words differ): drain it "
+            "with the older shmq, or 'shmq export' it there and 'shmq import' the dump into a "
+            "spool created by this one")
     if version != FORMAT_VERSION:
         raise SpoolFormatError(f"{where}: invalid spool format version {version}")
     if zlib.crc32(raw[:GEOMETRY_CRC_SPAN]) != crc:

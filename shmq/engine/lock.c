@@ -165,9 +165,9 @@ uint64_t eng_holder_word(void) {
 }
 
 /* 1 if process `pid` exists, is not a zombie and (check_start) started at
- * `start` (low 32 bits of its start stamp, eng_process_start); 0 if not.  A process whose state
- * cannot be read (another user's, say, in a hardened /proc) is alive: a live
- * lock is never broken. */
+ * `start` (the low 32 bits of its eng_process_start stamp); 0 if not.  A
+ * process whose state cannot be read (another user's, say, in a hardened
+ * /proc) is alive: a live lock is never broken. */
 int eng_process_alive(int pid, uint64_t start, int check_start) {
     if (pid <= 0 || pid > PID_MAX_LIMIT) return 0; /* a corrupt holder word is not a live process */
     if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
