@@ -465,7 +465,7 @@ def test_a_growable_spool_on_a_disk_path_spills_and_survives_reopening(tmp_path)
         shmq.Spool.destroy(path)
 
 
-def test_fixed_and_growable_spools_are_both_version_3(make_spool):
+def test_fixed_and_growable_spools_are_both_this_format_version(make_spool):
     fixed = make_spool(capacity="64KiB")
     grows = make_spool(capacity="64KiB", max_capacity="1MiB")
     assert fixed.geometry["version"] == grows.geometry["version"] == F.FORMAT_VERSION == 4

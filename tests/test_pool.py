@@ -201,53 +201,42 @@ def test_pool_map_over_a_killer_returns():
 
 # -- workers' lives ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("face", ["executor", "pool"])
-def test_a_failing_initializer_breaks_the_pool_and_says_why(face):
+def _assert_broken(face, method, why, **init):
+    """A pool made so breaks: its first call fails with BrokenProcessPool matching
+    ``why``, and (executor) so does every later submit."""
     if face == "executor":
-        ex = shmq.ProcessPoolExecutor(2, mp_context="fork", initializer=T.init_fails)
+        ex = shmq.ProcessPoolExecutor(2, mp_context=method, **init)
         try:
             f = ex.submit(T.square, 2)
-            with pytest.raises(BrokenProcessPool, match="initializer says no"):
+            with pytest.raises(BrokenProcessPool, match=why):
                 f.result(timeout=bound(60))
             with pytest.raises(BrokenProcessPool):
                 ex.submit(T.square, 3)
         finally:
             ex.shutdown()
     else:
-        p = shmq.Pool(2, initializer=T.init_fails, context="fork")
+        p = shmq.Pool(2, context=method, **init)
         try:
-            with pytest.raises(BrokenProcessPool, match="initializer says no"):
+            with pytest.raises(BrokenProcessPool, match=why):
                 p.apply_async(T.square, (2,)).get(timeout=bound(60))
         finally:
             p.terminate()
             p.join()
+
+
+@pytest.mark.parametrize("face", ["executor", "pool"])
+def test_a_failing_initializer_breaks_the_pool_and_says_why(face):
+    _assert_broken(face, "fork", "initializer says no", initializer=T.init_fails)
 
 
 @pytest.mark.parametrize("face", ["executor", "pool"])
 def test_workers_that_die_before_they_start_break_the_pool_and_say_why(face):
     # spawn pickles the initializer's arguments to each worker, which exits as it loads
-    # them: before the pool's rings are open, so no call is ever taken.  Restarted
-    # forever, such workers left every call waiting; the stdlib's executor breaks.
-    init = dict(initializer=T.takes, initargs=(T.ExitsWhenUnpickled(),))
-    why = r"died before they started 3 times in a row \(the last: exit code 3"
-    if face == "executor":
-        ex = shmq.ProcessPoolExecutor(2, mp_context="spawn", **init)
-        try:
-            f = ex.submit(T.square, 2)
-            with pytest.raises(BrokenProcessPool, match=why):
-                f.result(timeout=bound(60))
-            with pytest.raises(BrokenProcessPool):
-                ex.submit(T.square, 3)
-        finally:
-            ex.shutdown()
-    else:
-        p = shmq.Pool(2, context="spawn", **init)
-        try:
-            with pytest.raises(BrokenProcessPool, match=why):
-                p.apply_async(T.square, (2,)).get(timeout=bound(60))
-        finally:
-            p.terminate()
-            p.join()
+    # them: before the pool's rings are open, so no call is ever taken.  The pool must
+    # break, as the stdlib's executor does, not restart them forever with every call
+    # (and the shutdown) waiting.
+    _assert_broken(face, "spawn", r"died before they started 3 times in a row \(the last: exit code 3",
+                   initializer=T.takes, initargs=(T.ExitsWhenUnpickled(),))
 
 
 def test_initializer_runs_in_each_worker_and_max_tasks_per_child_replaces_them():

@@ -237,7 +237,7 @@ PyMethodDef inspect_methods[] = {
      "control_problems(buf, ring_bytes) -> [problem, ...] of the control words"},
     {"repair_control", core_repair_control, METH_VARARGS,
      "repair_control(buf, ring_offset, ring_bytes, drop_unreadable) -> (changed, [actions]) (writer lock held)"},
-    {"holder_word", core_holder_word, METH_NOARGS, "this process's lock holder word: pid | start time << 32"},
+    {"holder_word", core_holder_word, METH_NOARGS, "this process's lock holder word: pid | start stamp << 32"},
     {"process_start", core_process_start, METH_O, "process_start(pid) -> its start stamp (cs since boot + boot salt), 0"},
     {"process_alive", core_process_alive, METH_VARARGS, "process_alive(pid, start=None) -> bool"},
     {"sem_unlink", core_sem_unlink, METH_O, "sem_unlink(name): unlink a named semaphore (missing: fine)"},

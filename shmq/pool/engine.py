@@ -302,8 +302,9 @@ class Engine:
     # -- the supervisor thread --------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Start the workers, restart the dead (after telling the collector what they held),
-        stop them at the end, then remove the files."""
+        """Start the workers, restart the dead (after telling the collector what they held;
+        a slot whose workers die :data:`UNSTARTED_MAX` times in a row before they start
+        breaks the pool instead), stop them at the end, then remove the files."""
         crew, due = self._crew, list(range(self.workers))
         launched: dict[int, int] = {}  # slot -> its row's R_STARTS when its worker was made
         unstarted = dict.fromkeys(due, 0)  # slot -> its workers that died unstarted, in a row
