@@ -567,6 +567,42 @@ static void populate_window(eng_ring *r, uint64_t pos, uint64_t len) {
     atomic_store_explicit(&r->pop_state, state, memory_order_relaxed);
 }
 
+/* Fetch the line at p for writing: exclusive, every other cache's copy
+ * invalidated now rather than when the store comes.  __builtin_prefetch's
+ * write hint is a plain PREFETCHT0 on x86-64 unless the build targets
+ * PRFCHW, and a line fetched shared makes the store wait for the other
+ * copies' invalidation anyway: on a full ring those are the reader's (it
+ * read the line a lap ago).  While this VM's two vCPUs were far apart (a
+ * line took about 200 ns from one to the other), the 1 MiB full-ring row
+ * moved about 3 M frames/s with the read prefetch and 7 with PREFETCHW,
+ * as fast as while they were near.  CPUs without
+ * PRFCHW (CPUID 0x80000001 ECX bit 8; some Intel ones before Broadwell)
+ * get the read prefetch.  aarch64's builtin is already a write prefetch
+ * (PRFM PSTL1KEEP). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+static int has_prefetchw(void) {
+    static _Atomic int known; /* 0: not looked yet; 1: no; 2: yes (a race looks twice, harmlessly) */
+    int k = atomic_load_explicit(&known, memory_order_relaxed);
+    if (!k) {
+        unsigned a, b, c = 0, d;
+        k = __get_cpuid(0x80000001u, &a, &b, &c, &d) && (c & (1u << 8)) ? 2 : 1;
+        atomic_store_explicit(&known, k, memory_order_relaxed);
+    }
+    return k == 2;
+}
+static inline void prefetch_for_write(const char *p, int w) {
+    if (w) __asm__ volatile("prefetchw %0" ::"m"(*p));
+    else __builtin_prefetch(p, 0, 3);
+}
+#else
+static int has_prefetchw(void) { return 1; }
+static inline void prefetch_for_write(const char *p, int w) {
+    (void)w;
+    __builtin_prefetch(p, 1, 3);
+}
+#endif
+
 /* Ask for the lines the next puts will write, for writing, while this one
  * returns.  On a ring that has wrapped they were last touched a lap ago (out
  * of cache: on a 64 MiB ring every store missed to memory, 3.3 against 6.2 M
@@ -581,8 +617,9 @@ static void prefetch_ahead(eng_ring *r, uint64_t next) {
     uint64_t ring = r->ring_bytes, first = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
     if (first + ring < next + PREFETCH_TO + 4096) return; /* little free space: a reader is near */
     uint64_t off = next % ring;
+    int w = has_prefetchw();
     for (uint64_t k = PREFETCH_FROM; k < PREFETCH_TO && off + k < ring; k += 64)
-        __builtin_prefetch(r->ring + off + k, 1, 3);
+        prefetch_for_write(r->ring + off + k, w);
 }
 
 /* Headroom before evicting (block policy, a blocking put: `patient`).  A
