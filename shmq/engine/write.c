@@ -573,11 +573,12 @@ static void populate_window(eng_ring *r, uint64_t pos, uint64_t len) {
  * PRFCHW, and a line fetched shared makes the store wait for the other
  * copies' invalidation anyway: on a full ring those are the reader's (it
  * read the line a lap ago).  While this VM's two vCPUs were far apart (a
- * line took about 200 ns from one to the other), the 1 MiB full-ring row
- * moved about 3 M frames/s with the read prefetch and 7 with PREFETCHW,
- * as fast as while they were near.  CPUs without PRFCHW (CPUID 0x80000001
- * ECX bit 8; some Intel ones before Broadwell) get the read prefetch.
- * aarch64's builtin is already a write prefetch (PRFM PSTL1KEEP). */
+ * line took about 200 ns from one to the other), 100 B frames through a
+ * full 1 MiB ring moved about 3 M/s with the read prefetch and 7 with
+ * PREFETCHW, as fast as while they were near.  CPUs without PRFCHW (CPUID
+ * 0x80000001 ECX bit 8; some Intel ones before Broadwell) get the read
+ * prefetch.  aarch64's builtin is already a write prefetch (PRFM
+ * PSTL1KEEP). */
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 static int has_prefetchw(void) {
