@@ -18,6 +18,8 @@
  *                                          a second reservation, a put inside one
  *   driver sync SPOOL ON                  shmq_set_sync(ON), then a put, a put_many of two
  *                                          and a committed reservation ("s0" .. "s3")
+ *   driver blocked SPOOL TIMEOUT           one put of 100 B with TIMEOUT (a full block spool):
+ *                                          its code, the wall and CPU milliseconds it took
  *   driver threads SPOOL WRITERS READERS PER
  *                                          WRITERS threads put PER frames each, READERS
  *                                          threads share one named reader: no loss, no
@@ -299,6 +301,25 @@ static int errors(const char *dir) {
     return 0;
 }
 
+static double ms_of(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+/* A put that waits for room until its timeout: what it returned, and how much
+ * CPU the wait burnt (a waiter sleeps; one that loops shows its wall time). */
+static int blocked(const char *path, double timeout) {
+    shmq_spool *sp = open_or_die(path);
+    static char msg[100];
+    double wall = ms_of(CLOCK_MONOTONIC), cpu = ms_of(CLOCK_PROCESS_CPUTIME_ID);
+    int64_t rc = shmq_put(sp, msg, sizeof msg, SHMQ_CODEC_RAW, timeout);
+    printf("code=%lld wall_ms=%.1f cpu_ms=%.1f\n", (long long)rc, ms_of(CLOCK_MONOTONIC) - wall,
+           ms_of(CLOCK_PROCESS_CPUTIME_ID) - cpu);
+    shmq_close(sp);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) return 2;
     const char *cmd = argv[1], *path = argv[2];
@@ -309,6 +330,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "group") && argc == 5) return group(path, argv[3], strtoull(argv[4], NULL, 10));
     if (!strcmp(cmd, "errors") && argc == 3) return errors(path);
     if (!strcmp(cmd, "sync") && argc == 4) return sync_writes(path, atoi(argv[3]));
+    if (!strcmp(cmd, "blocked") && argc == 4) return blocked(path, atof(argv[3]));
     if (!strcmp(cmd, "threads") && argc == 6) return threads(path, atoi(argv[3]), atoi(argv[4]), atoll(argv[5]));
     fprintf(stderr, "usage: see tests/capi_driver.c\n");
     return 2;

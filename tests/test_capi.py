@@ -403,6 +403,21 @@ def test_a_c_handle_set_to_sync_msyncs_each_write_as_pythons_does(programs, spoo
     shmq.Spool.destroy(path)
 
 
+def test_a_c_put_blocked_on_a_spool_no_reader_drains_sleeps_until_its_timeout(programs, spool_dir):
+    # A block spool with no named reader keeps every frame: the waiting put
+    # must sleep, not retry a write that cannot succeed in a loop at full CPU.
+    path = os.path.join(spool_dir, "noreader")
+    with shmq.Spool.create(path, capacity="64KiB", on_full="block") as sp:
+        with pytest.raises(shmq.Full):
+            for _ in range(10_000):
+                sp.put(bytes(100), block=False)
+    got = _fields(_run(programs["driver"], "blocked", path, "0.5"))
+    assert int(got["code"]) == -2002  # SHMQ_EFULL
+    wall, cpu = float(got["wall_ms"]), float(got["cpu_ms"])
+    assert wall >= 450 and cpu < wall / 2, got
+    shmq.Spool.destroy(path)
+
+
 def test_the_c_apis_failures_are_codes(programs, spool_dir):
     got = _fields(_run(programs["driver"], "errors", spool_dir))
     codes = {k: int(v) for k, v in got.items()}

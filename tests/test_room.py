@@ -137,6 +137,36 @@ def test_a_bounded_queue_producer_is_rung_once_per_burst(spool_dir, monkeypatch)
         shmq.Spool.destroy(path)
 
 
+def test_a_writer_blocked_with_no_consumer_sleeps_until_one_reads(make_spool, monkeypatch):
+    # A block spool with no named reader or group keeps every frame: only a
+    # consumer that appears and reads makes room.  The blocked put must see "no
+    # room" and sleep, not "room" and a write that finds none, in a loop at full
+    # CPU (it then never registers as a waiter: the _wait_for below times out).
+    sp = make_spool(capacity="64KiB", on_full="block")
+    n = _fill(sp)
+    assert sp.core.room_state(False) == 0  # this thread's failed write: no room for it
+    looks = []
+    retry = writer.retry_stuck
+    monkeypatch.setattr(writer, "retry_stuck", lambda *a: looks.append(1) or retry(*a))
+    other = shmq.Spool.open(sp.path)
+    try:
+        t = _BlockedPut(other.put, b"y" * 100)
+        _wait_for(lambda: sp.space_bell.sem.value == 1)
+        asleep = len(looks)
+        r = sp.reader("late")  # from the oldest frame: room only once it reads
+        got = [f.seq for f in r.get_many(n // 2, timeout=bound(10))]
+        assert got == list(range(len(got))) and len(got) > 0
+        r.commit()
+        t.join(bound(30))
+        assert not t.is_alive() and t.error is None
+        assert asleep <= 2 and len(looks) <= asleep + 2, looks
+        frames = r.get_many(2 * n, timeout=bound(10))
+        assert frames[-1].data == b"y" * 100 and r.lost == 0
+        r.close()
+    finally:
+        other.close()
+
+
 def _put_all(path, n, done):
     with shmq.Spool.open(path) as sp:
         for i in range(n):
