@@ -403,7 +403,7 @@ def test_a_c_handle_set_to_sync_msyncs_each_write_as_pythons_does(programs, spoo
     shmq.Spool.destroy(path)
 
 
-def test_a_c_put_blocked_on_a_spool_no_reader_drains_sleeps_until_its_timeout(programs, spool_dir):
+def test_a_c_put_blocked_on_a_spool_with_no_reader_sleeps_until_its_timeout(programs, spool_dir):
     # A block spool with no named reader keeps every frame: the waiting put
     # must sleep, not retry a write that cannot succeed in a loop at full CPU.
     path = os.path.join(spool_dir, "noreader")

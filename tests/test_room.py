@@ -9,6 +9,7 @@ writer at most ``ROOM_BURST_WAIT_S``, never a hang.  The doorbell's futex word
 (``W_SPACE_BELL``) counts the rings.
 """
 
+import functools
 import os
 import threading
 import time
@@ -150,7 +151,7 @@ def test_a_writer_blocked_with_no_consumer_sleeps_until_one_reads(make_spool, mo
     monkeypatch.setattr(writer, "retry_stuck", lambda *a: looks.append(1) or retry(*a))
     other = shmq.Spool.open(sp.path)
     try:
-        t = _BlockedPut(other.put, b"y" * 100)
+        t = _BlockedPut(functools.partial(other.put, timeout=bound(60)), b"y" * 100)
         _wait_for(lambda: sp.space_bell.sem.value == 1)
         asleep = len(looks)
         r = sp.reader("late")  # from the oldest frame: room only once it reads
