@@ -250,8 +250,8 @@ class SpoolGrown(SpoolGrowable):
 
     The pass is the timed run's own code because the zone's size follows the
     two sides' speeds: a pass of other code (a reader in this process, puts
-    with a timeout) left 100-byte frames a zone of 2-3 MiB where this one
-    leaves 11-32, and the timed run then grew it by 10 to 20 segments."""
+    with a timeout) leaves 100-byte frames a zone of 2-3 MiB instead of
+    11-32, and the timed run then grows it by 10 to 20 segments."""
 
     def __init__(self):
         super().__init__()
