@@ -454,6 +454,13 @@ uint32_t eng_bell_seen(eng_ring *r, int space);
 /* ---- write.c ---- */
 uint64_t slot_hwm(eng_ring *r);
 int slot_floor(eng_ring *r, int word, uint64_t *out);
+/* The position a blocked writer's room follows: the slowest named cursor,
+ * or FIRST_POS when there is none (a block ring then keeps every frame:
+ * make_room), so that only a consumer that appears and reads moves it. */
+static inline uint64_t room_floor(eng_ring *r) {
+    uint64_t f;
+    return slot_floor(r, SHMQ_S_POS, &f) ? f : ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
+}
 uint64_t pin_floor(eng_ring *r);
 void take_full_marker(eng_ring *r);
 /* What the calling thread's last write that found no room needs (a room

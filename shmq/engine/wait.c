@@ -135,11 +135,10 @@ int room_state(eng_ring *r, int publish) {
         if (m->want_seq && fs < m->want_seq) publish_want(r, SHMQ_W_ROOM_WANT_SEQ, m->want_seq, fs);
         atomic_thread_fence(memory_order_seq_cst); /* the wants before the cursors (ring_space's pair) */
     }
-    /* No named reader or group: a block ring keeps every frame then
-     * (make_room), so nothing but a consumer that appears and reads makes
-     * room.  Its floor is FIRST_POS, as make_room's; "room" here would send
-     * the writer back to a write that finds none, in a loop at full CPU. */
-    if (!slot_floor(r, SHMQ_S_POS, &fp)) fp = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
+    /* With no named reader or group the floor is FIRST_POS (room_floor):
+     * "room" there would send the writer back to a write that finds none,
+     * in a loop at full CPU. */
+    fp = room_floor(r);
     slot_floor(r, SHMQ_S_SEQ, &fs);
     if ((m->need_pos && fp < m->need_pos) || (m->need_seq && fs < m->need_seq)) return 0;
     return (m->want_pos && fp < m->want_pos) || (m->want_seq && fs < m->want_seq) ? 1 : 2;

@@ -55,9 +55,7 @@ uint64_t pin_floor(eng_ring *r) {
  * cursor (or FIRST_POS) and the oldest pin.  A writer that found no room
  * waits until it differs from the one taken under the lock then. */
 void room_marker(eng_ring *r, uint64_t *floor, uint64_t *pin) {
-    uint64_t f;
-    if (!slot_floor(r, SHMQ_S_POS, &f)) f = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
-    *floor = f;
+    *floor = room_floor(r);
     *pin = pin_floor(r);
 }
 
@@ -69,10 +67,7 @@ static _Thread_local uint64_t full_floor, full_pin;
 _Thread_local eng_room eng_room_of_thread;
 
 void take_full_marker(eng_ring *r) {
-    uint64_t f;
-    if (!slot_floor(r, SHMQ_S_POS, &f)) f = ld_rlx(&r->ctl[SHMQ_W_FIRST_POS]);
-    full_floor = f;
-    full_pin = pin_floor(r);
+    room_marker(r, &full_floor, &full_pin);
     eng_room_of_thread = (eng_room){0, 0, 0, 0}; /* none: a pin, or not known (take_room_need) */
 }
 
